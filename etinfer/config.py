@@ -1,0 +1,64 @@
+"""Engine configuration: what to load, where, and how much the scheduler may batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from etinfer.validation import check_choice, check_float, check_int
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the requests.
+
+    ``max_model_len`` defaults to the model's own context length. ``num_kvcache_blocks`` defaults
+    to as many blocks as fit in ``kv_cache_gib``; the pool is allocated lazily by the OS, so an
+    unused part costs address space, not memory.
+    """
+
+    model: str | None = None  # path to a .gguf file or a Hugging Face folder; None: the default
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    kv_cache_gib: float = 4.0
+    max_num_seqs: int = 64
+    # One chunk of prefill per step is bounded by this; on two CPU cores 1,024 tokens take about
+    # a third of a second, which is the stall a running stream sees when a long prompt arrives.
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    block_selector: str = "dense"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, ("auto", *DTYPES))
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, low=2)
+        check_int("block_size", self.block_size, low=1, high=1024)
+        if self.num_kvcache_blocks is not None:
+            check_int("num_kvcache_blocks", self.num_kvcache_blocks, low=1)
+        check_float("kv_cache_gib", self.kv_cache_gib, low=0.0, low_open=True)
+        check_int("max_num_seqs", self.max_num_seqs, low=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
+        check_int("seed", self.seed, low=0, high=2**63 - 1)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

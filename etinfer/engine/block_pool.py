@@ -1,0 +1,83 @@
+"""A fixed pool of KV-cache blocks with reference counts and a prefix cache of full blocks.
+
+A block that is freed keeps its content hash until the block is handed out again, so a later
+request whose prompt starts with the same tokens finds it and skips that part of the prefill
+(vLLM's automatic prefix caching). Free blocks are reused least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block chained to the hash of the block before it.
+
+    Python's hash of a tuple of ints does not depend on PYTHONHASHSEED. Collisions are guarded
+    against by comparing the stored key on every hit.
+    """
+    return hash((parent, tokens))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self._keys: list[tuple[int, BlockKey] | None] = [None] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, cached or not."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Take a reference on cached blocks, taking them off the free list if needed."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def lookup(self, key_hash: int, key: BlockKey) -> int | None:
+        block = self._cached.get(key_hash)
+        if block is None or self._keys[block] != (key_hash, key):
+            return None
+        return block
+
+    def publish(self, block: int, key_hash: int, key: BlockKey) -> None:
+        """Make a full, computed block findable by its content (first one wins)."""
+        if self.enable_prefix_caching and key_hash not in self._cached:
+            self._cached[key_hash] = block
+            self._keys[block] = (key_hash, key)
+
+    def _forget(self, block: int) -> None:
+        entry = self._keys[block]
+        if entry is not None:
+            del self._cached[entry[0]]
+            self._keys[block] = None

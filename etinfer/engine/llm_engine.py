@@ -1,0 +1,207 @@
+"""The engine: requests in, one scheduled and computed step at a time, outputs out.
+
+It knows token ids only; the tokenizer is used at the edges (encoding prompts, detokenizing
+outputs, stop strings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+from etinfer.config import EngineConfig
+from etinfer.control.block_selection import BLOCK_SELECTORS
+from etinfer.control.scheduling import SCHEDULING_POLICIES
+from etinfer.engine.detokenizer import Detokenizer
+from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.sampler import SamplerOutput
+from etinfer.engine.scheduler import Scheduler
+from etinfer.engine.sequence import Sequence
+from etinfer.model.loader import load_model
+from etinfer.outputs import RequestOutput
+from etinfer.sampling_params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        loaded = load_model(config.model)
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        device, dtype = config.torch_device(), config.torch_dtype()
+        self.max_model_len = self._resolve_max_model_len(config, loaded.config.max_position_embeddings)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kvcache_blocks or max(
+            1,
+            int(config.kv_cache_gib * 2**30)
+            // (loaded.config.kv_bytes_per_token(dtype.itemsize) * config.block_size),
+        )
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            SCHEDULING_POLICIES.create(config.scheduling_policy),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            loaded.config,
+            loaded.weights,
+            BLOCK_SELECTORS.create(config.block_selector),
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            device=device,
+            dtype=dtype,
+            seed=config.seed,
+        )
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
+        if config.max_model_len is None:
+            return model_limit
+        if config.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len must be at most the model's context length {model_limit}, "
+                f"got {config.max_model_len}"
+            )
+        return config.max_model_len
+
+    # -- requests -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text or None, token ids)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab - 1}]")
+        return None, ids
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what could never finish: a prompt without room to generate, or a request the
+        whole KV pool cannot hold (it would be preempted forever)."""
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
+                f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
+            )
+        longest = min(n + params.max_tokens, self.max_model_len)
+        needed = self.kv.blocks_needed(longest)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks ({n} prompt tokens + max_tokens "
+                f"{params.max_tokens}, {self.block_size} tokens per block) but "
+                f"num_kvcache_blocks is {self.num_blocks}; lower max_tokens or enlarge the pool"
+            )
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request. With ``stream`` every step that extends it yields an output;
+        otherwise it yields one when it finishes."""
+        params = params or SamplingParams()
+        text, ids = self.encode_prompt(prompt)
+        self.check_request(ids, params)
+        arrival_index = next(self._arrivals)
+        request_id = str(arrival_index) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(
+            request_id,
+            arrival_index,
+            ids,
+            params,
+            Detokenizer(self.tokenizer, params, ids),
+            prompt=text,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            stream=stream,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks at once."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        seq.metrics.finished_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        return seq.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled, out = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.kv.publish_full_blocks(seq)
+        if out is None:
+            return []
+        now = time.perf_counter()
+        logprobs = self._logprobs(sampled, out)
+        outputs = []
+        for i, seq in enumerate(sampled):
+            self._append(seq, i, out, logprobs, now)
+            if seq.finish_reason is not None:
+                seq.metrics.finished_time = now
+                self.scheduler.finish(seq)
+                del self._requests[seq.request_id]
+                outputs.append(seq.output())
+            elif seq.stream:
+                outputs.append(seq.output())
+        return outputs
+
+    def _logprobs(self, sampled: list[Sequence], out: SamplerOutput) -> list | None:
+        if out.logprobs is None:
+            return None
+        counts = [seq.params.logprobs for seq in sampled]
+        return out.logprobs.to_host(out.token_ids, counts, self.tokenizer.token_text)
+
+    def _append(
+        self, seq: Sequence, row: int, out: SamplerOutput, logprobs: list | None, now: float
+    ) -> None:
+        token = out.token_ids[row]
+        seq.token_ids.append(token)
+        seq.entropies.append(out.entropies[row])
+        seq.tempered_entropies.append(out.tempered_entropies[row])
+        seq.temperatures.append(out.temperatures[row])
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs[row])
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        params = seq.params
+        hit_stop_string = seq.detokenizer.append(token)
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            seq.finish_reason = "stop"
+        elif hit_stop_string:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"

@@ -1,0 +1,128 @@
+"""Turn a scheduled batch into tensors, run the model over the paged cache, and sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from etinfer.control.block_selection import BlockSelector, DecodeBlocks
+from etinfer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.engine.sequence import Sequence
+from etinfer.model.config import ModelConfig
+from etinfer.model.llama import LlamaModel
+from etinfer.model.paged_attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    PrefillChunk,
+    build_decode_pattern,
+    prefill_mask,
+)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows whose logits are sampled: the last row of a finished prompt
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        selector: BlockSelector,
+        *,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = block_size
+        self.sliding_window = config.sliding_window
+        attention = PagedAttention(
+            config.num_heads, config.num_kv_heads, config.head_dim, selector, config.sliding_window
+        )
+        self.model = LlamaModel(config, weights, attention, max_model_len, device, dtype)
+        self.cache = KVCache(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, device, dtype
+        )
+        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Compute the batch's tokens into the cache; sample where a sequence's known tokens end."""
+        inputs = self.prepare(batch)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        if not inputs.sample_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        params = [seq.params for seq in inputs.sample_seqs]
+        generators = [self._generator(seq) for seq in inputs.sample_seqs]
+        sampling = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
+        return inputs.sample_seqs, self.sampler(logits, sampling)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        seqs, counts = batch.seqs, batch.num_tokens
+        bs = self.block_size
+        starts = [seq.num_computed_tokens for seq in seqs]
+        input_ids = list(
+            chain.from_iterable(
+                seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts, counts, strict=True)
+            )
+        )
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        counts_t, starts_t = torch.tensor(counts), torch.tensor(starts)
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
+        chunk_start = torch.cumsum(counts_t, 0) - counts_t
+        positions = starts_t[row_seq] + torch.arange(len(input_ids)) - chunk_start[row_seq]
+        slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
+
+        num_decode = batch.num_decode
+        decode_blocks = dense = None
+        if num_decode:
+            decode_blocks = DecodeBlocks(
+                tables[:num_decode].to(self.device), (starts_t[:num_decode] + 1).to(self.device), bs
+            )
+            dense = build_decode_pattern(
+                decode_blocks, self.config.num_kv_heads, self.config.queries_per_kv,
+                sliding_window=self.sliding_window,
+            )
+        prefills = []
+        for i in range(num_decode, len(seqs)):
+            start, n = starts[i], counts[i]
+            context_slots = None
+            if start:
+                context = torch.arange(start + n)
+                context_slots = (tables[i, context // bs] * bs + context % bs).to(self.device)
+            mask = prefill_mask(start, n, self.sliding_window, self.device)
+            prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask))
+
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        sampled = [i for i, seq in enumerate(seqs) if ends[i] == seq.num_tokens]
+        meta = AttentionMetadata(slot_mapping.to(self.device), num_decode, decode_blocks, dense, prefills)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, device=self.device),
+            positions=positions.to(self.device),
+            meta=meta,
+            sample_rows=(chunk_start + counts_t - 1)[sampled].to(self.device),
+            sample_seqs=[seqs[i] for i in sampled],
+        )
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return seq.generator

@@ -1,0 +1,124 @@
+"""Continuous batching under a per-step token budget, as vLLM's v1 scheduler does it.
+
+There are no prefill and decode phases: every sequence has a number of computed tokens, and each
+step hands out up to ``max_num_batched_tokens`` tokens, one for a decoding sequence and a chunk
+for one still reading its prompt (chunked prefill). Running sequences go first, in the policy's
+order; when KV blocks run out the policy names a victim, which is preempted by recompute (its
+blocks freed, its computed tokens forgotten, its place in the queue kept). Waiting requests are
+admitted while budget, sequence slots and blocks last.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from etinfer.control.scheduling import SchedulingPolicy
+from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """This step's work: sequences with one token (decode rows) first, then prefill chunks."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for n in self.num_tokens if n == 1)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        pending = self.policy.order(self.running)
+        while pending and budget:
+            seq = pending.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, n):
+                victim = self.policy.victim([*pending, seq])
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+                pending.remove(victim)
+            else:
+                self._add(batch, seq, n)
+                budget -= n
+        # Like vLLM, admit nothing in a step that had to preempt: memory is already short.
+        if not batch.preempted:
+            for seq in self.policy.order(self.waiting):
+                if not budget or len(self.running) >= self.max_num_seqs:
+                    break
+                cached = self.kv.cached_prefix(seq)
+                n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+                if not self.kv.allocate(seq, n, cached):
+                    break
+                self._admit(seq, len(cached) * self.kv.block_size)
+                self._add(batch, seq, n)
+                budget -= n
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_tokens[i] != 1)
+        batch.seqs = [batch.seqs[i] for i in order]
+        batch.num_tokens = [batch.num_tokens[i] for i in order]
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence that finished or was aborted, wherever it is."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _admit(self, seq: Sequence, num_cached_tokens: int) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+            seq.num_cached_tokens = num_cached_tokens
+            self.kv.record_lookup(seq, num_cached_tokens)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+        batch.preempted.append(seq)
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)

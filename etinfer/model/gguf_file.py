@@ -1,0 +1,147 @@
+"""Read a GGUF file: hyperparameters, dequantised weights under Hugging Face names, tokenizer."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from etinfer.model.config import ModelConfig
+from etinfer.model.tokenizer import Tokenizer
+
+# GGUF architecture -> Hugging Face model_type. Mistral files say "llama".
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    reader = GGUFReader(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(_ARCHITECTURES)}"
+        )
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = _model_config(meta, arch, path, tie_word_embeddings=not has_output)
+    weights = {_hf_name(t.name, path): _tensor(t) for t in reader.tensors}
+    if arch == "llama":
+        for name, tensor in weights.items():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+                weights[name] = _unpermute_rotary_rows(tensor, heads)
+    return config, weights, _tokenizer(meta, path)
+
+
+def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: bool) -> ModelConfig:
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=arch == "qwen2",
+    )
+
+
+def _hf_name(name: str, path: Path) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise ValueError(f"{path}: unexpected tensor {name!r} in a Llama-family GGUF file")
+
+
+def _tensor(t) -> torch.Tensor:
+    # GGUF lists dimensions fastest-first; the dequantised array is already row-major [out, in].
+    array = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+    # F32 tensors come back as read-only views of the memory-mapped file; copy those.
+    return torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (pairs interleaved) back to Hugging Face's halves."""
+    out_features, in_features = weight.shape
+    half = out_features // heads // 2
+    return (
+        weight.reshape(heads, half, 2, in_features)
+        .transpose(1, 2)
+        .reshape(out_features, in_features)
+        .contiguous()
+    )
+
+
+def _tokenizer(meta: dict, path: Path) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", [])
+    backend.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(types)
+            if kind in (_CONTROL, _USER_DEFINED)
+        ]
+    )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(
+        backend,
+        eos_token_ids=[] if eos is None else [int(eos)],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )

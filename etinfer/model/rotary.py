@@ -1,0 +1,62 @@
+"""Rotary position embeddings in Hugging Face's layout (the two halves of each head rotate)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from etinfer.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    # Same expression as transformers, so the tables agree bit for bit.
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; expected linear or llama3")
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables, indexed by position once per step and shared by all layers."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        half = config.head_dim // 2
+        self.cos = angles.cos().to(device, dtype)
+        # rotate_half(x) = cat(-x2, x1) = roll(x, half) with the first half negated; folding the
+        # sign into the sine table turns rotation into one roll and one fused multiply-add.
+        sin = angles.sin()
+        sin[:, :half] = -sin[:, :half]
+        self.signed_sin = sin.to(device, dtype)
+        self.half = half
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each row, shaped [rows, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [rows, heads, head_dim]."""
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)

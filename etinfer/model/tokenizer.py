@@ -1,0 +1,94 @@
+"""Tokenizer and chat template, read from the same file or folder as the weights.
+
+The engine itself only sees token ids; this wraps a `tokenizers.Tokenizer` with what a serving
+front end needs besides: the end-of-sequence ids, whether to prepend BOS, and the chat template
+rendered the way transformers renders it (a sandboxed Jinja environment with ``trim_blocks`` and
+``lstrip_blocks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+Message = dict[str, str]
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None = None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (what logprob entries show)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def decode_stream(self, context: Sequence[int], *, skip_special_tokens: bool = True) -> DecodeStream:
+        """A per-sequence incremental decoder: it holds back bytes of an unfinished character.
+
+        ``context`` are the ids before the first one to decode (the prompt)."""
+        return DecodeStream(list(context), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model ships no chat template; pass plain prompts to generate()")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id),
+            eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
+
+    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        # The template writes BOS itself where the model wants one, so nothing is added here
+        # (transformers' apply_chat_template(tokenize=True) does the same).
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def _special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)

@@ -1,0 +1,63 @@
+"""What a request produces: its text and tokens, the entropy signal per token, and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock instants (``time.perf_counter()``) of one request's life, and durations."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's own distribution (temperature 1)."""
+
+    logprob: float
+    rank: int  # 1 for the most likely token
+    token: str
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    # One value per generated token. `entropies` is the model's own uncertainty (temperature 1,
+    # before any filtering, nats); `tempered_entropies` is the entropy of the distribution the
+    # token was actually drawn from (after temperature and top-k/top-p/min-p; 0 when greedy).
+    entropies: list[float]
+    tempered_entropies: list[float]
+    temperatures: list[float]
+    # Per generated token: the sampled token and the top-N, by token id (None unless requested).
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
