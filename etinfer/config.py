@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.block_selection import BLOCK_SELECTORS
+from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,7 +44,9 @@ class EngineConfig:
             try:
                 torch.device(self.device)
             except RuntimeError as e:
-                raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+                raise ValueError(
+                    f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}"
+                ) from e
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, low=2)
         check_int("block_size", self.block_size, low=1, high=1024)
@@ -52,6 +56,8 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, low=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
+        SCHEDULING_POLICIES.check(self.scheduling_policy)
+        BLOCK_SELECTORS.check(self.block_selector)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

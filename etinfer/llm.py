@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from etinfer.config import EngineConfig
 from etinfer.engine.llm_engine import LLMEngine, Prompt
+from etinfer.model.loader import LoadedModel
 from etinfer.model.tokenizer import Message, Tokenizer
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
 
 class LLM:
-    """An engine over one model. ``LLM()`` loads the embedded SmolLM2-135M-Instruct.
+    """An engine over one model. ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``model``
+    is a .gguf file, a Hugging Face folder, or a model returned by ``load_model`` (whose weights
+    several engines can then share).
 
     Keyword arguments are those of :class:`etinfer.config.EngineConfig`: ``dtype``, ``device``,
     ``max_model_len``, ``block_size``, ``num_kvcache_blocks``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``scheduling_policy``, ``seed``...
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str | Path | LoadedModel | None = None, **kwargs) -> None:
+        if isinstance(model, LoadedModel):
+            self.engine = LLMEngine(EngineConfig(model=str(model.path), **kwargs), model)
+        else:
+            self.engine = LLMEngine(
+                EngineConfig(model=None if model is None else str(model), **kwargs)
+            )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -58,7 +67,9 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield a growing output after each step that extends it, the last one finished."""
         request_id = self.engine.add_request(prompt, params, stream=True)
         finished = False
@@ -99,5 +110,7 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * n
         if len(params) != n:
-            raise ValueError(f"params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+            raise ValueError(
+                f"params must be one SamplingParams or one per prompt ({n}), got {len(params)}"
+            )
         return list(params)

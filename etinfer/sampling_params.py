@@ -45,10 +45,14 @@ class SamplingParams:
         if not isinstance(self.stop, list | tuple) or not all(
             isinstance(s, str) and s for s in self.stop
         ):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
         self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, list | tuple):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = [check_int("stop_token_ids", t, low=0) for t in self.stop_token_ids]
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)

@@ -24,7 +24,10 @@ class Registry(Generic[T]):
     def names(self) -> tuple[str, ...]:
         return tuple(self._factories)
 
-    def create(self, name: str, **kwargs) -> T:
+    def check(self, name: str) -> str:
         if name not in self._factories:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names)}")
-        return self._factories[name](**kwargs)
+        return name
+
+    def create(self, name: str, **kwargs) -> T:
+        return self._factories[self.check(name)](**kwargs)

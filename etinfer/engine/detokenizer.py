@@ -7,7 +7,9 @@ from etinfer.sampling_params import SamplingParams
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> None:
         self._backend = tokenizer.backend
         # The prompt is the stream's context, so the first generated token decodes as it would
         # inside the whole text (this matters for tokenizers that strip a leading space).

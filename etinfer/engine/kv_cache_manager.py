@@ -7,7 +7,9 @@ from etinfer.engine.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,7 +51,8 @@ class KVCacheManager:
             seq.block_table.extend(cached)
             seq.num_computed_tokens = num_computed
             seq.num_registered_blocks = len(cached)
-        seq.block_table.extend(self.pool.allocate(max(new, 0)))
+        last = seq.block_table[-1] if seq.block_table else None
+        seq.block_table.extend(self.pool.allocate(max(new, 0), after=last))
         return True
 
     def record_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:

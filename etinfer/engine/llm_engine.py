@@ -19,7 +19,7 @@ from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import Scheduler
 from etinfer.engine.sequence import Sequence
-from etinfer.model.loader import load_model
+from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
@@ -27,13 +27,16 @@ Prompt = str | Seq[int]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        loaded = load_model(config.model)
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """``loaded`` reuses a model already read (its weights are shared, not copied)."""
+        loaded = loaded or load_model(config.model)
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         device, dtype = config.torch_device(), config.torch_dtype()
-        self.max_model_len = self._resolve_max_model_len(config, loaded.config.max_position_embeddings)
+        self.max_model_len = self._resolve_max_model_len(
+            config, loaded.config.max_position_embeddings
+        )
         self.block_size = config.block_size
         self.num_blocks = config.num_kvcache_blocks or max(
             1,
@@ -197,11 +200,11 @@ class LLMEngine:
             seq.metrics.first_token_time = now
         params = seq.params
         hit_stop_string = seq.detokenizer.append(token)
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        if (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+            or hit_stop_string
         ):
-            seq.finish_reason = "stop"
-        elif hit_stop_string:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"

@@ -55,7 +55,13 @@ class ModelRunner:
         )
         self.model = LlamaModel(config, weights, attention, max_model_len, device, dtype)
         self.cache = KVCache(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, device, dtype
+            config.num_layers,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            device,
+            dtype,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
 
@@ -82,7 +88,9 @@ class ModelRunner:
             )
         )
         width = max(len(seq.block_table) for seq in seqs)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        tables = torch.tensor(
+            [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        )
         counts_t, starts_t = torch.tensor(counts), torch.tensor(starts)
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
         chunk_start = torch.cumsum(counts_t, 0) - counts_t
@@ -96,7 +104,10 @@ class ModelRunner:
                 tables[:num_decode].to(self.device), (starts_t[:num_decode] + 1).to(self.device), bs
             )
             dense = build_decode_pattern(
-                decode_blocks, self.config.num_kv_heads, self.config.queries_per_kv,
+                decode_blocks,
+                self.config.num_kv_heads,
+                self.config.queries_per_kv,
+                self.cache.num_slots,
                 sliding_window=self.sliding_window,
             )
         prefills = []
@@ -111,7 +122,9 @@ class ModelRunner:
 
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
         sampled = [i for i, seq in enumerate(seqs) if ends[i] == seq.num_tokens]
-        meta = AttentionMetadata(slot_mapping.to(self.device), num_decode, decode_blocks, dense, prefills)
+        meta = AttentionMetadata(
+            slot_mapping.to(self.device), num_decode, decode_blocks, dense, prefills
+        )
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=self.device),
             positions=positions.to(self.device),

@@ -44,7 +44,9 @@ class SamplingBatch:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k or vocab_size for p in params], torch.int64) if any_top_k else None,
+            top_k=column([p.top_k or vocab_size for p in params], torch.int64)
+            if any_top_k
+            else None,
             top_p=column([p.top_p for p in params], torch.float32) if any_top_p else None,
             min_p=column([p.min_p for p in params], torch.float32) if any_min_p else None,
             generators=generators,
@@ -146,9 +148,13 @@ class Sampler:
                 top_logprobs=top_logp,
             )
         # One host transfer for the per-row scalars (token ids are exact in float64).
-        host = torch.stack([tokens.double(), entropy.double(), tempered.double(), temperature.double()])
+        host = torch.stack(
+            [tokens.double(), entropy.double(), tempered.double(), temperature.double()]
+        )
         ids, entropies, tempered_list, temperatures = host.tolist()
-        return SamplerOutput([int(t) for t in ids], entropies, tempered_list, temperatures, logprobs)
+        return SamplerOutput(
+            [int(t) for t in ids], entropies, tempered_list, temperatures, logprobs
+        )
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Sample each row by the exponential race: argmax p / E with E ~ Exp(1).

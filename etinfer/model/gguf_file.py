@@ -122,7 +122,8 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)"
+            f"{path}: GGUF tokenizer model {kind!r} is not supported; "
+            "expected 'gpt2' (byte-level BPE)"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]

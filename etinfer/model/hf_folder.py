@@ -96,7 +96,8 @@ def _tokenizer(path: Path) -> Tokenizer:
         bos_token_id=token_id("bos_token"),
         # tokenizer.json's post-processor adds BOS where the model wants it; only old Llama
         # tokenizer configs ask for it separately.
-        add_bos_token=bool(tok_config.get("add_bos_token", False)) and backend.post_processor is None,
+        add_bos_token=bool(tok_config.get("add_bos_token", False))
+        and backend.post_processor is None,
         chat_template=template,
     )
 

@@ -7,6 +7,8 @@ sequences go through each weight matmul together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -17,20 +19,24 @@ from etinfer.model.rotary import RotaryEmbedding
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
-        def take(name: str) -> torch.Tensor:
-            return weights.pop(prefix + name)
+    def __init__(
+        self, config: ModelConfig, take: Callable[[str], torch.Tensor], prefix: str
+    ) -> None:
 
         self.eps = config.rms_norm_eps
-        self.input_norm = take("input_layernorm.weight")
-        self.post_attention_norm = take("post_attention_layernorm.weight")
+        self.input_norm = take(prefix + "input_layernorm.weight")
+        self.post_attention_norm = take(prefix + "post_attention_layernorm.weight")
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
-        self.qkv = Linear(torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias)
-        self.o = Linear(take("self_attn.o_proj.weight"))
-        self.gate_up = Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
-        self.down = Linear(take("mlp.down_proj.weight"))
+            qkv_bias = torch.cat([take(f"{prefix}self_attn.{p}_proj.bias") for p in "qkv"])
+        self.qkv = Linear(
+            torch.cat([take(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias
+        )
+        self.o = Linear(take(prefix + "self_attn.o_proj.weight"))
+        self.gate_up = Linear(
+            torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
+        )
+        self.down = Linear(take(prefix + "mlp.down_proj.weight"))
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.intermediate = config.intermediate_size
@@ -69,21 +75,26 @@ class LlamaModel:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        """Takes ownership of ``weights`` (Hugging Face names), emptying the dict as it goes."""
-        for name in list(weights):
-            weights[name] = weights[name].to(device=device, dtype=dtype)
+        """``weights`` (Hugging Face names) are read, not changed: engines can share them."""
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the model's weights lack {name}")
+            used.add(name)
+            return weights[name].to(device=device, dtype=dtype)
+
         self.config = config
-        self.embed = weights.pop("model.embed_tokens.weight")
+        self.embed = take("model.embed_tokens.weight")
         self.layers = [
-            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+            DecoderLayer(config, take, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
-        self.norm = weights.pop("model.norm.weight")
-        head = weights.pop("lm_head.weight", None)
-        if head is None or config.tie_word_embeddings:
-            head = self.embed
-        self.lm_head = Linear(head)
-        if weights:
-            raise ValueError(f"unexpected weights in the model: {', '.join(sorted(weights)[:5])}")
+        self.norm = take("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))
+        unexpected = sorted(set(weights) - used - {"lm_head.weight"})
+        if unexpected:
+            raise ValueError(f"unexpected weights in the model: {', '.join(unexpected[:5])}")
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)
         self.attention = attention
 

@@ -46,7 +46,9 @@ def default_model_path() -> Path:
 def load_model(model: str | Path | None = None) -> LoadedModel:
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"{path}: no such file or folder (expected a .gguf file or a model folder)")
+        raise ValueError(
+            f"{path}: no such file or folder (expected a .gguf file or a model folder)"
+        )
     if path.is_dir():
         config, weights, tokenizer = load_hf_folder(path)
     elif path.suffix == ".gguf":

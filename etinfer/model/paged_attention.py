@@ -1,14 +1,17 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is a pool of slots, ``[num_blocks * block_size, num_kv_heads, head_dim]``
-for keys and the same for values; a sequence owns a list of blocks (its block table) and its
-token at position ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+The cache of one layer is a pool of slots per KV head, ``[num_kv_heads, num_blocks * block_size,
+head_dim]`` for keys and the same for values; a sequence owns a list of blocks (its block table)
+and its token at position ``p`` lives in slot ``block_table[p // block_size] * block_size +
+p % block_size``. Head-major order keeps a block's keys for one head in one contiguous run, which
+measured twice as fast to read scattered as the token-major order.
 
 Decode (one query token per sequence) reads the cache in place, with no per-step copy of the
-blocks, through sparse-matrix kernels: the step's queries form the rows of a CSR matrix whose
-columns are cache rows ``slot * num_kv_heads + kv_head``. Scores are a sampled dense-dense matmul
-(``torch.sparse.sampled_addmm``) on exactly the (query, key) pairs in the pattern, the softmax
-runs on the flat score vector per row, and the output is a sparse-dense matmul with the values.
+blocks. The step's query rows (sequence, head) and the cache rows ``kv_head * num_slots + slot``
+they attend to form a CSR pattern: scores are a sampled dense-dense matmul
+(``torch.sparse.sampled_addmm``) on exactly those pairs, the softmax runs on the flat score vector
+per row, and the weighted sum of values is ``embedding_bag`` with per-entry weights (a gathered
+weighted row sum that FBGEMM vectorises; about twice as fast here as a CSR-dense matmul).
 Sequences of any lengths share one call per layer, grouped-query heads read their KV head without
 repeating it, and attending to fewer blocks is only a smaller pattern: the block-sparse variant
 is this same code with a ``BlockSelector`` that keeps fewer blocks.
@@ -36,9 +39,10 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta 
 class DecodePattern:
     """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern."""
 
-    crow: torch.Tensor  # [rows + 1]
-    cols: torch.Tensor  # [nnz] cache rows: slot * num_kv_heads + kv_head
-    row_ids: torch.Tensor  # [nnz] the row each entry belongs to (for the row-wise softmax)
+    crow: torch.Tensor  # [rows + 1] int32
+    cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
+    row_ids: torch.Tensor  # [nnz] the row of each entry, for the row-wise max
+    row_lens: torch.Tensor  # [rows]
     zeros: torch.Tensor  # [nnz] placeholder values; sampled_addmm needs some
 
     @property
@@ -80,18 +84,20 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         # torch.empty leaves pages untouched until written, so an unused pool costs no memory.
         self.keys = torch.empty(shape, device=device, dtype=dtype)
         self.values = torch.empty(shape, device=device, dtype=dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_slots = num_blocks * block_size
 
 
 def build_decode_pattern(
     blocks: DecodeBlocks,
     num_kv_heads: int,
     queries_per_kv: int,
+    num_slots: int,
     block_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> DecodePattern:
@@ -112,15 +118,16 @@ def build_decode_pattern(
     if block_mask is not None:
         visible = visible & block_mask.repeat_interleave(bs, dim=2)
     heads = torch.arange(num_kv_heads, device=device)
-    cols = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [seqs, kv_heads, positions]
+    cols = heads[None, :, None] * num_slots + slots[:, None, :]  # [seqs, kv_heads, positions]
     shape = (num_seqs, num_kv_heads, queries_per_kv, max_blocks * bs)
     visible = visible.expand(num_seqs, num_kv_heads, -1)[:, :, None, :].expand(shape)
-    cols = cols[:, :, None, :].expand(shape).masked_select(visible)
+    cols = cols[:, :, None, :].expand(shape).masked_select(visible).int()
     row_lens = visible.sum(-1).flatten()
-    crow = torch.zeros(row_lens.numel() + 1, dtype=torch.int64, device=device)
+    crow = torch.zeros(row_lens.numel() + 1, dtype=torch.int32, device=device)
     torch.cumsum(row_lens, 0, out=crow[1:])
     row_ids = torch.repeat_interleave(torch.arange(row_lens.numel(), device=device), row_lens)
-    return DecodePattern(crow, cols, row_ids, torch.zeros(cols.numel(), device=device))
+    zeros = torch.zeros(cols.numel(), device=device)
+    return DecodePattern(crow, cols, row_ids, row_lens, zeros)
 
 
 class PagedAttention:
@@ -149,11 +156,13 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = cache.keys[layer], cache.values[layer]
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(layer, q[: meta.num_decode], key_cache, value_cache, meta)
+            out[: meta.num_decode] = self._decode(
+                layer, q[: meta.num_decode], key_cache, value_cache, meta
+            )
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
@@ -172,28 +181,37 @@ class PagedAttention:
         pattern = meta.dense_pattern
         if mask is not None:
             pattern = build_decode_pattern(
-                blocks, self.num_kv_heads, self.num_heads // self.num_kv_heads, mask, self.sliding_window
+                blocks,
+                self.num_kv_heads,
+                self.num_heads // self.num_kv_heads,
+                key_cache.shape[1],
+                mask,
+                self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
-        keys = key_cache.view(-1, self.head_dim)  # row slot * kv_heads + kv_head
+        keys = key_cache.view(-1, self.head_dim)  # row kv_head * num_slots + slot
         values = value_cache.view(-1, self.head_dim)
-        size = (rows, keys.shape[0])
         structure = torch.sparse_csr_tensor(
-            pattern.crow, pattern.cols, pattern.zeros, size, check_invariants=False
+            pattern.crow, pattern.cols, pattern.zeros, (rows, keys.shape[0]), check_invariants=False
         )
         scores = torch.sparse.sampled_addmm(
             structure, q.reshape(rows, self.head_dim), keys.t(), beta=0.0, alpha=self.scale
         ).values()
-        # Row-wise softmax on the flat scores; normalising after the value matmul saves a pass.
         row_max = torch.full((rows,), -torch.inf, device=q.device, dtype=scores.dtype)
         row_max.scatter_reduce_(0, pattern.row_ids, scores, "amax")
-        weights = (scores - row_max[pattern.row_ids]).exp_()
-        denom = torch.zeros_like(row_max).index_add_(0, pattern.row_ids, weights)
-        probs = torch.sparse_csr_tensor(
-            pattern.crow, pattern.cols, weights, size, check_invariants=False
+        weights = scores.sub_(
+            row_max.repeat_interleave(pattern.row_lens, output_size=pattern.nnz)
+        ).exp_()
+        denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
+        out = F.embedding_bag(
+            pattern.cols,
+            values,
+            pattern.crow,
+            mode="sum",
+            per_sample_weights=weights,
+            include_last_offset=True,
         )
-        out = (probs @ values).div_(denom[:, None])
-        return out.view(q.shape)
+        return out.div_(denominators[:, None]).view(q.shape)
 
     def _prefill(
         self,
@@ -204,13 +222,15 @@ class PagedAttention:
         value_cache: torch.Tensor,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
-        if chunk.context_slots is not None:
-            k = key_cache.index_select(0, chunk.context_slots)
-            v = value_cache.index_select(0, chunk.context_slots)
+        if chunk.context_slots is None:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            k = key_cache.index_select(1, chunk.context_slots)
+            v = value_cache.index_select(1, chunk.context_slots)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=self.scale,

@@ -41,8 +41,12 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables, indexed by position once per step and shared by all layers."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config))
+    def __init__(
+        self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+    ):
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config)
+        )
         angles = torch.cat((freqs, freqs), dim=-1)
         half = config.head_dim // 2
         self.cos = angles.cos().to(device, dtype)

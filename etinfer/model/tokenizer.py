@@ -53,7 +53,9 @@ class Tokenizer:
         """The text of one token on its own (what logprob entries show)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def decode_stream(self, context: Sequence[int], *, skip_special_tokens: bool = True) -> DecodeStream:
+    def decode_stream(
+        self, context: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> DecodeStream:
         """A per-sequence incremental decoder: it holds back bytes of an unfinished character.
 
         ``context`` are the ids before the first one to decode (the prompt)."""
@@ -71,7 +73,9 @@ class Tokenizer:
             eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
 
-    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template writes BOS itself where the model wants one, so nothing is added here
         # (transformers' apply_chat_template(tokenize=True) does the same).
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,13 @@
+"""Benchmarks: scripts that print figures side by side in one run (never timed tests)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    from etinfer.bench import speed
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    speed.add_command(kinds)

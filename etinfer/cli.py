@@ -1,0 +1,140 @@
+"""Command line: ``etinfer generate``, ``etinfer bench``."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from etinfer.outputs import RequestOutput
+from etinfer.sampling_params import SamplingParams
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], ceiling: float) -> str:
+    """One character per value, scaled to [0, ceiling]."""
+    top = len(SPARKS) - 1
+    return (
+        "".join(SPARKS[min(top, int(v / ceiling * top + 0.5))] for v in values)
+        if ceiling > 0
+        else ""
+    )
+
+
+def entropy_summary(out: RequestOutput, elapsed: float) -> str:
+    h = out.entropies
+    n = len(out.token_ids)
+    lines = [
+        f"entropy (nats, per token) {sparkline(h, max(h, default=0.0))}",
+        f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), "
+        f"time to first token {out.metrics.time_to_first_token:.3f} s, "
+        f"mean entropy {statistics.fmean(h):.3f} nats (min {min(h):.3f}, max {max(h):.3f}), "
+        f"finish: {out.finish_reason}",
+    ]
+    return "\n".join(lines)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="a .gguf file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+
+
+def generate(args: argparse.Namespace) -> int:
+    from etinfer.llm import LLM
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += [
+            line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()
+        ]
+    if not prompts:
+        print("error: give a prompt or --prompts-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.chat:
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    if len(prompts) == 1:
+        start = time.perf_counter()
+        shown = 0
+        out = None
+        for out in llm.stream(prompts[0], params):
+            print(out.text[shown:], end="", flush=True)
+            shown = len(out.text)
+        print("\n" + entropy_summary(out, time.perf_counter() - start))
+        return 0
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    for i, out in enumerate(outs):
+        mean_h = statistics.fmean(out.entropies)
+        print(f"--- [{i}] {len(out.token_ids)} tokens, mean entropy {mean_h:.3f} nats\n{out.text}")
+    total = sum(len(o.token_ids) for o in outs)
+    all_h = [h for o in outs for h in o.entropies]
+    print(
+        f"{len(outs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s), "
+        f"mean entropy {statistics.fmean(all_h):.3f} nats"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etinfer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text, streaming, with its entropy")
+    gen.add_argument("prompt", nargs="*")
+    gen.add_argument("--prompts-file", help="one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    _add_engine_args(gen)
+    gen.set_defaults(func=generate)
+
+    from etinfer.bench import add_bench_commands
+
+    add_bench_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

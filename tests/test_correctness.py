@@ -1,0 +1,90 @@
+"""Greedy outputs of the real model: equal to transformers, and the same however batched."""
+
+import pytest
+import torch
+
+from etinfer import SamplingParams
+from tests.conftest import PROMPTS, assert_pool_free
+
+GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(llm, hf_reference):
+    """transformers' greedy continuation of each prompt, 64 tokens, not stopping at EOS."""
+    tokens = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            out = hf_reference.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        tokens.append(out[0, ids.shape[1] :].tolist())
+    return tokens
+
+
+def test_greedy_equals_transformers_token_for_token(llm, reference_tokens):
+    outs = llm.generate(PROMPTS, GREEDY_64)  # all eight in one batch
+    for prompt, out, expected in zip(PROMPTS, outs, reference_tokens, strict=True):
+        assert out.token_ids == expected, prompt
+    assert_pool_free(llm)
+
+
+def test_prompt_logits_match_transformers(llm, hf_reference):
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    with torch.no_grad():
+        expected = hf_reference(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    for token, entry in out.logprobs[0].items():
+        assert entry.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+
+
+def greedy(llm, prompts, max_tokens=24):
+    return [
+        o.token_ids
+        for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    ]
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return greedy(llm, [PROMPTS[3]])[0]
+
+
+def test_same_tokens_in_a_mixed_batch(llm, alone):
+    mixed = greedy(llm, [PROMPTS[0], PROMPTS[3], PROMPTS[2] * 3, PROMPTS[6]])
+    assert mixed[1] == alone
+
+
+def test_same_tokens_with_chunked_prefill(make_llm, alone):
+    small_chunks = make_llm(max_num_batched_tokens=5)
+    assert greedy(small_chunks, [PROMPTS[3], PROMPTS[1]])[0] == alone
+    assert_pool_free(small_chunks)
+
+
+def test_same_tokens_after_a_prefix_cache_hit(llm, alone):
+    hits_before = llm.engine.kv.prefix_cache_hits
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[
+        0
+    ]
+    assert out.num_cached_tokens >= 16  # at least one full block came from the cache
+    assert llm.engine.kv.prefix_cache_hits > hits_before
+    assert out.token_ids == alone
+
+
+def test_same_tokens_after_forced_preemption(make_llm, alone):
+    # Eight blocks of 16 tokens hold fewer than two of these requests at full length.
+    tiny = make_llm(num_kvcache_blocks=8, enable_prefix_caching=False)
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[7], PROMPTS[2]]
+    outs = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert tiny.engine.scheduler.num_preemptions > 0
+    assert outs[0].token_ids == alone
+    assert_pool_free(tiny)

@@ -1,0 +1,101 @@
+"""Hugging Face model folders of each supported family, written by transformers itself."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from etinfer import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.3,  # peaked distributions, so greedy picks are far from ties
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    "llama-rope-llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "qwen2-biases": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral-sliding-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 6},
+    ),
+}
+
+
+def write_tiny_model(folder, family):
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**TINY, **extra)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):  # transformers initialises biases to zero
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_model_folder_matches_transformers(tmp_path, family):
+    reference = write_tiny_model(tmp_path, family)
+    llm = LLM(str(tmp_path))
+    prompt = [(7 * i + 3) % VOCAB for i in range(13)]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    )[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+    # Teacher-forced: at every step our token is transformers' argmax, with the same logprobs.
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        expected = logits[len(prompt) - 1 + step]
+        assert token == int(expected.argmax()), step
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(expected[tid].item(), abs=1e-4)
+
+
+def test_real_model_exported_as_folder_equals_the_gguf(tmp_path, llm, loaded_model, hf_reference):
+    # transformers will not save a model it read from GGUF, so write the folder the way it would:
+    # its config.json, safetensors weights, tokenizer.json and tokenizer_config.json.
+    hf_reference.config.save_pretrained(tmp_path)
+    save_file(loaded_model.weights, tmp_path / "model.safetensors")
+    llm.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer_config = {
+        "eos_token": "<|im_end|>",
+        "bos_token": "<|im_start|>",
+        "chat_template": llm.tokenizer.chat_template,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    folder = LLM(str(tmp_path))
+    assert folder.engine.model_config == llm.engine.model_config
+    params = SamplingParams(temperature=0, max_tokens=32)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    assert folder.chat(messages, params)[0].token_ids == llm.chat(messages, params)[0].token_ids
+    assert folder.tokenizer.eos_token_ids == llm.tokenizer.eos_token_ids

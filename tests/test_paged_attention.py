@@ -1,0 +1,158 @@
+"""Paged attention against a plain dense reference on random caches."""
+
+import pytest
+import torch
+
+from etinfer.control.block_selection import BlockSelector, DecodeBlocks, DenseSelector
+from etinfer.model.paged_attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    PrefillChunk,
+    build_decode_pattern,
+    prefill_mask,
+)
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+
+
+def reference(q, keys, values, window=None):
+    """Attention of queries at the last positions of a context, dense and explicit."""
+    n, context = q.shape[0], keys.shape[0]
+    group = HEADS // KV_HEADS
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, context, dim]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / DIM**0.5  # [heads, n, context]
+    query_pos = torch.arange(context - n, context)[:, None]
+    key_pos = torch.arange(context)[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible, -torch.inf)
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, HEADS * DIM)
+
+
+def scattered_cache(lengths, num_blocks=40, seed=0):
+    """A cache holding one random context per length, in shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), torch.float32)
+    cache.keys.normal_(generator=gen)
+    cache.values.normal_(generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for length in lengths:
+        n = -(-length // BLOCK)
+        tables.append([free.pop() for _ in range(n)])
+    return cache, tables
+
+
+def context_of(cache, table, length):
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+    return cache.keys[0][:, slots].transpose(0, 1), cache.values[0][:, slots].transpose(0, 1)
+
+
+def decode(attention, cache, tables, lengths, q, window=None):
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    blocks = DecodeBlocks(padded, torch.tensor(lengths), BLOCK)
+    pattern = build_decode_pattern(
+        blocks, KV_HEADS, HEADS // KV_HEADS, cache.num_slots, sliding_window=window
+    )
+    # The new tokens' keys are already in the cache, so write them back unchanged.
+    last = torch.tensor(
+        [
+            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            for t, n in zip(tables, lengths, strict=True)
+        ]
+    )
+    meta = AttentionMetadata(last, len(lengths), blocks, pattern, [])
+    return attention(
+        0,
+        q,
+        cache.keys[0][:, last].transpose(0, 1),
+        cache.values[0][:, last].transpose(0, 1),
+        cache,
+        meta,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_matches_dense_reference_for_mixed_lengths(window):
+    lengths = [1, 7, 16, 33]
+    cache, tables = scattered_cache(lengths)
+    q = torch.randn(len(lengths), HEADS, DIM)
+    out = decode(
+        PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window),
+        cache,
+        tables,
+        lengths,
+        q,
+        window,
+    )
+    for i, n in enumerate(lengths):
+        keys, values = context_of(cache, tables[i], n)
+        expected = reference(q[i : i + 1], keys, values, window)
+        torch.testing.assert_close(out[i : i + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+class KeepAll(BlockSelector):
+    def select(self, layer, query, blocks):
+        return torch.ones(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+
+
+class KeepFirstBlock(BlockSelector):
+    def select(self, layer, query, blocks):
+        mask = torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+        mask[:, :, 0] = True
+        return mask
+
+
+def test_selector_keeping_every_block_equals_dense_exactly():
+    lengths = [9, 30]
+    cache, tables = scattered_cache(lengths)
+    q = torch.randn(2, HEADS, DIM)
+    dense = decode(PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector()), cache, tables, lengths, q)
+    kept = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepAll()), cache, tables, lengths, q)
+    assert torch.equal(dense, kept)
+
+
+def test_selector_mask_restricts_what_is_read():
+    lengths = [12]
+    cache, tables = scattered_cache(lengths)
+    q = torch.randn(1, HEADS, DIM)
+    out = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepFirstBlock()), cache, tables, lengths, q)
+    keys, values = context_of(cache, tables[0], BLOCK)
+    # Only the first block is attended to, as if the context were its 4 tokens.
+    expected = reference(q, keys, values)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pattern_rows_list_each_heads_context_slots():
+    blocks = DecodeBlocks(torch.tensor([[3, 1], [2, 0]]), torch.tensor([6, 2]), BLOCK)
+    num_slots = 4 * BLOCK
+    pattern = build_decode_pattern(blocks, KV_HEADS, HEADS // KV_HEADS, num_slots)
+    assert pattern.crow.diff().tolist() == [6] * HEADS + [2] * HEADS
+    assert pattern.cols[:6].tolist() == [12, 13, 14, 15, 4, 5]  # sequence 0, head 0 (KV head 0)
+    last_row = pattern.cols[-2:].tolist()  # sequence 1, the last head reads KV head 1
+    assert last_row == [num_slots + 8, num_slots + 9]
+
+
+@pytest.mark.parametrize(
+    ("start", "length", "window"), [(0, 9, None), (6, 5, None), (6, 5, 4), (0, 9, 3)]
+)
+def test_prefill_chunk_after_a_cached_prefix(start, length, window):
+    context = start + length
+    cache, (table,) = scattered_cache([context])
+    q = torch.randn(length, HEADS, DIM)
+    keys, values = context_of(cache, table, context)
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)])
+    chunk = PrefillChunk(
+        0,
+        length,
+        slots if start else None,
+        prefill_mask(start, length, window, torch.device("cpu")),
+    )
+    meta = AttentionMetadata(slots[start:], 0, None, None, [chunk])
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window)
+    out = attention(0, q, keys[start:], values[start:], cache, meta)
+    torch.testing.assert_close(out, reference(q, keys, values, window), rtol=1e-5, atol=1e-5)
