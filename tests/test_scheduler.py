@@ -116,15 +116,20 @@ def test_waiting_requests_are_not_admitted_when_blocks_are_short():
     assert scheduler.waiting == [second]
 
 
-def test_prefix_cache_hit_skips_computed_blocks():
+def run_twice(prompt_len):
+    """Compute a prompt, finish it, then schedule the same prompt again."""
     scheduler = make_scheduler()
-    first = make_seq(10)
+    first = make_seq(prompt_len)
     scheduler.add(first)
     run_step(scheduler, scheduler.schedule())
     scheduler.finish(first)
-    again = make_seq(10)  # same tokens
+    again = make_seq(prompt_len)
     scheduler.add(again)
-    batch = scheduler.schedule()
+    return scheduler, again, scheduler.schedule()
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    scheduler, again, batch = run_twice(10)
     assert again.num_cached_tokens == 8  # two full blocks of 4
     assert batch.num_tokens == [2]
     assert scheduler.kv.prefix_cache_hits == 8
@@ -132,14 +137,7 @@ def test_prefix_cache_hit_skips_computed_blocks():
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
-    scheduler = make_scheduler()
-    first = make_seq(8)
-    scheduler.add(first)
-    run_step(scheduler, scheduler.schedule())
-    scheduler.finish(first)
-    again = make_seq(8)
-    scheduler.add(again)
-    batch = scheduler.schedule()
+    _, again, batch = run_twice(8)
     assert again.num_cached_tokens == 4  # the last block is recomputed, not shared
     assert batch.num_tokens == [4]
 
