@@ -18,12 +18,12 @@ class EngineConfig:
     """Everything the engine needs besides the requests.
 
     ``max_model_len`` defaults to the model's own context length. ``num_kvcache_blocks`` defaults
-    to as many blocks as fit in ``kv_cache_gib``; the pool is allocated lazily by the OS, so an
-    unused part costs address space, not memory.
+    to as many blocks as fit in ``kv_cache_gib`` (float32 keys and values). On the CPU the OS backs
+    the pool lazily, so an unused part costs address space, not memory; on CUDA it is reserved.
     """
 
     model: str | None = None  # path to a .gguf file or a Hugging Face folder; None: the default
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # of the weights; "auto" is float32 (the checked path, CPU and CUDA)
     device: str = "auto"  # cuda when available, else cpu
     max_model_len: int | None = None
     block_size: int = 16
@@ -65,6 +65,4 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]

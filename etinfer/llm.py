@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -29,9 +30,11 @@ class LLM:
         if isinstance(model, LoadedModel):
             self.engine = LLMEngine(EngineConfig(model=str(model.path), **kwargs), model)
         else:
-            self.engine = LLMEngine(
-                EngineConfig(model=None if model is None else str(model), **kwargs)
-            )
+            path = None if model is None else str(model)
+            self.engine = LLMEngine(EngineConfig(model=path, **kwargs))
+        # Outputs of this LLM's requests, routed here by whichever call steps the engine, so
+        # interleaved streams and generate() calls never consume each other's outputs.
+        self._outputs: dict[str, deque[RequestOutput]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -51,9 +54,26 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(params, len(prompts))
-        for prompt, p in zip(prompts, params, strict=True):
-            self.engine.check_request(self.engine.encode_prompt(prompt)[1], p)
-        return self._run(prompts, params, use_tqdm)
+        encoded = [self.engine.encode_prompt(p)[1] for p in prompts]
+        for ids, p in zip(encoded, params, strict=True):
+            self.engine.check_request(ids, p)
+        request_ids: list[str] = []
+        try:
+            for prompt, ids, p in zip(prompts, encoded, params, strict=True):
+                request_ids.append(self._submit(prompt, p, stream=False, prompt_token_ids=ids))
+            with tqdm(total=len(request_ids), disable=not use_tqdm, unit="req") as bar:
+                pending = set(request_ids)
+                while pending and self.engine.has_unfinished_requests():
+                    self._step()
+                    done = {r for r in pending if self._outputs[r]}
+                    pending -= done
+                    bar.update(len(done))
+            return [self._outputs[r].pop() for r in request_ids]
+        finally:
+            # An interrupt (or any error) must not leave requests holding KV blocks.
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+                self._outputs.pop(request_id, None)
 
     def chat(
         self,
@@ -71,37 +91,32 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield a growing output after each step that extends it, the last one finished."""
-        request_id = self.engine.add_request(prompt, params, stream=True)
-        finished = False
+        request_id = self._submit(prompt, params, stream=True)
+        buffer = self._outputs[request_id]
         try:
-            while not finished:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        yield out
+            while True:
+                while not buffer:
+                    if not self.engine.has_unfinished_requests():
+                        return  # aborted from elsewhere
+                    self._step()
+                out = buffer.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:
-            if not finished:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id)  # no-op once finished
+            self._outputs.pop(request_id, None)
 
-    def _run(
-        self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        request_ids: list[str] = []
-        results: dict[str, RequestOutput] = {}
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p))
-            with tqdm(total=len(request_ids), disable=not use_tqdm, unit="req") as bar:
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        results[out.request_id] = out
-                        bar.update(1)
-        finally:
-            # An interrupt (or any error) must not leave requests holding KV blocks.
-            for request_id in request_ids:
-                if request_id not in results:
-                    self.engine.abort_request(request_id)
-        return [results[r] for r in request_ids]
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, **kwargs) -> str:
+        request_id = self.engine.add_request(prompt, params, **kwargs)
+        self._outputs[request_id] = deque()
+        return request_id
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            buffer = self._outputs.get(out.request_id)
+            if buffer is not None:
+                buffer.append(out)
 
     @staticmethod
     def _params_per_prompt(

@@ -81,6 +81,19 @@ def test_tiny_model_folder_matches_transformers(tmp_path, family):
             assert lp.logprob == pytest.approx(expected[tid].item(), abs=1e-4)
 
 
+def test_bfloat16_weights_run_with_float32_attention(tmp_path):
+    write_tiny_model(tmp_path, "qwen2-biases")
+    prompt = [(5 * i + 1) % VOCAB for i in range(9)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    full = LLM(str(tmp_path)).generate([prompt], params)[0]
+    half = LLM(str(tmp_path), dtype="bfloat16").generate([prompt], params)[0]
+    assert len(half.token_ids) == 6
+    first = full.token_ids[0]
+    assert half.logprobs[0][first].logprob == pytest.approx(
+        full.logprobs[0][first].logprob, abs=0.1
+    )
+
+
 def test_real_model_exported_as_folder_equals_the_gguf(tmp_path, llm, loaded_model, hf_reference):
     # transformers will not save a model it read from GGUF, so write the folder the way it would:
     # its config.json, safetensors weights, tokenizer.json and tokenizer_config.json.

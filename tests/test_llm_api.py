@@ -136,6 +136,16 @@ def test_a_bad_prompt_in_a_list_queues_none_of_them(llm):
 
 
 def test_request_larger_than_the_kv_pool_is_refused(make_llm):
+    one_block = make_llm(num_kvcache_blocks=1)
+    prompt = list(range(100, 115))  # 15 tokens: with 2 generated, 16 computed at most
+    assert (
+        len(
+            one_block.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+        )
+        == 2
+    )
+    with pytest.raises(ValueError, match="needs 2 KV blocks"):
+        one_block.generate([prompt], SamplingParams(max_tokens=3))
     tiny = make_llm(num_kvcache_blocks=4)
     with pytest.raises(ValueError, match="num_kvcache_blocks is 4"):
         tiny.generate("hello " * 70, SamplingParams(max_tokens=4))
@@ -179,3 +189,31 @@ def test_tokenizer_matches_transformers(llm):
     ]
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert llm.tokenizer.apply_chat_template(messages) == expected
+
+
+def test_interleaved_streams_and_generate_each_get_their_own_outputs(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.text for o in llm.generate(PROMPTS[:3], params)]
+    first, second = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    next(first)
+    middle = llm.generate(PROMPTS[2], params)[0]  # steps the engine while both streams wait
+    rest_first, rest_second = list(first), list(second)
+    assert rest_first[-1].text == expected[0] and rest_first[-1].finished
+    assert rest_second[-1].text == expected[1] and rest_second[-1].finished
+    assert middle.text == expected[2]
+    assert_pool_free(llm)
+
+
+def test_automatic_request_ids_skip_ids_callers_chose(llm):
+    engine = llm.engine
+    taken = [
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2), request_id=str(i))
+        for i in range(3)
+    ]
+    auto = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
+    assert auto not in taken
+    with pytest.raises(ValueError, match="request_id '1' is already in use"):
+        engine.add_request(PROMPTS[0], request_id="1")
+    for request_id in [*taken, auto]:
+        engine.abort_request(request_id)
+    assert_pool_free(llm)

@@ -35,7 +35,7 @@ def reference(q, keys, values, window=None):
 def scattered_cache(lengths, num_blocks=40, seed=0):
     """A cache holding one random context per length, in shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), torch.float32)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"))
     cache.keys.normal_(generator=gen)
     cache.values.normal_(generator=gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()
@@ -116,14 +116,33 @@ def test_selector_keeping_every_block_equals_dense_exactly():
     assert torch.equal(dense, kept)
 
 
+class KeepNothing(BlockSelector):
+    def select(self, layer, query, blocks):
+        return torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+
+
+def test_an_empty_selection_still_attends_to_the_current_block():
+    lengths = [10]  # positions 8 and 9 are in the third block
+    cache, tables = scattered_cache(lengths)
+    q = torch.randn(1, HEADS, DIM)
+    out = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepNothing()), cache, tables, lengths, q)
+    keys, values = context_of(cache, tables[0], 10)
+    group = HEADS // KV_HEADS
+    k, v = keys[8:].repeat_interleave(group, 1), values[8:].repeat_interleave(group, 1)
+    weights = (torch.einsum("hd,khd->hk", q[0], k) / DIM**0.5).softmax(-1)
+    expected = torch.einsum("hk,khd->hd", weights, v).reshape(1, -1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_selector_mask_restricts_what_is_read():
     lengths = [12]
     cache, tables = scattered_cache(lengths)
     q = torch.randn(1, HEADS, DIM)
     out = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepFirstBlock()), cache, tables, lengths, q)
-    keys, values = context_of(cache, tables[0], BLOCK)
-    # Only the first block is attended to, as if the context were its 4 tokens.
-    expected = reference(q, keys, values)
+    keys, values = context_of(cache, tables[0], 12)
+    # The first block and the current token's block (always kept) are attended to, nothing else.
+    kept = torch.cat([torch.arange(0, 4), torch.arange(8, 12)])
+    expected = reference(q, keys[kept], values[kept])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -32,8 +32,6 @@ def test_valid_params_are_normalised():
     params = SamplingParams(temperature=0, stop="END", top_k=5, logprobs=0)
     assert params.greedy
     assert params.stop == ["END"]
-    assert params.filters_tokens
-    assert not SamplingParams().filters_tokens
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ class KVCacheManager:
     ) -> None:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         # In tokens, as vLLM counts them: prompt tokens looked up, and those found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -25,7 +24,7 @@ class KVCacheManager:
 
         The last token is never served from the cache: its logits are needed to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching:
             return []
         blocks = []
         for index in range((seq.num_tokens - 1) // self.block_size):
@@ -67,7 +66,7 @@ class KVCacheManager:
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that computing this step's tokens filled."""
-        if not self.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
         for index in range(seq.num_registered_blocks, full):

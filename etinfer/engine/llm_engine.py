@@ -20,6 +20,7 @@ from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import Scheduler
 from etinfer.engine.sequence import Sequence
 from etinfer.model.loader import LoadedModel, load_model
+from etinfer.model.paged_attention import KVCache
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class LLMEngine:
         self.num_blocks = config.num_kvcache_blocks or max(
             1,
             int(config.kv_cache_gib * 2**30)
-            // (loaded.config.kv_bytes_per_token(dtype.itemsize) * config.block_size),
+            // (loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize) * config.block_size),
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -63,6 +64,7 @@ class LLMEngine:
         )
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self._ids = itertools.count()
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
@@ -80,9 +82,10 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Validate a prompt and return (text or None, token ids)."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt) if prompt else []
+            if not ids:
+                raise ValueError("prompt must not be empty (it encodes to no tokens)")
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -100,12 +103,13 @@ class LLMEngine:
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
                 f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
             )
-        longest = min(n + params.max_tokens, self.max_model_len)
+        # The last generated token is never computed, so it needs no slot.
+        longest = min(n + params.max_tokens, self.max_model_len) - 1
         needed = self.kv.blocks_needed(longest)
         if needed > self.num_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks ({n} prompt tokens + max_tokens "
-                f"{params.max_tokens}, {self.block_size} tokens per block) but "
+                f"{params.max_tokens} - 1, {self.block_size} tokens per block) but "
                 f"num_kvcache_blocks is {self.num_blocks}; lower max_tokens or enlarge the pool"
             )
 
@@ -117,19 +121,24 @@ class LLMEngine:
         request_id: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request. With ``stream`` every step that extends it yields an output;
-        otherwise it yields one when it finishes."""
+        otherwise it yields one when it finishes. ``prompt_token_ids``, when given, are the
+        already-validated encoding of ``prompt`` (which is then kept only for the output)."""
         params = params or SamplingParams()
-        text, ids = self.encode_prompt(prompt)
+        if prompt_token_ids is None:
+            text, ids = self.encode_prompt(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
         self.check_request(ids, params)
-        arrival_index = next(self._arrivals)
-        request_id = str(arrival_index) if request_id is None else request_id
-        if request_id in self._requests:
+        if request_id is None:
+            request_id = self._new_request_id()
+        elif request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(
             request_id,
-            arrival_index,
+            next(self._arrivals),
             ids,
             params,
             Detokenizer(self.tokenizer, params, ids),
@@ -139,6 +148,12 @@ class LLMEngine:
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        return request_id
+
+    def _new_request_id(self) -> str:
+        """A counter value no live request uses (a caller may have picked it as an id)."""
+        while (request_id := str(next(self._ids))) in self._requests:
+            pass
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

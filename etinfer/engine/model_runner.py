@@ -61,7 +61,6 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
-            dtype,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
 
@@ -100,8 +99,11 @@ class ModelRunner:
         num_decode = batch.num_decode
         decode_blocks = dense = None
         if num_decode:
+            decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
             decode_blocks = DecodeBlocks(
-                tables[:num_decode].to(self.device), (starts_t[:num_decode] + 1).to(self.device), bs
+                tables[:num_decode, :decode_width].to(self.device),
+                (starts_t[:num_decode] + 1).to(self.device),
+                bs,
             )
             dense = build_decode_pattern(
                 decode_blocks,

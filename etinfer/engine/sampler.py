@@ -64,18 +64,27 @@ class SampledLogprobs:
 
     def to_host(self, token_ids: list[int], counts: list[int | None], token_text) -> list:
         """Per row: {token id: Logprob} with the sampled token and the row's own top-N."""
-        lp, rank = self.token_logprob.tolist(), self.token_rank.tolist()
-        top_ids, top_lp = self.top_ids.tolist(), self.top_logprobs.tolist()
+        columns = [
+            self.token_logprob[:, None],
+            self.token_rank[:, None],
+            self.top_ids,
+            self.top_logprobs,
+        ]
+        width = self.top_ids.shape[1]
         rows = []
-        for i, n in enumerate(counts):
+        # One transfer; ids and ranks are exact in float64.
+        for i, (n, row) in enumerate(
+            zip(counts, torch.cat(columns, 1).double().tolist(), strict=True)
+        ):
             if n is None:
                 rows.append(None)
                 continue
+            top_ids, top_lp = row[2 : 2 + n], row[2 + width : 2 + width + n]
             entry = {
-                tid: Logprob(value, r + 1, token_text(tid))
-                for r, (tid, value) in enumerate(zip(top_ids[i][:n], top_lp[i][:n], strict=True))
+                int(tid): Logprob(value, r + 1, token_text(int(tid)))
+                for r, (tid, value) in enumerate(zip(top_ids, top_lp, strict=True))
             }
-            entry.setdefault(token_ids[i], Logprob(lp[i], int(rank[i]), token_text(token_ids[i])))
+            entry.setdefault(token_ids[i], Logprob(row[0], int(row[1]), token_text(token_ids[i])))
             rows.append(entry)
         return rows
 

@@ -74,9 +74,9 @@ class Scheduler:
                 self._add(batch, seq, n)
                 budget -= n
         # Like vLLM, admit nothing in a step that had to preempt: memory is already short.
-        if not batch.preempted:
+        if not batch.preempted and self._can_admit(budget):
             for seq in self.policy.order(self.waiting):
-                if not budget or len(self.running) >= self.max_num_seqs:
+                if not self._can_admit(budget):
                     break
                 cached = self.kv.cached_prefix(seq)
                 n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
@@ -89,6 +89,9 @@ class Scheduler:
         batch.seqs = [batch.seqs[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def _can_admit(self, budget: int) -> bool:
+        return bool(budget and self.waiting) and len(self.running) < self.max_num_seqs
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that finished or was aborted, wherever it is."""

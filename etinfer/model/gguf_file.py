@@ -15,8 +15,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from etinfer.model.config import ModelConfig
 from etinfer.model.tokenizer import Tokenizer
 
-# GGUF architecture -> Hugging Face model_type. Mistral files say "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# GGUF architectures read here (Mistral files say "llama"). Other families load from their
+# Hugging Face folders.
+_ARCHITECTURES = ("llama",)
+# llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex; the SmolLM one is
+# checked token for token against transformers in the tests. Others (llama-bpe, qwen2, ...) use
+# other regexes that could not be checked here, so they are refused rather than guessed.
+_GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -24,9 +29,6 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -54,13 +56,13 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
         )
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = _model_config(meta, arch, path, tie_word_embeddings=not has_output)
+    tokenizer = _tokenizer(meta, path)
     weights = {_hf_name(t.name, path): _tensor(t) for t in reader.tensors}
-    if arch == "llama":
-        for name, tensor in weights.items():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-                weights[name] = _unpermute_rotary_rows(tensor, heads)
-    return config, weights, _tokenizer(meta, path)
+    for name, tensor in weights.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            weights[name] = _unpermute_rotary_rows(tensor, heads)
+    return config, weights, tokenizer
 
 
 def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: bool) -> ModelConfig:
@@ -70,11 +72,16 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
             raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(
+            f"{path}: GGUF rope scaling {scaling!r} is not supported (load the Hugging Face folder)"
+        )
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -86,7 +93,6 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=tie_word_embeddings,
-        attention_bias=arch == "qwen2",
     )
 
 
@@ -119,11 +125,12 @@ def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tokenizer(meta: dict, path: Path) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2" or pre not in _GPT2_PRE_TOKENIZERS:
         raise ValueError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported; "
-            "expected 'gpt2' (byte-level BPE)"
+            f"{path}: GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
+            f"expected 'gpt2' with one of {', '.join(_GPT2_PRE_TOKENIZERS)} "
+            "(load the model's Hugging Face folder instead)"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -138,10 +145,11 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
             if kind in (_CONTROL, _USER_DEFINED)
         ]
     )
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    # End of turn (llama.cpp's EOT) ends a generation as end of sequence does.
+    ends = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
     return Tokenizer(
         backend,
-        eos_token_ids=[] if eos is None else [int(eos)],
+        eos_token_ids=list(dict.fromkeys(int(t) for t in ends if t is not None)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),

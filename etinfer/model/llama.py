@@ -59,7 +59,7 @@ class DecoderLayer:
         qk = rope.apply(qkv[:, :qk_width].view(rows, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_width:].view(rows, self.num_kv_heads, self.head_dim)
-        x = x + self.o(attention(index, q, k, v, cache, meta))
+        x = x + self.o(attention(index, q, k, v, cache, meta).to(x.dtype))
         h = F.rms_norm(x, (hidden,), self.post_attention_norm, self.eps)
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -72,7 +72,13 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Keys and values of every layer, paged in blocks of ``block_size`` slots."""
+    """Keys and values of every layer, paged in blocks of ``block_size`` slots.
+
+    Always float32, whatever the weights' dtype: attention runs in float32 (the CPU's sparse
+    kernels take no half types, and softmax over long contexts wants the precision).
+    """
+
+    dtype = torch.float32
 
     def __init__(
         self,
@@ -82,12 +88,11 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
-        dtype: torch.dtype,
     ) -> None:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        # torch.empty leaves pages untouched until written, so an unused pool costs no memory.
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        # On the CPU, torch.empty leaves pages untouched until written: unused slots cost nothing.
+        self.keys = torch.empty(shape, device=device, dtype=self.dtype)
+        self.values = torch.empty(shape, device=device, dtype=self.dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
@@ -104,7 +109,8 @@ def build_decode_pattern(
     """CSR pattern of decode rows (sequence, head) against the cache rows they attend to.
 
     ``block_mask`` [seqs, kv_heads, max_blocks] keeps a subset of blocks per sequence and KV
-    head; rows follow the query layout ``seq * num_heads + kv_head * queries_per_kv + j``.
+    head; the block holding the current token is kept whatever the mask says, so no row is ever
+    empty. Rows follow the query layout ``seq * num_heads + kv_head * queries_per_kv + j``.
     """
     tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
     num_seqs, max_blocks = tables.shape
@@ -116,7 +122,9 @@ def build_decode_pattern(
         visible &= positions >= lens[:, None] - sliding_window
     visible = visible[:, None, :]
     if block_mask is not None:
-        visible = visible & block_mask.repeat_interleave(bs, dim=2)
+        current = torch.arange(max_blocks, device=device) == ((lens - 1) // bs)[:, None]
+        kept = block_mask | current[:, None, :]
+        visible = visible & kept.repeat_interleave(bs, dim=2)
     heads = torch.arange(num_kv_heads, device=device)
     cols = heads[None, :, None] * num_slots + slots[:, None, :]  # [seqs, kv_heads, positions]
     shape = (num_seqs, num_kv_heads, queries_per_kv, max_blocks * bs)
@@ -156,6 +164,7 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = cache.keys[layer], cache.values[layer]
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops in float32
         key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)

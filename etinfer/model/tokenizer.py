@@ -35,6 +35,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.chat_template = chat_template
+        self._token_texts: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -50,8 +51,13 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (what logprob entries show)."""
-        return self.backend.decode([token_id], skip_special_tokens=False)
+        """The text of one token on its own (what logprob entries show), decoded once."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
 
     def decode_stream(
         self, context: Sequence[int], *, skip_special_tokens: bool = True
