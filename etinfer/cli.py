@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=generate)
 
+    from etinfer import calibrate
     from etinfer.bench import add_bench_commands
 
+    calibrate.add_command(commands)
     add_bench_commands(commands)
     return parser
 

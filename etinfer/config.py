@@ -37,6 +37,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     block_selector: str = "dense"
     seed: int = 0
+    calibration: str | None = None  # a file from `etinfer calibrate`: rescales the control signal
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))

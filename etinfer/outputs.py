@@ -57,6 +57,13 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Sum of the irreversible entropy reductions max(0, H[t-1] - H[t]) of the control signal.
+    entropic_time: float = 0.0
+
+    @property
+    def collapse_rate(self) -> float:
+        """Entropic time per generated token."""
+        return self.entropic_time / len(self.token_ids) if self.token_ids else 0.0
 
     @property
     def finished(self) -> bool:

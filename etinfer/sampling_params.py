@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from etinfer.validation import check_float, check_int
+from etinfer.control.entropy import ESTIMATORS
+from etinfer.validation import check_choice, check_float, check_int
 
 # OpenAI's limit for top_logprobs; vLLM uses the same default cap.
 MAX_LOGPROBS = 20
+ENTROPY_CONTROLS = ("feedback", "lagged", "exact")
+# Feedback gain per nat of entropy error. The loop gain is this times the varentropy V at the
+# operating point; on SmolLM2-135M at 2 nats V is mostly 2-6 nats^2 (etinfer bench sampling),
+# so 0.25 keeps gain * V inside the stable range (0, 2) for nearly every step.
+DEFAULT_ENTROPY_GAIN = 0.25
 
 
 @dataclass
@@ -31,6 +38,29 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token (N <= 20)
     skip_special_tokens: bool = True
+
+    # Entropy-stabilised sampling, on when entropy_target (nats) is set; `temperature` is then
+    # the starting temperature. "feedback" is the paper's law in log-temperature, measuring the
+    # entropy at the carried-over temperature on this step's logits before sampling; "lagged" is
+    # the paper's literal ordering (measured on the sampled distribution, applied from the next
+    # step); "exact" solves H(softmax(z / T)) = target on each step's logits.
+    entropy_target: float | None = None
+    entropy_control: str = "feedback"
+    entropy_gain: float = DEFAULT_ENTROPY_GAIN
+    temperature_min: float = 0.1
+    temperature_max: float = 1.5  # high temperature wrecks accuracy: keep the ceiling sane
+    temperature_rate_limit: float = 0.5  # largest change of log T per step (feedback)
+    # How the entropy the controllers read is measured: "exact", "topk" (renormalised top-k) or
+    # "tail" (top-k with tail bounds; the midpoint).
+    entropy_estimator: str = "exact"
+    entropy_topk: int = 64
+
+    # Reference samplers, for comparison. Mirostat v2 (llama.cpp's rule; tau and mu in bits) and
+    # EDT: T = temperature * edt_base ** (edt_theta / H).
+    mirostat_tau: float | None = None
+    mirostat_eta: float = 0.1
+    edt_theta: float | None = None
+    edt_base: float = 0.8
 
     def __post_init__(self) -> None:
         self.temperature = check_float("temperature", self.temperature, low=0.0)
@@ -56,7 +86,67 @@ class SamplingParams:
         self.stop_token_ids = [check_int("stop_token_ids", t, low=0) for t in self.stop_token_ids]
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self._check_controllers()
+
+    def _check_controllers(self) -> None:
+        if self.entropy_target is not None:
+            self.entropy_target = check_float(
+                "entropy_target", self.entropy_target, low=0.0, low_open=True
+            )
+        check_choice("entropy_control", self.entropy_control, ENTROPY_CONTROLS)
+        self.entropy_gain = check_float("entropy_gain", self.entropy_gain, low=0.0, low_open=True)
+        self.temperature_min = check_float(
+            "temperature_min", self.temperature_min, low=0.0, low_open=True
+        )
+        self.temperature_max = check_float(
+            "temperature_max", self.temperature_max, low=self.temperature_min
+        )
+        self.temperature_rate_limit = check_float(
+            "temperature_rate_limit", self.temperature_rate_limit, low=0.0, low_open=True
+        )
+        check_choice("entropy_estimator", self.entropy_estimator, ESTIMATORS)
+        self.entropy_topk = check_int("entropy_topk", self.entropy_topk, low=1)
+        if self.mirostat_tau is not None:
+            self.mirostat_tau = check_float(
+                "mirostat_tau", self.mirostat_tau, low=0.0, low_open=True
+            )
+        self.mirostat_eta = check_float("mirostat_eta", self.mirostat_eta, low=0.0, low_open=True)
+        if self.edt_theta is not None:
+            self.edt_theta = check_float("edt_theta", self.edt_theta, low=0.0, low_open=True)
+        self.edt_base = check_float(
+            "edt_base", self.edt_base, low=0.0, high=1.0, low_open=True, high_open=True
+        )
+        chosen = [
+            name
+            for name in ("entropy_target", "mirostat_tau", "edt_theta")
+            if getattr(self, name) is not None
+        ]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} choose different samplers; set only one")
+        if chosen and self.greedy:
+            raise ValueError(
+                f"{chosen[0]} needs temperature > 0 (its starting or base temperature)"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def controller(self) -> str:
+        """How this request's temperature is set each step."""
+        if self.entropy_target is not None:
+            return self.entropy_control
+        if self.mirostat_tau is not None:
+            return "mirostat"
+        if self.edt_theta is not None:
+            return "edt"
+        return "fixed"
+
+    def initial_control_state(self) -> float | None:
+        """The controller's state before the first token: log T, or Mirostat's mu = 2 tau."""
+        if self.controller in ENTROPY_CONTROLS:
+            return math.log(min(max(self.temperature, self.temperature_min), self.temperature_max))
+        if self.controller == "mirostat":
+            return 2 * self.mirostat_tau
+        return None

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from etinfer.engine.sampler import Sampler, SamplingBatch, apply_filters, entropy_from_logprobs
+from etinfer.control.entropy import entropy
+from etinfer.engine.sampler import Sampler, SamplingBatch, apply_filters
 from etinfer.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -11,7 +12,8 @@ VOCAB = 50
 
 def batch(params, generators=None):
     generators = generators or [None] * len(params)
-    return SamplingBatch.build(params, generators, VOCAB, torch.device("cpu"))
+    states = [p.initial_control_state() for p in params]
+    return SamplingBatch.build(params, states, generators, VOCAB, torch.device("cpu"))
 
 
 def sampler(seed=0):
@@ -54,7 +56,7 @@ def test_tempered_entropy_is_that_of_the_sampled_distribution():
 
 def test_entropy_ignores_masked_entries():
     logp = torch.tensor([[0.0, -torch.inf, -torch.inf]])
-    assert entropy_from_logprobs(logp).item() == 0.0
+    assert entropy(logp).item() == 0.0
 
 
 def kept(z, params):

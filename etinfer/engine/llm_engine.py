@@ -7,11 +7,15 @@ outputs, stop strings).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence as Seq
 
+import torch
+
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS
+from etinfer.control.calibration import Calibration
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
@@ -35,6 +39,15 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         device, dtype = config.torch_device(), config.torch_dtype()
+        self.calibration = (
+            None if config.calibration is None else Calibration.load(config.calibration)
+        )
+        vocab = loaded.config.vocab_size
+        if self.calibration is not None and self.calibration.vocab_size != vocab:
+            raise ValueError(
+                f"{config.calibration}: calibrated for a vocabulary of "
+                f"{self.calibration.vocab_size} tokens, but this model has {vocab}"
+            )
         self.max_model_len = self._resolve_max_model_len(
             config, loaded.config.max_position_embeddings
         )
@@ -61,6 +74,9 @@ class LLMEngine:
             device=device,
             dtype=dtype,
             seed=config.seed,
+            calibration_temperature=1.0
+            if self.calibration is None
+            else self.calibration.temperature,
         )
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -166,6 +182,23 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return seq.output()
 
+    def score(self, prompt: Prompt) -> torch.Tensor:
+        """Logits [tokens, vocab] at every position of ``prompt`` in one prefill (teacher
+        forcing): row i is the distribution of token i + 1. Runs between steps, on free blocks."""
+        _, ids = self.encode_prompt(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}"
+            )
+        needed = self.kv.blocks_needed(len(ids))
+        if needed > self.kv.pool.num_free_blocks:
+            raise ValueError(f"scoring {len(ids)} tokens needs {needed} free KV blocks")
+        blocks = self.kv.pool.allocate(needed)
+        try:
+            return self.runner.score(ids, blocks)
+        finally:
+            self.kv.pool.free(blocks)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -209,6 +242,9 @@ class LLMEngine:
         seq.entropies.append(out.entropies[row])
         seq.tempered_entropies.append(out.tempered_entropies[row])
         seq.temperatures.append(out.temperatures[row])
+        seq.profile.update(out.signals[row])
+        if not math.isnan(out.states[row]):
+            seq.control_state = out.states[row]
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[row])
         if seq.metrics.first_token_time is None:

@@ -45,6 +45,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        calibration_temperature: float = 1.0,
     ) -> None:
         self.config = config
         self.device = device
@@ -62,7 +63,7 @@ class ModelRunner:
             config.head_dim,
             device,
         )
-        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+        self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
@@ -72,10 +73,29 @@ class ModelRunner:
         if not inputs.sample_seqs:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        params = [seq.params for seq in inputs.sample_seqs]
-        generators = [self._generator(seq) for seq in inputs.sample_seqs]
-        sampling = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
+        seqs = inputs.sample_seqs
+        sampling = SamplingBatch.build(
+            [seq.params for seq in seqs],
+            [seq.control_state for seq in seqs],
+            [self._generator(seq) for seq in seqs],
+            logits.shape[-1],
+            self.device,
+        )
         return inputs.sample_seqs, self.sampler(logits, sampling)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, prefilled into ``blocks``."""
+        positions = torch.arange(len(token_ids))
+        table = torch.tensor(blocks)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        mask = prefill_mask(0, len(token_ids), self.sliding_window, self.device)
+        meta = AttentionMetadata(
+            slots.to(self.device), 0, None, None, [PrefillChunk(0, len(token_ids), None, mask)]
+        )
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = self.model.forward(ids, positions.to(self.device), self.cache, meta)
+        return self.model.compute_logits(hidden)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         seqs, counts = batch.seqs, batch.num_tokens

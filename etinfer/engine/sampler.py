@@ -1,29 +1,69 @@
 """Turn one step's logits into tokens, batched on the device, and measure the entropy signal.
 
-Every row yields its token, the entropy of the model's distribution at temperature 1 (exact, in
-nats), the entropy of the distribution the token was drawn from, and the temperature used. All
-of it comes back to the host in one transfer per step.
+Every row yields its token and four numbers:
+
+- the entropy of the model's distribution at temperature 1 (exact, nats);
+- the entropy of the distribution the token was drawn from;
+- the temperature used;
+- the control signal: the model's entropy as the row's estimator measures it on calibrated
+  logits, which its entropy profile reads.
+
+A controlled row also yields its controller's next state. All of it comes back to the host in
+one transfer per step.
+
+A row's temperature comes from its request's controller (``SamplingParams.controller``):
+
+- fixed: the request's temperature;
+- feedback: ``exp(u)``, ``u`` first corrected by the law from the entropy measured on this step's
+  logits at the carried-over temperature (the engine has the logits before it samples, so the
+  law's measurement and its action fall in the same step);
+- lagged: the paper's literal ordering: ``exp(u)`` as carried over, ``u`` updated after sampling
+  from the entropy of the distribution sampled, acting from the next step;
+- exact: solved on this step's logits;
+- EDT: from this step's entropy;
+- Mirostat v2: the request's temperature, then a surprise truncation with state ``mu``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.entropy import entropy, estimate_entropy, tempered_entropy
+from etinfer.control.temperature import (
+    edt_temperature,
+    feedback_step,
+    mirostat_mask,
+    mirostat_update,
+    solve_log_temperature,
+)
 from etinfer.outputs import Logprob
-from etinfer.sampling_params import SamplingParams
+from etinfer.sampling_params import ENTROPY_CONTROLS, SamplingParams
+
+
+@dataclass
+class RowGroup:
+    """Rows sharing a controller, with their settings as device columns."""
+
+    rows: torch.Tensor  # indices into the batch
+    columns: dict[str, torch.Tensor]
+    # (estimator, k) -> positions within ``rows`` whose entropy that estimator measures
+    estimators: dict[tuple[str, int], torch.Tensor]
 
 
 @dataclass
 class SamplingBatch:
     """The sampling settings of the rows of one step, as device tensors."""
 
-    temperature: torch.Tensor  # [rows], 0 for greedy rows
+    temperature: torch.Tensor  # [rows], 0 for greedy rows; for controlled rows their current T
     top_k: torch.Tensor | None  # [rows], vocabulary size where off; None if no row filters
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
+    groups: dict[str, RowGroup]  # by controller, for those present (not "fixed")
+    estimators: dict[tuple[str, int], torch.Tensor]  # (estimator, k) -> rows measured that way
     all_greedy: bool
     num_logprobs: int | None  # the largest top-N asked for; None when no row asks
 
@@ -31,28 +71,70 @@ class SamplingBatch:
     def build(
         cls,
         params: list[SamplingParams],
+        states: list[float | None],
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        any_top_k = any(p.top_k for p in params)
-        any_top_p = any(p.top_p < 1.0 for p in params)
-        any_min_p = any(p.min_p > 0.0 for p in params)
+        temperature = [
+            math.exp(state) if p.controller in ENTROPY_CONTROLS else p.temperature
+            for p, state in zip(params, states, strict=True)
+        ]
+        groups = {}
+        for kind in (*ENTROPY_CONTROLS, "mirostat", "edt"):
+            rows = [i for i, p in enumerate(params) if p.controller == kind]
+            if rows:
+                picked = [params[i] for i in rows]
+                values = _columns(kind, picked, [states[i] for i in rows])
+                groups[kind] = RowGroup(
+                    column(rows, torch.int64),
+                    {name: column(v) for name, v in values.items()},
+                    {key: column(r, torch.int64) for key, r in _by_estimator(picked).items()},
+                )
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=column([p.temperature for p in params], torch.float32),
+            temperature=column(temperature),
             top_k=column([p.top_k or vocab_size for p in params], torch.int64)
-            if any_top_k
+            if any(p.top_k for p in params)
             else None,
-            top_p=column([p.top_p for p in params], torch.float32) if any_top_p else None,
-            min_p=column([p.min_p for p in params], torch.float32) if any_min_p else None,
+            top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+            min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             generators=generators,
+            groups=groups,
+            estimators={key: column(r, torch.int64) for key, r in _by_estimator(params).items()},
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max(asked) if asked else None,
         )
+
+
+def _by_estimator(params: list[SamplingParams]) -> dict[tuple[str, int], list[int]]:
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.entropy_estimator, p.entropy_topk), []).append(i)
+    return groups
+
+
+def _columns(
+    kind: str, params: list[SamplingParams], states: list[float | None]
+) -> dict[str, list]:
+    if kind in ENTROPY_CONTROLS:
+        return {
+            "target": [p.entropy_target for p in params],
+            "gain": [p.entropy_gain for p in params],
+            "u_min": [math.log(p.temperature_min) for p in params],
+            "u_max": [math.log(p.temperature_max) for p in params],
+            "max_step": [p.temperature_rate_limit for p in params],
+        }
+    if kind == "mirostat":
+        return {
+            "mu": states,
+            "tau": [p.mirostat_tau for p in params],
+            "eta": [p.mirostat_eta for p in params],
+        }
+    return {"theta": [p.edt_theta for p in params], "base": [p.edt_base for p in params]}
 
 
 @dataclass
@@ -95,15 +177,9 @@ class SamplerOutput:
     entropies: list[float]
     tempered_entropies: list[float]
     temperatures: list[float]
+    signals: list[float]  # the control signal: estimated entropy of the calibrated distribution
+    states: list[float]  # each row's next controller state (NaN for rows without one)
     logprobs: SampledLogprobs | None
-
-
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of each row's distribution, given its log-probabilities.
-
-    Masked entries (-inf) contribute nothing.
-    """
-    return -torch.where(logp > -torch.inf, logp.exp() * logp, 0.0).sum(-1)
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -126,43 +202,161 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def _measure(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` for a group's rows, each by its request's estimator."""
+    measured = torch.empty(logits.shape[0], device=logits.device)
+    for (estimator, k), positions in group.estimators.items():
+        measured[positions] = estimate_entropy(logits[positions], estimator, k)
+    return measured
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, calibration_temperature: float = 1.0) -> None:
         self.generator = generator  # for rows whose request gave no seed
+        # Post-hoc calibration (paper section 5): the control signal is the entropy of
+        # softmax(z / T_cal). It does not change what any request samples.
+        self.calibration_temperature = calibration_temperature
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logp = logits.log_softmax(-1)
-        entropy = entropy_from_logprobs(logp)
+        lse = logits.logsumexp(-1)
+        logp = logits - lse[:, None]
+        raw_entropy = entropy(logp)
+        signal = self._signal(logits, lse, raw_entropy, batch)
         greedy_tokens = logits.argmax(-1)
+        state = torch.full_like(raw_entropy, torch.nan)
         if batch.all_greedy:
-            tokens = greedy_tokens
-            tempered = torch.zeros_like(entropy)
-            temperature = batch.temperature
+            tokens, tempered, temperature = (
+                greedy_tokens,
+                torch.zeros_like(raw_entropy),
+                batch.temperature,
+            )
         else:
             greedy = batch.temperature == 0
-            temperature = torch.where(greedy, 1.0, batch.temperature)
-            tempered_logp = apply_filters(logits / temperature[:, None], batch).log_softmax(-1)
+            temperature = self.temperatures(logits, raw_entropy, batch, state)
+            scaled = apply_filters(logits / temperature[:, None], batch)
+            scaled = self._truncate(scaled, batch)
+            tempered_logp = scaled.log_softmax(-1)
             sampled = self._draw(tempered_logp.exp(), batch.generators)
             tokens = torch.where(greedy, greedy_tokens, sampled)
-            tempered = torch.where(greedy, 0.0, entropy_from_logprobs(tempered_logp))
+            self.advance_states(scaled, tempered_logp, tokens, temperature, batch, state)
+            tempered = torch.where(greedy, 0.0, entropy(tempered_logp))
             temperature = torch.where(greedy, 0.0, temperature)
-        logprobs = None
-        if batch.num_logprobs is not None:
-            token_logp = logp.gather(1, tokens[:, None])
-            top_logp, top_ids = logp.topk(batch.num_logprobs, dim=-1)
-            logprobs = SampledLogprobs(
-                token_logprob=token_logp[:, 0],
-                token_rank=(logp > token_logp).sum(-1) + 1,
-                top_ids=top_ids,
-                top_logprobs=top_logp,
-            )
+        logprobs = self._logprobs(logp, tokens, batch)
         # One host transfer for the per-row scalars (token ids are exact in float64).
         host = torch.stack(
-            [tokens.double(), entropy.double(), tempered.double(), temperature.double()]
+            [
+                tokens.double(),
+                raw_entropy.double(),
+                tempered.double(),
+                temperature.double(),
+                signal.double(),
+                state.double(),
+            ]
         )
-        ids, entropies, tempered_list, temperatures = host.tolist()
+        ids, entropies, tempered_list, temperatures, signals, states = host.tolist()
         return SamplerOutput(
-            [int(t) for t in ids], entropies, tempered_list, temperatures, logprobs
+            [int(t) for t in ids], entropies, tempered_list, temperatures, signals, states, logprobs
+        )
+
+    def _signal(self, logits, lse, raw_entropy, batch: SamplingBatch) -> torch.Tensor:
+        """Each row's entropy by its estimator, on calibrated logits."""
+        if self.calibration_temperature == 1.0 and all(e == "exact" for e, _ in batch.estimators):
+            return raw_entropy
+        calibrated = logits / self.calibration_temperature
+        signal = torch.empty_like(raw_entropy)
+        for (estimator, k), rows in batch.estimators.items():
+            signal[rows] = estimate_entropy(calibrated[rows], estimator, k)
+        return signal
+
+    @staticmethod
+    def temperatures(
+        logits: torch.Tensor,
+        raw_entropy: torch.Tensor,
+        batch: SamplingBatch,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's temperature for this step; controllers set before sampling write their
+        next state into ``state`` (feedback and exact: log T)."""
+        temperature = batch.temperature.clone()
+        if "feedback" in batch.groups:
+            group = batch.groups["feedback"]
+            rows, c = group.rows, group.columns
+            u = temperature[rows].log()
+            measured = _measure(logits[rows] / temperature[rows, None], group)
+            u = feedback_step(
+                u, measured, c["target"], c["gain"], c["u_min"], c["u_max"], c["max_step"]
+            )
+            temperature[rows] = u.exp()
+            state[rows] = u
+        if "exact" in batch.groups:
+            group = batch.groups["exact"]
+            rows, c = group.rows, group.columns
+            subset = logits[rows]
+            u = solve_log_temperature(
+                lambda u: tempered_entropy(subset, u),
+                c["target"],
+                c["u_min"],
+                c["u_max"],
+                temperature[rows].log(),
+            )
+            temperature[rows] = u.exp()
+            state[rows] = u  # the warm start of the next step's solve
+        if "edt" in batch.groups:
+            group = batch.groups["edt"]
+            rows, c = group.rows, group.columns
+            temperature[rows] = edt_temperature(
+                raw_entropy[rows], temperature[rows], c["theta"], c["base"]
+            )
+        return temperature
+
+    @staticmethod
+    def _truncate(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if "mirostat" not in batch.groups:
+            return scaled
+        group = batch.groups["mirostat"]
+        removed = mirostat_mask(scaled[group.rows].log_softmax(-1), group.columns["mu"])
+        scaled = scaled.clone()
+        scaled[group.rows] = scaled[group.rows].masked_fill(removed, -torch.inf)
+        return scaled
+
+    @staticmethod
+    def advance_states(
+        scaled: torch.Tensor,
+        tempered_logp: torch.Tensor,
+        tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        batch: SamplingBatch,
+        state: torch.Tensor,
+    ) -> None:
+        """Controllers whose state moves after sampling write it into ``state``: the lagged law
+        (from the distribution just sampled) and Mirostat (from the sampled token)."""
+        if "lagged" in batch.groups:
+            group = batch.groups["lagged"]
+            rows, c = group.rows, group.columns
+            measured = _measure(scaled[rows], group)  # the distribution just sampled from
+            u = temperature[rows].log()
+            state[rows] = feedback_step(
+                u, measured, c["target"], c["gain"], c["u_min"], c["u_max"], c["max_step"]
+            )
+        if "mirostat" in batch.groups:
+            group = batch.groups["mirostat"]
+            rows, c = group.rows, group.columns
+            sampled = tempered_logp[rows].gather(1, tokens[rows, None])[:, 0]
+            state[rows] = mirostat_update(c["mu"], sampled, c["tau"], c["eta"])
+
+    @staticmethod
+    def _logprobs(
+        logp: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+    ) -> SampledLogprobs | None:
+        if batch.num_logprobs is None:
+            return None
+        token_logp = logp.gather(1, tokens[:, None])
+        top_logp, top_ids = logp.topk(batch.num_logprobs, dim=-1)
+        return SampledLogprobs(
+            token_logprob=token_logp[:, 0],
+            token_rank=(logp > token_logp).sum(-1) + 1,
+            top_ids=top_ids,
+            top_logprobs=top_logp,
         )
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

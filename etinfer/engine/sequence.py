@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from etinfer.control.entropy_profile import EntropyProfile
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time)
         self.generator: torch.Generator | None = None  # set by the runner for seeded requests
+        self.profile = EntropyProfile()
+        self.control_state = params.initial_control_state()  # log T, or Mirostat's mu
 
     @property
     def num_tokens(self) -> int:
@@ -88,4 +91,5 @@ class Sequence:
             metrics=RequestMetrics(**vars(self.metrics)),
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
+            entropic_time=self.profile.entropic_time,
         )
