@@ -221,3 +221,14 @@ def test_profile_counts_only_reductions():
     assert profile.entropic_time == pytest.approx(2.0 + 1.5)
     assert profile.collapse_rate == pytest.approx(3.5 / 4)
     assert profile.expected_reduction == pytest.approx(((0.5 * 0.5 + 1.0) * 0.5 + 0.0) * 0.5 + 0.75)
+
+
+def test_masked_logits_are_left_out_at_every_temperature():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1)) * 2
+    masked = logits.clone()
+    masked[:, 40:] = -torch.inf
+    u = torch.tensor([0.3, -0.5])
+    h, v = tempered_entropy(masked, u)
+    h_ref, v_ref = tempered_entropy(logits[:, :40], u)
+    torch.testing.assert_close(h, h_ref)
+    torch.testing.assert_close(v, v_ref)

@@ -6,8 +6,9 @@ import argparse
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from etinfer.bench import speed
+    from etinfer.bench import sampling, speed
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     speed.add_command(kinds)
+    sampling.add_command(kinds)

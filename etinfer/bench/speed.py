@@ -24,43 +24,9 @@ from pathlib import Path
 
 import torch
 
+from etinfer.bench.prompts import TOPICS
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
-
-TOPICS = [
-    "the history of the printing press",
-    "how volcanoes form",
-    "a recipe for bread",
-    "the rules of chess",
-    "why leaves change colour",
-    "the life of honeybees",
-    "how a bicycle works",
-    "the water cycle",
-    "the invention of the telephone",
-    "a journey across the desert",
-    "the planets of the solar system",
-    "how to learn a language",
-    "the causes of tides",
-    "a day in a busy harbour",
-    "the structure of a cell",
-    "the first flight",
-    "how glass is made",
-    "the music of the baroque era",
-    "a lighthouse keeper's routine",
-    "how rainbows appear",
-    "the ancient city of Rome",
-    "the migration of birds",
-    "how computers store numbers",
-    "a winter in the mountains",
-    "the discovery of penicillin",
-    "how bridges carry weight",
-    "the deep ocean",
-    "a market in the morning",
-    "the speed of light",
-    "how tea is grown",
-    "the northern lights",
-    "an old library at night",
-]
 
 
 def prompts(n: int) -> list[str]:

@@ -35,25 +35,63 @@ def varentropy(logp: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tenso
     return (logp.exp() * centred.square()).sum(-1)
 
 
+@dataclass
+class Distribution:
+    probs: torch.Tensor  # [rows, vocab]
+    entropy: torch.Tensor  # [rows], exact, nats
+    top: torch.Tensor  # [rows], the most likely token
+    log_normalizer: torch.Tensor  # [rows], logsumexp of the logits
+
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits - self.log_normalizer[:, None]
+
+
+def softmax_entropy(logits: torch.Tensor, masked: bool = False) -> Distribution:
+    """Probabilities, exact entropy, argmax and log-normaliser of each row, in three passes over
+    the vocabulary (max, softmax, dot): the sampler's hot path.
+
+    ``H = (m - E[z]) - log p_max`` with ``m`` the largest logit: both terms are non-negative, so
+    nothing cancels even for a near-certain row. ``masked`` says the logits may hold -inf
+    (filtered tokens), which must not meet a zero probability in the dot product.
+    """
+    top_logit, top = logits.max(-1)
+    probs = logits.softmax(-1)
+    finite = torch.where(logits > -torch.inf, logits, 0.0) if masked else logits
+    log_top_p = probs.gather(1, top[:, None])[:, 0].log()
+    h = (top_logit - torch.linalg.vecdot(probs, finite)) - log_top_p
+    return Distribution(probs, h.clamp(min=0.0), top, top_logit - log_top_p)
+
+
+class TemperedEntropy:
+    """Entropy and varentropy of ``softmax(z / T)`` for one set of logits, at any ``u = log T``.
+
+    With ``b = 1/T`` and the logits shifted to a row maximum of 0: ``H = -b E[z] - log p_max``
+    and ``V = b^2 (E[z^2] - E[z]^2)`` under ``p_T``, so an evaluation is one softmax and two dot
+    products; what every evaluation shares is computed once here. Masked (-inf) logits keep zero
+    probability at every temperature and are left out of the moments.
+    """
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.shifted = logits - logits.amax(-1, keepdim=True)
+        self.finite = torch.where(self.shifted > -torch.inf, self.shifted, 0.0)
+        self.squares = self.finite.square()
+        self.top = self.shifted.argmax(-1, keepdim=True)
+
+    def __call__(self, log_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = torch.exp(-log_temperature)
+        probs = (self.shifted * beta[:, None]).softmax(-1)
+        mean = torch.linalg.vecdot(probs, self.finite)
+        mean_square = torch.linalg.vecdot(probs, self.squares)
+        h = -beta * mean - probs.gather(1, self.top)[:, 0].log()
+        v = beta.square() * (mean_square - mean.square()).clamp(min=0.0)
+        return h.clamp(min=0.0), v
+
+
 def tempered_entropy(
     logits: torch.Tensor, log_temperature: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy and varentropy of ``softmax(logits / T)`` per row, from moments of the logits.
-
-    With ``b = 1/T``: ``H = logsumexp(b z) - b E[z]`` and ``V = b^2 Var[z]`` under ``p_T``, which
-    takes fewer passes over the vocabulary than going through log-probabilities. The logits are
-    shifted to a row maximum of 0 first: both terms then stay small and do not cancel.
-    """
-    logits = logits - logits.amax(-1, keepdim=True)
-    beta = torch.exp(-log_temperature)[:, None]
-    scaled = logits * beta
-    lse = scaled.logsumexp(-1, keepdim=True)
-    p = (scaled - lse).exp()
-    finite = torch.where(logits > -torch.inf, logits, 0.0)
-    mean = (p * finite).sum(-1, keepdim=True)
-    h = lse[:, 0] - beta[:, 0] * mean[:, 0]
-    v = beta[:, 0].square() * (p * (finite - mean).square()).sum(-1)
-    return h, v
+    """Entropy and varentropy of ``softmax(logits / T)`` per row (see :class:`TemperedEntropy`)."""
+    return TemperedEntropy(logits)(log_temperature)
 
 
 @dataclass
@@ -99,7 +137,6 @@ def estimate_entropy(
 ) -> torch.Tensor:
     """Each row's entropy by the named estimator: ``exact``, ``topk`` or ``tail`` (midpoint)."""
     if estimator == "exact":
-        lse = logits.logsumexp(-1) if lse is None else lse
-        return entropy(logits - lse[:, None])
+        return softmax_entropy(logits, masked=True).entropy
     bounds = topk_bounds(logits, k, lse)
     return bounds.topk if estimator == "topk" else bounds.midpoint

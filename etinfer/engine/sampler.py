@@ -31,7 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from etinfer.control.entropy import entropy, estimate_entropy, tempered_entropy
+from etinfer.control.entropy import (
+    Distribution,
+    TemperedEntropy,
+    estimate_entropy,
+    softmax_entropy,
+)
 from etinfer.control.temperature import (
     edt_temperature,
     feedback_step,
@@ -65,6 +70,8 @@ class SamplingBatch:
     groups: dict[str, RowGroup]  # by controller, for those present (not "fixed")
     estimators: dict[tuple[str, int], torch.Tensor]  # (estimator, k) -> rows measured that way
     all_greedy: bool
+    untempered: bool  # every row samples softmax(logits) as is: temperature 1, no filters
+    masks: bool  # some row's sampled distribution has tokens removed (filters, Mirostat)
     num_logprobs: int | None  # the largest top-N asked for; None when no row asks
 
     @classmethod
@@ -106,8 +113,17 @@ class SamplingBatch:
             groups=groups,
             estimators={key: column(r, torch.int64) for key, r in _by_estimator(params).items()},
             all_greedy=all(p.greedy for p in params),
+            untempered=all(
+                p.controller == "fixed" and p.temperature in (0.0, 1.0) and not filters(p)
+                for p in params
+            ),
+            masks=any(filters(p) or p.controller == "mirostat" for p in params),
             num_logprobs=max(asked) if asked else None,
         )
+
+
+def filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _by_estimator(params: list[SamplingParams]) -> dict[tuple[str, int], list[int]]:
@@ -218,47 +234,37 @@ class Sampler:
         self.calibration_temperature = calibration_temperature
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        lse = logits.logsumexp(-1)
-        logp = logits - lse[:, None]
-        raw_entropy = entropy(logp)
-        signal = self._signal(logits, lse, raw_entropy, batch)
-        greedy_tokens = logits.argmax(-1)
-        state = torch.full_like(raw_entropy, torch.nan)
+        model = softmax_entropy(logits)
+        signal = self._signal(logits, model.entropy, batch)
+        state = torch.full_like(model.entropy, torch.nan)
         if batch.all_greedy:
-            tokens, tempered, temperature = (
-                greedy_tokens,
-                torch.zeros_like(raw_entropy),
-                batch.temperature,
-            )
+            tokens, temperature = model.top, batch.temperature
+            tempered = torch.zeros_like(model.entropy)
         else:
             greedy = batch.temperature == 0
-            temperature = self.temperatures(logits, raw_entropy, batch, state)
-            scaled = apply_filters(logits / temperature[:, None], batch)
-            scaled = self._truncate(scaled, batch)
-            tempered_logp = scaled.log_softmax(-1)
-            sampled = self._draw(tempered_logp.exp(), batch.generators)
-            tokens = torch.where(greedy, greedy_tokens, sampled)
-            self.advance_states(scaled, tempered_logp, tokens, temperature, batch, state)
-            tempered = torch.where(greedy, 0.0, entropy(tempered_logp))
+            temperature = self.temperatures(logits, model.entropy, batch, state)
+            if batch.untempered:  # every row samples the model's own distribution
+                scaled, sampled_from = logits, model
+            else:
+                scaled = apply_filters(logits / temperature[:, None], batch)
+                scaled = self._truncate(scaled, batch)
+                sampled_from = softmax_entropy(scaled, masked=batch.masks)
+            drawn = self._draw(sampled_from.probs, batch.generators)
+            tokens = torch.where(greedy, model.top, drawn)
+            self.advance_states(scaled, sampled_from, tokens, temperature, batch, state)
+            tempered = torch.where(greedy, 0.0, sampled_from.entropy)
             temperature = torch.where(greedy, 0.0, temperature)
-        logprobs = self._logprobs(logp, tokens, batch)
+        logprobs = self._logprobs(model.logprobs(logits), tokens, batch)
         # One host transfer for the per-row scalars (token ids are exact in float64).
-        host = torch.stack(
-            [
-                tokens.double(),
-                raw_entropy.double(),
-                tempered.double(),
-                temperature.double(),
-                signal.double(),
-                state.double(),
-            ]
-        )
-        ids, entropies, tempered_list, temperatures, signals, states = host.tolist()
+        columns = (tokens, model.entropy, tempered, temperature, signal, state)
+        ids, entropies, tempered_list, temperatures, signals, states = torch.stack(
+            [c.double() for c in columns]
+        ).tolist()
         return SamplerOutput(
             [int(t) for t in ids], entropies, tempered_list, temperatures, signals, states, logprobs
         )
 
-    def _signal(self, logits, lse, raw_entropy, batch: SamplingBatch) -> torch.Tensor:
+    def _signal(self, logits, raw_entropy, batch: SamplingBatch) -> torch.Tensor:
         """Each row's entropy by its estimator, on calibrated logits."""
         if self.calibration_temperature == 1.0 and all(e == "exact" for e, _ in batch.estimators):
             return raw_entropy
@@ -291,9 +297,8 @@ class Sampler:
         if "exact" in batch.groups:
             group = batch.groups["exact"]
             rows, c = group.rows, group.columns
-            subset = logits[rows]
             u = solve_log_temperature(
-                lambda u: tempered_entropy(subset, u),
+                TemperedEntropy(logits[rows]),
                 c["target"],
                 c["u_min"],
                 c["u_max"],
@@ -322,8 +327,8 @@ class Sampler:
     @staticmethod
     def advance_states(
         scaled: torch.Tensor,
-        tempered_logp: torch.Tensor,
-        tokens: torch.Tensor,
+        sampled_from: Distribution,
+        tokens: torch.Tensor | None,
         temperature: torch.Tensor,
         batch: SamplingBatch,
         state: torch.Tensor,
@@ -333,7 +338,7 @@ class Sampler:
         if "lagged" in batch.groups:
             group = batch.groups["lagged"]
             rows, c = group.rows, group.columns
-            measured = _measure(scaled[rows], group)  # the distribution just sampled from
+            measured = _measure(scaled[rows], group)
             u = temperature[rows].log()
             state[rows] = feedback_step(
                 u, measured, c["target"], c["gain"], c["u_min"], c["u_max"], c["max_step"]
@@ -341,7 +346,7 @@ class Sampler:
         if "mirostat" in batch.groups:
             group = batch.groups["mirostat"]
             rows, c = group.rows, group.columns
-            sampled = tempered_logp[rows].gather(1, tokens[rows, None])[:, 0]
+            sampled = sampled_from.probs[rows].gather(1, tokens[rows, None])[:, 0].log()
             state[rows] = mirostat_update(c["mu"], sampled, c["tau"], c["eta"])
 
     @staticmethod
@@ -360,13 +365,17 @@ class Sampler:
         )
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Sample each row by the exponential race: argmax p / E with E ~ Exp(1).
+        """Sample each row by inverting its cumulative distribution at one uniform draw.
 
-        Seeded rows draw their noise from their own generator, so their tokens do not depend on
-        what else is in the batch.
+        One random number per row: drawing one per vocabulary entry (the exponential race GPU
+        engines use) took 30 ms at batch 32 on the CPU, this takes under 1 ms. Seeded rows draw
+        from their own generator, so their tokens do not depend on what else is in the batch.
         """
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        uniform = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device)
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return (probs / noise).argmax(-1)
+                uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+        cdf = probs.cumsum(-1)
+        # 1 - u lies in (0, 1], so the first index reaching it has a nonzero probability.
+        chosen = torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:])
+        return chosen[:, 0].clamp(max=probs.shape[-1] - 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from etinfer.control.entropy import entropy
+from etinfer.control.entropy import softmax_entropy
 from etinfer.engine.sampler import Sampler, SamplingBatch
 from etinfer.sampling_params import SamplingParams
 
@@ -51,15 +51,15 @@ class EntropyTemperatureProcessor(LogitsProcessor):
             [self.params] * rows, self._states, [None] * rows, logits.shape[-1], logits.device
         )
         state = torch.full((rows,), torch.nan, device=logits.device)
-        raw_entropy = entropy(logits.log_softmax(-1))
-        temperature = Sampler.temperatures(logits, raw_entropy, batch, state)
+        # Processors that ran before this one may have put -inf into the scores.
+        model_entropy = softmax_entropy(logits, masked=True).entropy
+        temperature = Sampler.temperatures(logits, model_entropy, batch, state)
         scaled = logits / temperature[:, None]
-        tempered_logp = scaled.log_softmax(-1)
-        Sampler.advance_states(scaled, tempered_logp, None, temperature, batch, state)
+        sampled_from = softmax_entropy(scaled, masked=True)
+        Sampler.advance_states(scaled, sampled_from, None, temperature, batch, state)
         self._states = state.tolist()
-        for row, (t, h) in enumerate(
-            zip(temperature.tolist(), entropy(tempered_logp).tolist(), strict=True)
-        ):
+        applied = zip(temperature.tolist(), sampled_from.entropy.tolist(), strict=True)
+        for row, (t, h) in enumerate(applied):
             self.temperatures[row].append(t)
             self.tempered_entropies[row].append(h)
         return scaled.to(scores.dtype)
