@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etinfer.control.entropy import entropy
 from etinfer.engine.sampler import Sampler, SamplingBatch, apply_filters
@@ -150,3 +152,38 @@ def test_logprobs_add_a_sampled_token_outside_the_top_n_with_its_rank():
     (entry,) = out.logprobs.to_host(out.token_ids, [1], str)
     token = out.token_ids[0]
     assert entry[token].rank == token + 1
+
+
+def reference_removed(logits, top_k, top_p):
+    """Top-k then top-p on a full sort, the plain way (as transformers orders them)."""
+    order = logits.argsort(descending=True)
+    sorted_logits = logits[order]
+    removed = torch.arange(logits.numel()) >= top_k
+    probs = sorted_logits.masked_fill(removed, -torch.inf).softmax(-1)
+    if top_p < 1:
+        removed |= (probs.cumsum(-1) - probs) >= top_p
+    return torch.zeros_like(removed).scatter(0, order, removed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(300, 3000),
+    st.lists(
+        st.tuples(st.integers(0, 400), st.sampled_from([1.0, 0.999, 0.95, 0.5, 0.05])),
+        min_size=6,
+        max_size=6,
+    ),
+    st.floats(0.05, 4.0),
+    st.integers(0, 2**31),
+)
+def test_filters_on_candidates_equal_a_full_sort(rows, vocab, settings_, scale, seed):
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings_[:rows]]
+    filtered = apply_filters(
+        logits,
+        SamplingBatch.build(params, [None] * rows, [None] * rows, vocab, torch.device("cpu")),
+    )
+    for i, p in enumerate(params):
+        expected = reference_removed(logits[i], p.top_k or vocab, p.top_p)
+        assert torch.equal(filtered[i] == -torch.inf, expected), (p.top_k, p.top_p)

@@ -47,6 +47,9 @@ from etinfer.control.temperature import (
 from etinfer.outputs import Logprob
 from etinfer.sampling_params import ENTROPY_CONTROLS, SamplingParams
 
+# Top-k / top-p decide on this many of the largest logits (more when a top_k asks for more).
+TOP_CANDIDATES = 256
+
 
 @dataclass
 class RowGroup:
@@ -64,6 +67,7 @@ class SamplingBatch:
 
     temperature: torch.Tensor  # [rows], 0 for greedy rows; for controlled rows their current T
     top_k: torch.Tensor | None  # [rows], vocabulary size where off; None if no row filters
+    candidates: int  # how many of the largest logits top-k / top-p decide on
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
@@ -107,6 +111,7 @@ class SamplingBatch:
             top_k=column([p.top_k or vocab_size for p in params], torch.int64)
             if any(p.top_k for p in params)
             else None,
+            candidates=min(vocab_size, max(TOP_CANDIDATES, *(p.top_k for p in params))),
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             generators=generators,
@@ -201,21 +206,61 @@ class SamplerOutput:
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask (-inf) what top-k, then top-p, then min-p remove; each row keeps its top token."""
     if batch.top_k is not None or batch.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        removed = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if batch.top_k is not None:
-            ranks = torch.arange(logits.shape[-1], device=logits.device)
-            removed |= ranks >= batch.top_k[:, None]
-        if batch.top_p is not None:
-            probs = sorted_logits.masked_fill(removed, -torch.inf).softmax(-1)
-            mass_before = probs.cumsum(-1) - probs
-            removed |= mass_before >= batch.top_p[:, None]
-        logits = logits.masked_fill(removed.scatter(-1, order, removed), -torch.inf)
+        logits = logits.masked_fill(_top_removed(logits, batch), -torch.inf)
     if batch.min_p is not None:
         probs = logits.softmax(-1)
         threshold = batch.min_p[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, -torch.inf)
     return logits
+
+
+def _top_removed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Tokens top-k and top-p remove, deciding on the ``batch.candidates`` largest logits.
+
+    A full sort of the vocabulary took 56 ms at batch 32 on the CPU, the top 256 about 2.5 ms;
+    the cut almost always falls among them. A row whose cut does not (top-p over a flat
+    distribution) is decided on a full sort instead.
+    """
+    rows, vocab = logits.shape
+    top_k = (
+        batch.top_k if batch.top_k is not None else torch.full((rows,), vocab, device=logits.device)
+    )
+    top_p = batch.top_p if batch.top_p is not None else torch.ones(rows, device=logits.device)
+    values, order = logits.topk(batch.candidates, dim=-1)
+    removed, decided = _cut(values, top_k, top_p, logits.logsumexp(-1))
+    full = torch.ones_like(logits, dtype=torch.bool).scatter_(1, order, removed)
+    full[(top_k >= vocab) & (top_p >= 1)] = False  # rows that do not filter
+    undecided = ~decided & ((top_k < vocab) | (top_p < 1))
+    if batch.candidates < vocab and bool(undecided.any()):
+        values, order = logits[undecided].sort(dim=-1, descending=True)
+        removed, _ = _cut(values, top_k[undecided], top_p[undecided], None)
+        full[undecided] = removed.scatter(1, order, removed)
+    return full
+
+
+def _cut(
+    values: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_normalizer: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On each row's largest logits in descending order: which top-k then top-p remove, and
+    whether that decides the row (nothing beyond these logits can be kept).
+
+    Top-p measures mass after top-k, as transformers does: when top-k confines the row to these
+    logits they are renormalised among themselves; otherwise ``log_normalizer`` (the whole row's)
+    applies. ``None`` means the values are the whole row.
+    """
+    count = values.shape[-1]
+    ranks = torch.arange(count, device=values.device)
+    removed = ranks >= top_k[:, None]
+    confined = top_k <= count
+    kept_norm = values.masked_fill(removed, -torch.inf).logsumexp(-1)
+    norm = kept_norm if log_normalizer is None else torch.where(confined, kept_norm, log_normalizer)
+    probs = (values - norm[:, None]).exp().masked_fill(removed, 0.0)
+    # top_p = 1 keeps everything: do not let a cumulative sum that rounds past 1 cut the tail.
+    removed |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+    return removed, confined | (probs.sum(-1) >= top_p)
 
 
 def _measure(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
