@@ -56,7 +56,8 @@ class SamplingParams:
     entropy_topk: int = 64
 
     # Reference samplers, for comparison. Mirostat v2 (llama.cpp's rule; tau and mu in bits) and
-    # EDT: T = temperature * edt_base ** (edt_theta / H).
+    # EDT: T = temperature * edt_base ** (edt_theta / H), kept within the temperature bounds (the
+    # published rule has none, and underflows to T = 0 on a near-certain step).
     mirostat_tau: float | None = None
     mirostat_eta: float = 0.1
     edt_theta: float | None = None

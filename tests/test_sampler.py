@@ -155,14 +155,18 @@ def test_logprobs_add_a_sampled_token_outside_the_top_n_with_its_rank():
 
 
 def reference_removed(logits, top_k, top_p):
-    """Top-k then top-p on a full sort, the plain way (as transformers orders them)."""
+    """Top-k then top-p on a full sort, the plain way (as transformers orders them), in float64;
+    also which tokens sit on the top-p boundary (mass before them within rounding of top_p)."""
     order = logits.argsort(descending=True)
-    sorted_logits = logits[order]
+    sorted_logits = logits[order].double()
     removed = torch.arange(logits.numel()) >= top_k
     probs = sorted_logits.masked_fill(removed, -torch.inf).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    boundary = (mass_before - top_p).abs() < 1e-5
     if top_p < 1:
-        removed |= (probs.cumsum(-1) - probs) >= top_p
-    return torch.zeros_like(removed).scatter(0, order, removed)
+        removed |= mass_before >= top_p
+    unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    return removed[unsort], boundary[unsort]
 
 
 @settings(max_examples=150, deadline=None)
@@ -185,5 +189,33 @@ def test_filters_on_candidates_equal_a_full_sort(rows, vocab, settings_, scale, 
         SamplingBatch.build(params, [None] * rows, [None] * rows, vocab, torch.device("cpu")),
     )
     for i, p in enumerate(params):
-        expected = reference_removed(logits[i], p.top_k or vocab, p.top_p)
-        assert torch.equal(filtered[i] == -torch.inf, expected), (p.top_k, p.top_p)
+        expected, boundary = reference_removed(logits[i], p.top_k or vocab, p.top_p)
+        differs = (filtered[i] == -torch.inf) != expected
+        assert not (differs & ~boundary).any(), (p.top_k, p.top_p)
+
+
+@pytest.mark.parametrize(
+    "settings_",
+    [
+        {"edt_theta": 1.0},
+        {"mirostat_tau": 5.0},
+        {"min_p": 0.1},
+        {"top_p": 0.5},
+        {"entropy_target": 2.0},
+        {"entropy_target": 2.0, "entropy_control": "lagged"},
+        {"entropy_target": 2.0, "entropy_control": "exact"},
+    ],
+)
+def test_a_near_certain_step_stays_finite_under_every_sampler(settings_):
+    z = torch.zeros(1, VOCAB)
+    z[0, 3] = 60.0
+    params = SamplingParams(**settings_)
+    out = sampler()(
+        z,
+        SamplingBatch.build(
+            [params], [params.initial_control_state()], [None], VOCAB, torch.device("cpu")
+        ),
+    )
+    assert out.token_ids == [3]
+    assert all(math.isfinite(x) for x in out.tempered_entropies + out.temperatures + out.entropies)
+    assert params.temperature_min <= out.temperatures[0] <= params.temperature_max

@@ -53,18 +53,25 @@ ESTIMATOR_KS = (16, 64, 256)
 
 
 def run_samplers(
-    llm: LLM, prompts: list[list[int]], max_tokens: int, seed: int
+    llm: LLM, prompts: list[list[int]], max_tokens: int, seed: int, record: Path
 ) -> dict[str, list[RequestOutput]]:
+    """Generate with every sampler; each one's generations are appended to ``record`` (JSON
+    lines) as soon as it finishes, so a long run leaves its data behind whatever follows."""
+    fields = ("token_ids", "entropies", "tempered_entropies", "temperatures")
     results = {}
-    for name, settings in SAMPLERS.items():
-        start = time.perf_counter()
-        results[name] = llm.generate(
-            prompts, SamplingParams(max_tokens=max_tokens, seed=seed, **settings)
-        )
-        tokens = sum(len(o.token_ids) for o in results[name])
-        print(
-            f"  {name:28s} {tokens:7d} tokens in {time.perf_counter() - start:6.1f} s", flush=True
-        )
+    with record.open("w") as file:
+        for name, settings in SAMPLERS.items():
+            start = time.perf_counter()
+            params = SamplingParams(max_tokens=max_tokens, seed=seed, **settings)
+            results[name] = llm.generate(prompts, params)
+            tokens = sum(len(o.token_ids) for o in results[name])
+            elapsed = time.perf_counter() - start
+            print(f"  {name:28s} {tokens:7d} tokens in {elapsed:6.1f} s", flush=True)
+            for o in results[name]:
+                file.write(
+                    json.dumps({"sampler": name} | {f: getattr(o, f) for f in fields}) + "\n"
+                )
+            file.flush()
     return results
 
 
@@ -291,7 +298,9 @@ def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
         f"{len(prompts)} prompts x up to {args.max_tokens} tokens, {len(SAMPLERS)} samplers",
         flush=True,
     )
-    results = run_samplers(llm, prompts, args.max_tokens, args.seed)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = run_samplers(llm, prompts, args.max_tokens, args.seed, out_dir / "generations.jsonl")
     logits = generated_logits(llm, results["fixed T=1.0"], args.fidelity_positions)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -301,8 +310,6 @@ def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
         "overhead": estimator_overhead(llm, logits, tuple(args.overhead_batches)),
         "fidelity": estimator_fidelity(logits),
     }
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sampling.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
     (out_dir / "sampling.md").write_text(table + "\n")

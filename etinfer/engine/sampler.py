@@ -155,7 +155,12 @@ def _columns(
             "tau": [p.mirostat_tau for p in params],
             "eta": [p.mirostat_eta for p in params],
         }
-    return {"theta": [p.edt_theta for p in params], "base": [p.edt_base for p in params]}
+    return {
+        "theta": [p.edt_theta for p in params],
+        "base": [p.edt_base for p in params],
+        "t_min": [p.temperature_min for p in params],
+        "t_max": [p.temperature_max for p in params],
+    }
 
 
 @dataclass
@@ -354,9 +359,9 @@ class Sampler:
         if "edt" in batch.groups:
             group = batch.groups["edt"]
             rows, c = group.rows, group.columns
-            temperature[rows] = edt_temperature(
-                raw_entropy[rows], temperature[rows], c["theta"], c["base"]
-            )
+            # EDT's rule is unbounded: on a near-certain step N^(theta / H) underflows to 0.
+            edt = edt_temperature(raw_entropy[rows], temperature[rows], c["theta"], c["base"])
+            temperature[rows] = torch.minimum(torch.maximum(edt, c["t_min"]), c["t_max"])
         return temperature
 
     @staticmethod
