@@ -1,8 +1,18 @@
 """etinfer: an LLM inference engine in which predictive entropy is a first-class control signal."""
 
-from etinfer.config import EngineConfig
+from etinfer.config import ControlConfig, EngineConfig
+from etinfer.control.block_selection import PruningConfig
 from etinfer.llm import LLM
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "ControlConfig",
+    "EngineConfig",
+    "Logprob",
+    "PruningConfig",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

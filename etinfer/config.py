@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from etinfer.control.block_selection import BLOCK_SELECTORS
+from etinfer.control.block_selection import PruningConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Which entropy control layers are on, engine-wide.
+
+    - sampling: requests that choose no temperature controller of their own (and are not greedy)
+      sample with ``entropy_target``, by the feedback law.
+    - pruning: decode attention keeps only the blocks the entropic selector picks; ``True`` uses
+      the default ``PruningConfig``.
+
+    The scheduling layer joins these when its policy lands; until then scheduling is FCFS.
+    """
+
+    sampling: bool = False
+    pruning: bool | PruningConfig = False
+    entropy_target: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
+
+    @classmethod
+    def baseline(cls) -> ControlConfig:
+        """Fixed scheduling, dense attention, fixed temperature."""
+        return cls()
+
+    @classmethod
+    def full(cls) -> ControlConfig:
+        """Every control layer on, with its defaults."""
+        return cls(sampling=True, pruning=True)
+
+    @property
+    def pruning_config(self) -> PruningConfig | None:
+        if self.pruning is True:
+            return PruningConfig()
+        return self.pruning or None
 
 
 @dataclass
@@ -35,9 +71,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    block_selector: str = "dense"
     seed: int = 0
     calibration: str | None = None  # a file from `etinfer calibrate`: rescales the control signal
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -58,7 +94,8 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
         SCHEDULING_POLICIES.check(self.scheduling_policy)
-        BLOCK_SELECTORS.check(self.block_selector)
+        if not isinstance(self.control, ControlConfig):
+            raise ValueError(f"control must be a ControlConfig, got {self.control!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from etinfer.control.entropy import (
+    TemperedEntropy,
     entropy,
     estimate_entropy,
     tempered_entropy,
@@ -91,7 +92,7 @@ def test_moment_formulas_match_log_probabilities(logits, u):
 
 
 def entropy_at(logits):
-    return lambda u: tempered_entropy(logits, u)
+    return TemperedEntropy(logits)
 
 
 @settings(max_examples=200, deadline=None)
@@ -232,3 +233,21 @@ def test_masked_logits_are_left_out_at_every_temperature():
     h_ref, v_ref = tempered_entropy(logits[:, :40], u)
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(v, v_ref)
+
+
+def test_solver_in_a_batch_of_mixed_difficulty_hits_every_row():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 500, generator=gen) * torch.linspace(0.05, 8.0, 64)[:, None]
+    u_min, u_max = torch.full((64,), math.log(0.1)), torch.full((64,), math.log(5.0))
+    target = torch.rand(64, generator=gen) * 5
+    u = solve_log_temperature(
+        entropy_at(logits), target, u_min, u_max, torch.randn(64, generator=gen)
+    )
+    h = entropy((logits.double() / u.exp()[:, None].double()).log_softmax(-1))
+    low = entropy((logits.double() / 0.1).log_softmax(-1))
+    high = entropy((logits.double() / 5.0).log_softmax(-1))
+    reachable = (target > low) & (target < high)
+    assert reachable.sum() > 20
+    assert ((h - target).abs()[reachable] < 1e-3).all()
+    assert torch.allclose(u[target <= low], u_min[target <= low])
+    assert torch.allclose(u[target >= high], u_max[target >= high])

@@ -11,6 +11,7 @@ from etinfer.model.paged_attention import (
     PrefillChunk,
     build_decode_pattern,
     prefill_mask,
+    visible_blocks,
 )
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -55,9 +56,8 @@ def decode(attention, cache, tables, lengths, q, window=None):
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     blocks = DecodeBlocks(padded, torch.tensor(lengths), BLOCK)
-    pattern = build_decode_pattern(
-        blocks, KV_HEADS, HEADS // KV_HEADS, cache.num_slots, sliding_window=window
-    )
+    visible = visible_blocks(blocks, KV_HEADS, None, window)
+    pattern = build_decode_pattern(blocks, visible, HEADS // KV_HEADS, cache.num_slots, window)
     # The new tokens' keys are already in the cache, so write them back unchanged.
     last = torch.tensor(
         [
@@ -96,12 +96,12 @@ def test_decode_matches_dense_reference_for_mixed_lengths(window):
 
 
 class KeepAll(BlockSelector):
-    def select(self, layer, query, blocks):
+    def select(self, layer, query, blocks, summaries):
         return torch.ones(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
 
 
 class KeepFirstBlock(BlockSelector):
-    def select(self, layer, query, blocks):
+    def select(self, layer, query, blocks, summaries):
         mask = torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
         mask[:, :, 0] = True
         return mask
@@ -117,7 +117,7 @@ def test_selector_keeping_every_block_equals_dense_exactly():
 
 
 class KeepNothing(BlockSelector):
-    def select(self, layer, query, blocks):
+    def select(self, layer, query, blocks, summaries):
         return torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
 
 
@@ -149,7 +149,8 @@ def test_selector_mask_restricts_what_is_read():
 def test_pattern_rows_list_each_heads_context_slots():
     blocks = DecodeBlocks(torch.tensor([[3, 1], [2, 0]]), torch.tensor([6, 2]), BLOCK)
     num_slots = 4 * BLOCK
-    pattern = build_decode_pattern(blocks, KV_HEADS, HEADS // KV_HEADS, num_slots)
+    visible = visible_blocks(blocks, KV_HEADS)
+    pattern = build_decode_pattern(blocks, visible, HEADS // KV_HEADS, num_slots)
     assert pattern.crow.diff().tolist() == [6] * HEADS + [2] * HEADS
     assert pattern.cols[:6].tolist() == [12, 13, 14, 15, 4, 5]  # sequence 0, head 0 (KV head 0)
     last_row = pattern.cols[-2:].tolist()  # sequence 1, the last head reads KV head 1

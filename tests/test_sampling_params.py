@@ -43,7 +43,7 @@ def test_valid_params_are_normalised():
         ("dtype", "float64", "dtype must be one of"),
         ("device", "tpu", "device must be"),
         ("scheduling_policy", "lottery", "unknown scheduling policy 'lottery'; known: fcfs"),
-        ("block_selector", "random", "unknown block selector 'random'; known: dense"),
+        ("control", "full", "control must be a ControlConfig"),
         ("num_kvcache_blocks", 0, "num_kvcache_blocks"),
     ],
 )

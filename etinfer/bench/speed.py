@@ -19,6 +19,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,8 +96,11 @@ def decode_budget(batch: int, context: int, steps: int, chunk: int) -> int:
     return -(-batch * context // chunk) + batch + steps + 2
 
 
-def ours_decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float:
-    """Median time of ``steps`` steps in which all ``batch`` sequences decode."""
+def ours_decode_step_ms(
+    llm: LLM, batch: int, context: int, steps: int, on_step: Callable[[], None] | None = None
+) -> float:
+    """Median time of ``steps`` steps in which all ``batch`` sequences decode; ``on_step`` runs
+    after each of them (to read the engine's telemetry)."""
     engine = llm.engine
     budget = decode_budget(batch, context, steps, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
@@ -111,6 +115,8 @@ def ours_decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float
         engine.step()
         if decoding:
             times.append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step()
     for request_id in request_ids:
         engine.abort_request(request_id)
     return statistics.median(times) * 1000

@@ -1,19 +1,88 @@
-"""Which KV-cache blocks each decoding sequence attends to (the paper's meso scale).
+"""Which KV-cache blocks each decoding sequence attends to (the paper's meso scale, section 3.2).
 
 A selector sees one layer's decode queries and the paged layout of their contexts and answers
 with a mask of kept blocks per sequence and KV head, or ``None`` for all of them. The attention
-backend turns the answer into the set of cache slots it reads, so a selector that keeps fewer
-blocks makes attention compute less, not just mask more.
+backend turns the answer into the set of cache slots it reads, so keeping fewer blocks makes
+attention compute less, not just mask more.
+
+The entropic selector ranks blocks by a cheap contribution score and keeps a budget that follows
+the sequence's entropy regime (low entropy: fewer blocks). The paper's score is
+``I_b = sum_{i in b} a_i s(v_i)``; computing the weights ``a_i`` exactly costs the attention it is
+meant to save, so two proxies are offered:
+
+- ``bound``: per-channel key bounds ``m <= k <= M`` of the block give ``q.k <= sum_c max(q_c M_c,
+  q_c m_c)`` for every key in it (Quest), an upper bound on each score, at O(head_dim) a block;
+- ``mass``: the attention mass the block received the last time it was attended to (``s = 1``:
+  the paper does not define a computable value surprisal), refreshed by a dense step every
+  ``refresh_interval`` steps.
+
+Guards, all from the paper's sections 3.3 and 5:
+
+- the entropy floor ``H_prune = max(H_upper, H_floor)``, where ``H_upper`` is the upper side of
+  the estimate;
+- a minimum budget of blocks; budgets never round down to zero;
+- the sink block and the most recent blocks are always kept, and so is the current token's block
+  (the backend adds it);
+- dense attention below a minimum context length and in the first layers;
+- a rate limit: a budget may grow at once but shrinks by at most a fraction per step.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from etinfer.control.registry import Registry
+from etinfer.validation import check_choice, check_float, check_int
+
+SCORERS = ("bound", "mass")
+
+
+@dataclass(frozen=True)
+class PruningConfig:
+    scorer: str = "bound"
+    min_context: int = 1024  # tokens; shorter contexts attend densely
+    dense_layers: int = 2  # the first layers stay dense (Quest keeps two; measured here too)
+    min_blocks: int = 8
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+    entropy_floor: float = 0.5  # nats
+    entropy_high: float = 4.0  # at and above it the budget is budget_high
+    budget_low: float = 0.125  # fraction of blocks kept at (or below) the floor
+    budget_high: float = 0.5
+    max_shrink: float = 0.25  # a budget loses at most this fraction per step
+    refresh_interval: int = 16  # mass scorer: a dense step this often
+
+    def __post_init__(self) -> None:
+        check_choice("scorer", self.scorer, SCORERS)
+        check_int("min_context", self.min_context, low=0)
+        check_int("dense_layers", self.dense_layers, low=0)
+        check_int("min_blocks", self.min_blocks, low=1)
+        check_int("sink_blocks", self.sink_blocks, low=0)
+        check_int("recent_blocks", self.recent_blocks, low=0)
+        check_float("entropy_floor", self.entropy_floor, low=0.0)
+        check_float("entropy_high", self.entropy_high, low=self.entropy_floor, low_open=True)
+        check_float("budget_low", self.budget_low, low=0.0, high=1.0, low_open=True)
+        check_float("budget_high", self.budget_high, low=self.budget_low, high=1.0)
+        check_float("max_shrink", self.max_shrink, low=0.0, high=1.0)
+        check_int("refresh_interval", self.refresh_interval, low=1)
+
+
+def block_budget(
+    entropy: float, num_blocks: int, previous: int | None, config: PruningConfig
+) -> int:
+    """How many blocks a sequence keeps this step, from its conservative entropy estimate."""
+    h = max(entropy, config.entropy_floor)
+    span = config.entropy_high - config.entropy_floor
+    weight = min(1.0, (h - config.entropy_floor) / span)
+    fraction = config.budget_low + (config.budget_high - config.budget_low) * weight
+    budget = max(config.min_blocks, math.ceil(fraction * num_blocks))
+    if previous is not None:
+        budget = max(budget, math.ceil(previous * (1 - config.max_shrink)))
+    return min(budget, num_blocks)
 
 
 @dataclass
@@ -23,11 +92,31 @@ class DecodeBlocks:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids (padding past the end)
     context_lens: torch.Tensor  # [num_seqs] tokens in context, the current one included
     block_size: int
+    budgets: torch.Tensor | None = None  # [num_seqs] blocks each sequence keeps this step
+    refresh: torch.Tensor | None = None  # [num_seqs] attend densely this step (mass scorer)
+
+
+@dataclass
+class BlockSummaries:
+    """What a layer's cache keeps per block for scoring, indexed by block id."""
+
+    key_min: torch.Tensor  # [kv_heads, num_blocks, head_dim]
+    key_max: torch.Tensor
+    mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
 
 
 class BlockSelector(ABC):
+    needs_summaries = False  # the cache keeps key bounds and masses per block for it
+    observes_mass = False  # attention records each attended block's mass for it
+
     @abstractmethod
-    def select(self, layer: int, query: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor | None:
+    def select(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        blocks: DecodeBlocks,
+        summaries: BlockSummaries | None,
+    ) -> torch.Tensor | None:
         """Return a bool mask [num_seqs, num_kv_heads, max_blocks] of blocks to attend to,
         or None to attend to every block. ``query`` is [num_seqs, num_heads, head_dim]."""
 
@@ -37,5 +126,59 @@ BLOCK_SELECTORS: Registry[BlockSelector] = Registry("block selector")
 
 @BLOCK_SELECTORS.register("dense")
 class DenseSelector(BlockSelector):
-    def select(self, layer: int, query: torch.Tensor, blocks: DecodeBlocks) -> None:
+    def select(self, layer, query, blocks, summaries) -> None:
         return None
+
+
+@BLOCK_SELECTORS.register("entropic")
+class EntropicSelector(BlockSelector):
+    needs_summaries = True
+
+    def __init__(self, config: PruningConfig | None = None) -> None:
+        self.config = config or PruningConfig()
+        self.observes_mass = self.config.scorer == "mass"
+
+    def select(self, layer, query, blocks, summaries) -> torch.Tensor | None:
+        config = self.config
+        if layer < config.dense_layers or blocks.budgets is None:
+            return None
+        lens, bs = blocks.context_lens, blocks.block_size
+        if bool((lens < config.min_context).all()):
+            return None
+        counts = (lens + bs - 1) // bs  # blocks in each context
+        positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
+        exists = positions < counts[:, None]  # [seqs, max_blocks]
+        scores = self._scores(query, blocks, summaries)  # [seqs, kv_heads, max_blocks]
+        forced = (positions < config.sink_blocks) | (
+            positions >= counts[:, None] - config.recent_blocks
+        )
+        scores = scores.masked_fill(forced[:, None, :], torch.inf)
+        scores = scores.masked_fill(~exists[:, None, :], -torch.inf)
+        ranks = scores.argsort(-1, descending=True).argsort(-1)
+        dense = lens < config.min_context
+        if blocks.refresh is not None:
+            dense |= blocks.refresh
+        budget = torch.where(dense, counts, blocks.budgets)
+        return (ranks < budget[:, None, None]) & exists[:, None, :]
+
+    def _scores(self, query, blocks, summaries: BlockSummaries) -> torch.Tensor:
+        tables = blocks.block_tables
+        if self.config.scorer == "mass":
+            return summaries.mass[:, tables].permute(1, 0, 2)
+        return key_bound_scores(query, summaries, tables).amax(2)
+
+
+def key_bound_scores(
+    query: torch.Tensor, summaries: BlockSummaries, tables: torch.Tensor
+) -> torch.Tensor:
+    """Upper bounds of ``q.k`` over each block, per query head: [seqs, kv_heads, group, blocks].
+
+    ``sum_c max(q_c M_c, q_c m_c) = q+ . M + q- . m`` with ``q+``/``q-`` the positive/negative
+    parts of the query.
+    """
+    seqs, heads, dim = query.shape
+    kv_heads = summaries.key_min.shape[0]
+    q = query.view(seqs, kv_heads, heads // kv_heads, dim)
+    top = summaries.key_max[:, tables].permute(1, 0, 3, 2)  # [seqs, kv_heads, dim, blocks]
+    bottom = summaries.key_min[:, tables].permute(1, 0, 3, 2)
+    return q.clamp(min=0) @ top + q.clamp(max=0) @ bottom

@@ -77,6 +77,13 @@ class TemperedEntropy:
         self.squares = self.finite.square()
         self.top = self.shifted.argmax(-1, keepdim=True)
 
+    def restrict(self, rows: torch.Tensor) -> TemperedEntropy:
+        """The same curves for a subset of the rows (a solver drops the converged ones)."""
+        subset = object.__new__(TemperedEntropy)
+        for name in ("shifted", "finite", "squares", "top"):
+            setattr(subset, name, getattr(self, name)[rows])
+        return subset
+
     def __call__(self, log_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         beta = torch.exp(-log_temperature)
         probs = (self.shifted * beta[:, None]).softmax(-1)

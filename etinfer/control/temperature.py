@@ -15,11 +15,17 @@ The state of the entropy controllers is the log-temperature ``u = log T``:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-EntropyAndSlope = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+class EntropyCurve(Protocol):
+    """Entropy and its slope ``dH/du`` of some rows' distributions, as functions of ``u``."""
+
+    def __call__(self, log_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def restrict(self, rows: torch.Tensor) -> EntropyCurve: ...
 
 
 def feedback_step(
@@ -37,7 +43,7 @@ def feedback_step(
 
 
 def solve_log_temperature(
-    entropy_and_slope: EntropyAndSlope,
+    curve: EntropyCurve,
     target: torch.Tensor,
     u_min: torch.Tensor,
     u_max: torch.Tensor,
@@ -46,28 +52,46 @@ def solve_log_temperature(
     tolerance: float = 1e-4,
 ) -> torch.Tensor:
     """Per row, the ``u`` in ``[u_min, u_max]`` where entropy equals ``target``, or the nearer
-    bound when the target is out of reach. ``entropy_and_slope(u)`` returns ``H`` and ``dH/du``.
+    bound when the target is out of reach.
 
-    From a warm start (last step's temperature) Newton converges in two or three evaluations, so
-    the loop stops once every row is within ``tolerance`` nats or pinned at a bound; each check
-    reads one flag back from the device, which costs nothing on the CPU. The bracket halves at
-    worst, so ``iterations`` bounds the work.
+    From a warm start (last step's temperature) Newton converges in two or three evaluations.
+    Rows leave the loop as they come within ``tolerance`` nats (or pin at a bound), so a slow
+    row costs only itself; checking reads one flag back from the device, which costs nothing on
+    the CPU. Newton steps that leave the bracket fall back to bisection, except that each bound
+    is tried once when Newton points past it (the target may be out of reach there, and
+    bisection would only creep towards it).
     """
     lo, hi = u_min.clone(), u_max.clone()
     u = torch.minimum(torch.maximum(u_start, lo), hi)
+    tried_floor, tried_ceiling = u <= u_min, u >= u_max
+    active = torch.arange(u.numel(), device=u.device)
     for _ in range(iterations):
-        h, slope = entropy_and_slope(u)
-        error = h - target
-        pinned = ((u <= u_min) & (error > 0)) | ((u >= u_max) & (error < 0))
-        if bool(((error.abs() < tolerance) | pinned).all()):
-            break
+        at = u[active]
+        h, slope = curve(at)
+        error = h - target[active]
+        pinned = ((at <= u_min[active]) & (error > 0)) | ((at >= u_max[active]) & (error < 0))
+        going = ~((error.abs() < tolerance) | pinned)
+        if not bool(going.all()):
+            if not bool(going.any()):
+                break
+            active, at, error, slope = active[going], at[going], error[going], slope[going]
+            curve = curve.restrict(going)
         too_hot = error > 0  # entropy grows with temperature: the root is below u
-        hi = torch.where(too_hot, u, hi)
-        lo = torch.where(too_hot, lo, u)
-        newton = u - error / slope.clamp(min=1e-12)
-        # Closed bracket: a converged row (error exactly 0) must stay where it is.
-        inside = (newton >= lo) & (newton <= hi) & (slope > 1e-12)
-        u = torch.where(inside, newton, (lo + hi) / 2)
+        hi[active] = torch.where(too_hot, at, hi[active])
+        lo[active] = torch.where(too_hot, lo[active], at)
+        low, high, floor, ceiling = lo[active], hi[active], u_min[active], u_max[active]
+        newton = at - error / slope.clamp(min=1e-12)
+        # Closed bracket: a row exactly at its root must stay where it is.
+        inside = (newton >= low) & (newton <= high) & (slope > 1e-12)
+        step = torch.where(
+            (newton < low) & ~tried_floor[active],
+            floor,
+            torch.where((newton > high) & ~tried_ceiling[active], ceiling, (low + high) / 2),
+        )
+        step = torch.where(inside, newton, step)
+        tried_floor[active] |= step <= floor
+        tried_ceiling[active] |= step >= ceiling
+        u[active] = step
     return u
 
 

@@ -6,6 +6,7 @@ outputs, stop strings).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -19,7 +20,7 @@ from etinfer.control.calibration import Calibration
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.model_runner import AttentionStats, ModelRunner
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import Scheduler
 from etinfer.engine.sequence import Sequence
@@ -64,10 +65,16 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        pruning = config.control.pruning_config
+        selector = (
+            BLOCK_SELECTORS.create("dense")
+            if pruning is None
+            else BLOCK_SELECTORS.create("entropic", config=pruning)
+        )
         self.runner = ModelRunner(
             loaded.config,
             loaded.weights,
-            BLOCK_SELECTORS.create(config.block_selector),
+            selector,
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -77,7 +84,9 @@ class LLMEngine:
             calibration_temperature=1.0
             if self.calibration is None
             else self.calibration.temperature,
+            pruning=pruning,
         )
+        self.last_attention = None  # what decode attention kept in the latest step, when pruning
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -138,16 +147,21 @@ class LLMEngine:
         stream: bool = False,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        forced_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request. With ``stream`` every step that extends it yields an output;
         otherwise it yields one when it finishes. ``prompt_token_ids``, when given, are the
-        already-validated encoding of ``prompt`` (which is then kept only for the output)."""
-        params = params or SamplingParams()
+        already-validated encoding of ``prompt`` (which is then kept only for the output).
+        ``forced_token_ids`` are appended as if sampled, one per step, before sampling resumes:
+        each runs as a decode step and counts towards ``max_tokens``."""
+        params = self._with_control(params or SamplingParams())
         if prompt_token_ids is None:
             text, ids = self.encode_prompt(prompt)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
         self.check_request(ids, params)
+        if forced_token_ids is not None:
+            _, forced_token_ids = self.encode_prompt(forced_token_ids)  # validates the ids
         if request_id is None:
             request_id = self._new_request_id()
         elif request_id in self._requests:
@@ -161,10 +175,19 @@ class LLMEngine:
             prompt=text,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             stream=stream,
+            forced_token_ids=forced_token_ids,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _with_control(self, params: SamplingParams) -> SamplingParams:
+        """With the sampling layer on, a request that picked no temperature controller of its
+        own (and is not greedy) gets entropy control with the engine's target."""
+        control = self.config.control
+        if control.sampling and params.controller == "fixed" and not params.greedy:
+            return dataclasses.replace(params, entropy_target=control.entropy_target)
+        return params
 
     def _new_request_id(self) -> str:
         """A counter value no live request uses (a caller may have picked it as an id)."""
@@ -208,10 +231,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled, out = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             self.kv.publish_full_blocks(seq)
+        self.last_attention = result.attention
+        if result.attention is not None:
+            self._record_attention(result.attention)
+        sampled, out = result.sampled, result.output
         if out is None:
             return []
         now = time.perf_counter()
@@ -228,6 +255,18 @@ class LLMEngine:
                 outputs.append(seq.output())
         return outputs
 
+    @staticmethod
+    def _record_attention(stats: AttentionStats) -> None:
+        """Per decoding sequence: the share of its context's blocks attended to this step (over
+        all layers and KV heads) and the bound on the attention mass any layer dropped."""
+        for i, seq in enumerate(stats.seqs):
+            if seq.num_output_tokens == 0:
+                continue  # a one-token prefill chunk, not a generated token's step
+            kept = sum(layer[i] for layer in stats.kept)
+            total = sum(layer[i] for layer in stats.total)
+            seq.blocks_kept.append(kept / total if total else 1.0)
+            seq.dropped_mass.append(max(layer[i] for layer in stats.dropped_mass))
+
     def _logprobs(self, sampled: list[Sequence], out: SamplerOutput) -> list | None:
         if out.logprobs is None:
             return None
@@ -238,11 +277,14 @@ class LLMEngine:
         self, seq: Sequence, row: int, out: SamplerOutput, logprobs: list | None, now: float
     ) -> None:
         token = out.token_ids[row]
+        if seq.forced:
+            seq.forced.pop()  # the sampler already put it in place of a sampled token
         seq.token_ids.append(token)
         seq.entropies.append(out.entropies[row])
         seq.tempered_entropies.append(out.tempered_entropies[row])
         seq.temperatures.append(out.temperatures[row])
         seq.profile.update(out.signals[row])
+        seq.pruning_entropy = out.signal_uppers[row]
         if not math.isnan(out.states[row]):
             seq.control_state = out.states[row]
         if seq.logprobs is not None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks
+from etinfer.control.block_selection import BlockSelector, DecodeBlocks, PruningConfig, block_budget
 from etinfer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
@@ -18,8 +19,10 @@ from etinfer.model.paged_attention import (
     KVCache,
     PagedAttention,
     PrefillChunk,
+    PruningTelemetry,
     build_decode_pattern,
     prefill_mask,
+    visible_blocks,
 )
 
 
@@ -30,6 +33,24 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows whose logits are sampled: the last row of a finished prompt
     sample_seqs: list[Sequence]
+    decode_seqs: list[Sequence]
+
+
+@dataclass
+class AttentionStats:
+    """What decode attention kept this step, per layer and per decoding sequence (host lists)."""
+
+    seqs: list[Sequence]
+    kept: list[list[float]]  # [layers][seqs] (block, KV head) pairs attended to
+    total: list[list[float]]  # [layers][seqs] (block, KV head) pairs in context
+    dropped_mass: list[list[float]]  # [layers][seqs] upper bound of the attention mass dropped
+
+
+@dataclass
+class StepResult:
+    sampled: list[Sequence]
+    output: SamplerOutput | None
+    attention: AttentionStats | None  # only when pruning is on
 
 
 class ModelRunner:
@@ -46,8 +67,10 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         calibration_temperature: float = 1.0,
+        pruning: PruningConfig | None = None,
     ) -> None:
         self.config = config
+        self.pruning = pruning
         self.device = device
         self.block_size = block_size
         self.sliding_window = config.sliding_window
@@ -62,26 +85,40 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
+            summaries=selector.needs_summaries,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
+        # Called with each step's sampled sequences and their logits [rows, vocab] (benchmarks
+        # and harnesses read the distributions through it).
+        self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(self, batch: ScheduledBatch) -> StepResult:
         """Compute the batch's tokens into the cache; sample where a sequence's known tokens end."""
         inputs = self.prepare(batch)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        telemetry = inputs.meta.telemetry
+        stats = None
+        if telemetry is not None:
+            kept, total, dropped = torch.stack(
+                [telemetry.kept, telemetry.total, telemetry.dropped_mass]
+            ).tolist()
+            stats = AttentionStats(inputs.decode_seqs, kept, total, dropped)
         if not inputs.sample_seqs:
-            return [], None
+            return StepResult([], None, stats)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         seqs = inputs.sample_seqs
+        if self.logits_hook is not None:
+            self.logits_hook(seqs, logits)
         sampling = SamplingBatch.build(
             [seq.params for seq in seqs],
             [seq.control_state for seq in seqs],
             [self._generator(seq) for seq in seqs],
             logits.shape[-1],
             self.device,
+            forced=[seq.next_forced for seq in seqs],
         )
-        return inputs.sample_seqs, self.sampler(logits, sampling)
+        return StepResult(seqs, self.sampler(logits, sampling), stats)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
@@ -117,20 +154,27 @@ class ModelRunner:
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
 
         num_decode = batch.num_decode
-        decode_blocks = dense = None
+        decode_blocks = dense = telemetry = None
         if num_decode:
-            decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
+            decoding = seqs[:num_decode]
+            decode_width = max(len(seq.block_table) for seq in decoding)
             decode_blocks = DecodeBlocks(
                 tables[:num_decode, :decode_width].to(self.device),
                 (starts_t[:num_decode] + 1).to(self.device),
                 bs,
             )
+            if self.pruning is not None:
+                self._plan_budgets(decode_blocks, decoding)
+                telemetry = PruningTelemetry.empty(self.config.num_layers, num_decode, self.device)
+            visible = visible_blocks(
+                decode_blocks, self.config.num_kv_heads, None, self.sliding_window
+            )
             dense = build_decode_pattern(
                 decode_blocks,
-                self.config.num_kv_heads,
+                visible,
                 self.config.queries_per_kv,
                 self.cache.num_slots,
-                sliding_window=self.sliding_window,
+                self.sliding_window,
             )
         prefills = []
         for i in range(num_decode, len(seqs)):
@@ -144,8 +188,17 @@ class ModelRunner:
 
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
         sampled = [i for i, seq in enumerate(seqs) if ends[i] == seq.num_tokens]
+        fresh = None
+        if self.cache.key_min is not None:
+            fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         meta = AttentionMetadata(
-            slot_mapping.to(self.device), num_decode, decode_blocks, dense, prefills
+            slot_mapping.to(self.device),
+            num_decode,
+            decode_blocks,
+            dense,
+            prefills,
+            fresh,
+            telemetry,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=self.device),
@@ -153,7 +206,28 @@ class ModelRunner:
             meta=meta,
             sample_rows=(chunk_start + counts_t - 1)[sampled].to(self.device),
             sample_seqs=[seqs[i] for i in sampled],
+            decode_seqs=seqs[:num_decode],
         )
+
+    def _plan_budgets(self, blocks: DecodeBlocks, seqs: list[Sequence]) -> None:
+        """Each decoding sequence's block budget for this step, from its entropy (the upper side
+        of its last estimate). A sequence with no generated token yet has no entropy: dense."""
+        config = self.pruning
+        budgets, refresh = [], []
+        for seq in seqs:
+            in_context = -(-(seq.num_computed_tokens + 1) // self.block_size)
+            if seq.pruning_entropy is None:
+                budget = in_context
+            else:
+                budget = block_budget(seq.pruning_entropy, in_context, seq.block_budget, config)
+                seq.block_budget = budget
+            budgets.append(budget)
+            refresh.append(
+                config.scorer == "mass"
+                and (seq.num_output_tokens - 1) % config.refresh_interval == 0
+            )
+        blocks.budgets = torch.tensor(budgets, device=self.device)
+        blocks.refresh = torch.tensor(refresh, device=self.device)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:

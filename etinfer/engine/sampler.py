@@ -36,6 +36,7 @@ from etinfer.control.entropy import (
     TemperedEntropy,
     estimate_entropy,
     softmax_entropy,
+    topk_bounds,
 )
 from etinfer.control.temperature import (
     edt_temperature,
@@ -73,6 +74,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
     groups: dict[str, RowGroup]  # by controller, for those present (not "fixed")
     estimators: dict[tuple[str, int], torch.Tensor]  # (estimator, k) -> rows measured that way
+    forced: torch.Tensor | None  # [rows] a token to emit instead of sampling, -1 where none
     all_greedy: bool
     untempered: bool  # every row samples softmax(logits) as is: temperature 1, no filters
     masks: bool  # some row's sampled distribution has tokens removed (filters, Mirostat)
@@ -86,6 +88,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        forced: list[int | None] | None = None,
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -117,6 +120,9 @@ class SamplingBatch:
             generators=generators,
             groups=groups,
             estimators={key: column(r, torch.int64) for key, r in _by_estimator(params).items()},
+            forced=column([-1 if f is None else f for f in forced], torch.int64)
+            if forced and any(f is not None for f in forced)
+            else None,
             all_greedy=all(p.greedy for p in params),
             untempered=all(
                 p.controller == "fixed" and p.temperature in (0.0, 1.0) and not filters(p)
@@ -204,6 +210,7 @@ class SamplerOutput:
     tempered_entropies: list[float]
     temperatures: list[float]
     signals: list[float]  # the control signal: estimated entropy of the calibrated distribution
+    signal_uppers: list[float]  # its upper side, which pruning decisions read
     states: list[float]  # each row's next controller state (NaN for rows without one)
     logprobs: SampledLogprobs | None
 
@@ -288,7 +295,7 @@ class Sampler:
         signal = self._signal(logits, model.entropy, batch)
         state = torch.full_like(model.entropy, torch.nan)
         if batch.all_greedy:
-            tokens, temperature = model.top, batch.temperature
+            tokens, temperature = self._force(model.top, batch), batch.temperature
             tempered = torch.zeros_like(model.entropy)
         else:
             greedy = batch.temperature == 0
@@ -300,29 +307,46 @@ class Sampler:
                 scaled = self._truncate(scaled, batch)
                 sampled_from = softmax_entropy(scaled, masked=batch.masks)
             drawn = self._draw(sampled_from.probs, batch.generators)
-            tokens = torch.where(greedy, model.top, drawn)
+            tokens = self._force(torch.where(greedy, model.top, drawn), batch)
             self.advance_states(scaled, sampled_from, tokens, temperature, batch, state)
             tempered = torch.where(greedy, 0.0, sampled_from.entropy)
             temperature = torch.where(greedy, 0.0, temperature)
-        logprobs = self._logprobs(model.logprobs(logits), tokens, batch)
+        logprobs = None
+        if batch.num_logprobs is not None:
+            logprobs = self._logprobs(model.logprobs(logits), tokens, batch.num_logprobs)
         # One host transfer for the per-row scalars (token ids are exact in float64).
-        columns = (tokens, model.entropy, tempered, temperature, signal, state)
-        ids, entropies, tempered_list, temperatures, signals, states = torch.stack(
+        columns = (tokens, model.entropy, tempered, temperature, *signal, state)
+        ids, entropies, tempered_list, temperatures, signals, uppers, states = torch.stack(
             [c.double() for c in columns]
         ).tolist()
         return SamplerOutput(
-            [int(t) for t in ids], entropies, tempered_list, temperatures, signals, states, logprobs
+            [int(t) for t in ids],
+            entropies,
+            tempered_list,
+            temperatures,
+            signals,
+            uppers,
+            states,
+            logprobs,
         )
 
-    def _signal(self, logits, raw_entropy, batch: SamplingBatch) -> torch.Tensor:
-        """Each row's entropy by its estimator, on calibrated logits."""
+    def _signal(
+        self, logits, raw_entropy, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's entropy by its estimator on calibrated logits, and the estimate's upper
+        side (the tail bound ``H_U`` for the top-k estimators, the value itself when exact)."""
         if self.calibration_temperature == 1.0 and all(e == "exact" for e, _ in batch.estimators):
-            return raw_entropy
+            return raw_entropy, raw_entropy
         calibrated = logits / self.calibration_temperature
-        signal = torch.empty_like(raw_entropy)
+        signal, upper = torch.empty_like(raw_entropy), torch.empty_like(raw_entropy)
         for (estimator, k), rows in batch.estimators.items():
-            signal[rows] = estimate_entropy(calibrated[rows], estimator, k)
-        return signal
+            if estimator == "exact":
+                signal[rows] = upper[rows] = estimate_entropy(calibrated[rows], estimator, k)
+            else:
+                bounds = topk_bounds(calibrated[rows], k)
+                signal[rows] = bounds.topk if estimator == "topk" else bounds.midpoint
+                upper[rows] = bounds.upper
+        return signal, upper
 
     @staticmethod
     def temperatures(
@@ -365,6 +389,12 @@ class Sampler:
         return temperature
 
     @staticmethod
+    def _force(tokens: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return (
+            tokens if batch.forced is None else torch.where(batch.forced >= 0, batch.forced, tokens)
+        )
+
+    @staticmethod
     def _truncate(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if "mirostat" not in batch.groups:
             return scaled
@@ -396,17 +426,16 @@ class Sampler:
         if "mirostat" in batch.groups:
             group = batch.groups["mirostat"]
             rows, c = group.rows, group.columns
-            sampled = sampled_from.probs[rows].gather(1, tokens[rows, None])[:, 0].log()
+            # clamp: a forced token may lie outside the truncated set
+            sampled = (
+                sampled_from.probs[rows].gather(1, tokens[rows, None])[:, 0].clamp(min=1e-30).log()
+            )
             state[rows] = mirostat_update(c["mu"], sampled, c["tau"], c["eta"])
 
     @staticmethod
-    def _logprobs(
-        logp: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
-    ) -> SampledLogprobs | None:
-        if batch.num_logprobs is None:
-            return None
+    def _logprobs(logp: torch.Tensor, tokens: torch.Tensor, count: int) -> SampledLogprobs:
         token_logp = logp.gather(1, tokens[:, None])
-        top_logp, top_ids = logp.topk(batch.num_logprobs, dim=-1)
+        top_logp, top_ids = logp.topk(count, dim=-1)
         return SampledLogprobs(
             token_logprob=token_logp[:, 0],
             token_rank=(logp > token_logp).sum(-1) + 1,

@@ -30,6 +30,7 @@ class Sequence:
         prompt: str | None,
         arrival_time: float,
         stream: bool,
+        forced_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.arrival_index = arrival_index
@@ -40,6 +41,9 @@ class Sequence:
         self.params = params
         self.detokenizer = detokenizer
         self.stream = stream
+        # Tokens appended as if sampled, one per step, before sampling takes over (teacher
+        # forcing: scoring text under decode, feeding a question as decode steps).
+        self.forced = list(reversed(forced_token_ids or []))  # a stack: next one last
         self.status = SequenceStatus.WAITING
 
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
@@ -58,6 +62,10 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the runner for seeded requests
         self.profile = EntropyProfile()
         self.control_state = params.initial_control_state()  # log T, or Mirostat's mu
+        self.pruning_entropy: float | None = None  # upper side of the latest entropy estimate
+        self.block_budget: int | None = None  # blocks kept last step, for the rate limit
+        self.blocks_kept: list[float] = []  # per generated token, when pruning is on
+        self.dropped_mass: list[float] = []
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +78,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def next_forced(self) -> int | None:
+        return self.forced[-1] if self.forced else None
 
     @property
     def is_finished(self) -> bool:
@@ -92,4 +104,6 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
             entropic_time=self.profile.entropic_time,
+            blocks_kept=list(self.blocks_kept) or None,
+            dropped_mass=list(self.dropped_mass) or None,
         )

@@ -1,24 +1,33 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is a pool of slots per KV head, ``[num_kv_heads, num_blocks * block_size,
-head_dim]`` for keys and the same for values; a sequence owns a list of blocks (its block table)
-and its token at position ``p`` lives in slot ``block_table[p // block_size] * block_size +
-p % block_size``. Head-major order keeps a block's keys for one head in one contiguous run, which
-measured twice as fast to read scattered as the token-major order.
+**Cache layout.** One layer's cache is a pool of slots per KV head:
+``[num_kv_heads, num_blocks * block_size, head_dim]`` for keys, and the same for values. A
+sequence owns a list of blocks (its block table); its token at position ``p`` lives in slot
+``block_table[p // block_size] * block_size + p % block_size``. Head-major order keeps a block's
+keys for one head in one contiguous run, which measured twice as fast to read scattered as
+token-major order.
 
-Decode (one query token per sequence) reads the cache in place, with no per-step copy of the
-blocks. The step's query rows (sequence, head) and the cache rows ``kv_head * num_slots + slot``
-they attend to form a CSR pattern: scores are a sampled dense-dense matmul
-(``torch.sparse.sampled_addmm``) on exactly those pairs, the softmax runs on the flat score vector
-per row, and the weighted sum of values is ``embedding_bag`` with per-entry weights (a gathered
-weighted row sum that FBGEMM vectorises; about twice as fast here as a CSR-dense matmul).
-Sequences of any lengths share one call per layer, grouped-query heads read their KV head without
-repeating it, and attending to fewer blocks is only a smaller pattern: the block-sparse variant
-is this same code with a ``BlockSelector`` that keeps fewer blocks.
+**Decode** (one query token per sequence) reads the cache in place, with no per-step copy of the
+blocks. The step's query rows (sequence, head) and the cache rows
+``kv_head * num_slots + slot`` they attend to form a CSR pattern:
 
-Prefill chunks (several query tokens of one sequence) go through
-``scaled_dot_product_attention`` per sequence; there the work is quadratic in the chunk and
-gathering the chunk's cached prefix once is cheap beside it.
+- the scores are a sampled dense-dense matmul (``torch.sparse.sampled_addmm``) on exactly those
+  pairs;
+- the softmax runs on the flat score vector, row by row;
+- the weighted sum of values is ``embedding_bag`` with per-entry weights (a gathered, weighted
+  row sum that FBGEMM vectorises; about twice as fast here as a CSR-dense matmul).
+
+Sequences of any lengths share one call per layer, and grouped-query heads read their KV head
+without repeating it. Attending to fewer blocks is only a smaller pattern: a ``BlockSelector``
+that keeps fewer blocks makes attention compute less.
+
+**Block summaries.** When a selector scores blocks, the cache also keeps, per block and KV head,
+the per-channel minimum and maximum of its keys (updated on append) and the attention mass the
+block last received.
+
+**Prefill chunks** (several query tokens of one sequence) go through
+``scaled_dot_product_attention``, one sequence at a time: there the work is quadratic in the
+chunk, and gathering the chunk's cached prefix once is cheap beside it.
 """
 
 from __future__ import annotations
@@ -29,10 +38,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks
+from etinfer.control.block_selection import (
+    BlockSelector,
+    BlockSummaries,
+    DecodeBlocks,
+    key_bound_scores,
+)
 
-# The CSR kernels used here are stable in the pinned torch; the notice would only confuse users.
+# The CSR kernels and index_reduce are stable in the pinned torch; the notices would only confuse.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
 
 @dataclass
@@ -61,6 +76,20 @@ class PrefillChunk:
 
 
 @dataclass
+class PruningTelemetry:
+    """Per layer and decode sequence, what attention kept; filled in as layers run."""
+
+    kept: torch.Tensor  # [layers, seqs] (block, KV head) pairs attended to
+    total: torch.Tensor  # [layers, seqs] (block, KV head) pairs in context
+    # [layers, seqs] upper bound of the softmax mass the dropped blocks carried (max over heads)
+    dropped_mass: torch.Tensor
+
+    @classmethod
+    def empty(cls, layers: int, seqs: int, device: torch.device) -> PruningTelemetry:
+        return cls(*(torch.zeros(layers, seqs, device=device) for _ in range(3)))
+
+
+@dataclass
 class AttentionMetadata:
     """What every layer needs to know about this step's batch; built once per step."""
 
@@ -69,13 +98,17 @@ class AttentionMetadata:
     decode_blocks: DecodeBlocks | None
     dense_pattern: DecodePattern | None
     prefills: list[PrefillChunk]
+    fresh_blocks: torch.Tensor | None = None  # blocks receiving their first token this step
+    telemetry: PruningTelemetry | None = None
 
 
 class KVCache:
     """Keys and values of every layer, paged in blocks of ``block_size`` slots.
 
     Always float32, whatever the weights' dtype: attention runs in float32 (the CPU's sparse
-    kernels take no half types, and softmax over long contexts wants the precision).
+    kernels take no half types, and softmax over long contexts wants the precision). With
+    ``summaries`` it also keeps per block and KV head the key bounds and the last attention
+    mass, about 1/16 of the cache's size at a block size of 16.
     """
 
     dtype = torch.float32
@@ -88,6 +121,7 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
+        summaries: bool = False,
     ) -> None:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         # On the CPU, torch.empty leaves pages untouched until written: unused slots cost nothing.
@@ -96,44 +130,114 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
+        self.key_min = self.key_max = self.mass = None
+        if summaries:
+            per_block = (num_layers, num_kv_heads, num_blocks, head_dim)
+            self.key_min = torch.empty(per_block, device=device, dtype=self.dtype)
+            self.key_max = torch.empty(per_block, device=device, dtype=self.dtype)
+            self.mass = torch.empty(per_block[:3], device=device, dtype=self.dtype)
+
+    def summaries(self, layer: int) -> BlockSummaries | None:
+        if self.key_min is None:
+            return None
+        return BlockSummaries(self.key_min[layer], self.key_max[layer], self.mass[layer])
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        fresh_blocks: torch.Tensor | None,
+        keys: torch.Tensor,  # [rows, kv_heads, head_dim]
+        values: torch.Tensor,
+    ) -> None:
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        self.keys[layer].index_copy_(1, slots, keys)
+        self.values[layer].index_copy_(1, slots, values)
+        if self.key_min is None:
+            return
+        key_min, key_max = self.key_min[layer], self.key_max[layer]
+        if fresh_blocks is not None and fresh_blocks.numel():
+            # A block's first token starts its bounds afresh; its mass is unknown until it is
+            # attended to, and +inf keeps it in the mass scorer's ranking until then.
+            key_min.index_fill_(1, fresh_blocks, torch.inf)
+            key_max.index_fill_(1, fresh_blocks, -torch.inf)
+            self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        key_min.index_reduce_(1, blocks, keys, "amin")
+        key_max.index_reduce_(1, blocks, keys, "amax")
+
+
+def visible_blocks(
+    blocks: DecodeBlocks,
+    num_kv_heads: int,
+    block_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Which blocks each (sequence, KV head) attends to: [seqs, kv_heads, max_blocks].
+
+    Blocks in context (and in the sliding window), restricted to ``block_mask`` when given;
+    the block holding the current token is kept whatever the mask says, so no row is empty.
+    """
+    tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
+    positions = torch.arange(tables.shape[1], device=tables.device)
+    exists = positions * bs < lens[:, None]
+    if sliding_window is not None:
+        exists &= (positions + 1) * bs > lens[:, None] - sliding_window
+    visible = exists[:, None, :].expand(-1, num_kv_heads, -1)
+    if block_mask is not None:
+        current = positions == torch.div(lens - 1, bs, rounding_mode="floor")[:, None]
+        visible = visible & (block_mask | current[:, None, :])
+    return visible
 
 
 def build_decode_pattern(
     blocks: DecodeBlocks,
-    num_kv_heads: int,
+    visible: torch.Tensor,
     queries_per_kv: int,
     num_slots: int,
-    block_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> DecodePattern:
-    """CSR pattern of decode rows (sequence, head) against the cache rows they attend to.
+    """CSR pattern of decode rows against the cache rows of their ``visible`` blocks.
 
-    ``block_mask`` [seqs, kv_heads, max_blocks] keeps a subset of blocks per sequence and KV
-    head; the block holding the current token is kept whatever the mask says, so no row is ever
-    empty. Rows follow the query layout ``seq * num_heads + kv_head * queries_per_kv + j``.
+    Built at block granularity: the kept (sequence, head, block) triples become runs of
+    consecutive cache rows, so the work scales with what is kept, not with the context. Rows
+    follow the query layout ``seq * num_heads + kv_head * queries_per_kv + j``.
     """
     tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
-    num_seqs, max_blocks = tables.shape
+    seqs, kv_heads, _ = visible.shape
     device = tables.device
-    positions = torch.arange(max_blocks * bs, device=device)
-    slots = (tables * bs).repeat_interleave(bs, dim=1) + positions % bs  # [seqs, positions]
-    visible = positions < lens[:, None]
+    seq, head, block = visible.nonzero(as_tuple=True)  # in (seq, head, block) order
+    first = block * bs
     if sliding_window is not None:
-        visible &= positions >= lens[:, None] - sliding_window
-    visible = visible[:, None, :]
-    if block_mask is not None:
-        current = torch.arange(max_blocks, device=device) == ((lens - 1) // bs)[:, None]
-        kept = block_mask | current[:, None, :]
-        visible = visible & kept.repeat_interleave(bs, dim=2)
-    heads = torch.arange(num_kv_heads, device=device)
-    cols = heads[None, :, None] * num_slots + slots[:, None, :]  # [seqs, kv_heads, positions]
-    shape = (num_seqs, num_kv_heads, queries_per_kv, max_blocks * bs)
-    visible = visible.expand(num_seqs, num_kv_heads, -1)[:, :, None, :].expand(shape)
-    cols = cols[:, :, None, :].expand(shape).masked_select(visible).int()
-    row_lens = visible.sum(-1).flatten()
-    crow = torch.zeros(row_lens.numel() + 1, dtype=torch.int32, device=device)
+        first = torch.maximum(first, lens[seq] - sliding_window)
+    count = torch.minimum((block + 1) * bs, lens[seq]) - first  # tokens of each kept block
+    start = head * num_slots + tables[seq, block] * bs + (first - block * bs)
+    # Repeat each (seq, head) run of blocks once per query head of the group.
+    segment = seq * kv_heads + head
+    per_segment = torch.bincount(segment, minlength=seqs * kv_heads)
+    segment_start = torch.cumsum(per_segment, 0) - per_segment
+    row = torch.arange(seqs * kv_heads * queries_per_kv, device=device)
+    row_segment = torch.div(row, queries_per_kv, rounding_mode="floor")
+    row_blocks = per_segment[row_segment]
+    owner_row = torch.repeat_interleave(row, row_blocks)  # one entry per (row, kept block)
+    first_of_row = torch.cumsum(row_blocks, 0) - row_blocks
+    which = (
+        segment_start[row_segment][owner_row]
+        + torch.arange(owner_row.numel(), device=device)
+        - first_of_row[owner_row]
+    )
+    run_start, run_len = start[which], count[which]
+    # Expand each block run into its cache rows.
+    entry_run = torch.repeat_interleave(torch.arange(run_len.numel(), device=device), run_len)
+    run_offset = torch.cumsum(run_len, 0) - run_len
+    position = torch.arange(entry_run.numel(), device=device) - run_offset[entry_run]
+    cols = (run_start[entry_run] + position).int()
+    row_lens = torch.zeros(row.numel(), dtype=torch.int64, device=device).index_add_(
+        0, owner_row, run_len
+    )
+    crow = torch.zeros(row.numel() + 1, dtype=torch.int32, device=device)
     torch.cumsum(row_lens, 0, out=crow[1:])
-    row_ids = torch.repeat_interleave(torch.arange(row_lens.numel(), device=device), row_lens)
+    row_ids = owner_row[entry_run]
     zeros = torch.zeros(cols.numel(), device=device)
     return DecodePattern(crow, cols, row_ids, row_lens, zeros)
 
@@ -163,43 +267,35 @@ class PagedAttention:
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = cache.keys[layer], cache.values[layer]
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops in float32
-        key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
         out = torch.empty_like(q)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(
-                layer, q[: meta.num_decode], key_cache, value_cache, meta
-            )
+            out[: meta.num_decode] = self._decode(layer, q[: meta.num_decode], cache, meta)
+        key_cache, value_cache = cache.keys[layer], cache.values[layer]
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
         return out.flatten(1)
 
     def _decode(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, layer: int, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         blocks = meta.decode_blocks
-        mask = self.selector.select(layer, q, blocks)
-        pattern = meta.dense_pattern
+        summaries = cache.summaries(layer) if self.selector.needs_summaries else None
+        mask = self.selector.select(layer, q, blocks, summaries)
+        pattern, visible = meta.dense_pattern, None
         if mask is not None:
+            visible = visible_blocks(blocks, self.num_kv_heads, mask, self.sliding_window)
             pattern = build_decode_pattern(
                 blocks,
-                self.num_kv_heads,
+                visible,
                 self.num_heads // self.num_kv_heads,
-                key_cache.shape[1],
-                mask,
+                cache.num_slots,
                 self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
-        keys = key_cache.view(-1, self.head_dim)  # row kv_head * num_slots + slot
-        values = value_cache.view(-1, self.head_dim)
+        keys = cache.keys[layer].view(-1, self.head_dim)  # row kv_head * num_slots + slot
         structure = torch.sparse_csr_tensor(
             pattern.crow, pattern.cols, pattern.zeros, (rows, keys.shape[0]), check_invariants=False
         )
@@ -214,13 +310,59 @@ class PagedAttention:
         denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
         out = F.embedding_bag(
             pattern.cols,
-            values,
+            cache.values[layer].view(-1, self.head_dim),
             pattern.crow,
             mode="sum",
             per_sample_weights=weights,
             include_last_offset=True,
         )
+        if meta.telemetry is not None:
+            self._record(
+                layer, q, blocks, summaries, visible, row_max, denominators, meta.telemetry
+            )
+        if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
+            self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
         return out.div_(denominators[:, None]).view(q.shape)
+
+    def _record(
+        self, layer, q, blocks, summaries, visible, row_max, denominators, telemetry
+    ) -> None:
+        """Blocks kept, and an upper bound of the attention mass the dropped blocks carried.
+
+        With ``D`` the dropped blocks' true softmax numerator sum and ``K`` the kept one (exact),
+        the dropped mass is ``D / (K + D)``; each key's score is at most its block's key bound,
+        so ``D <= sum_dropped tokens * exp(bound)`` bounds it from above. The attention output
+        error is that mass times the gap between dropped and kept mean values.
+        """
+        in_context = visible_blocks(blocks, self.num_kv_heads, None, self.sliding_window)
+        telemetry.total[layer] = in_context.sum((1, 2))
+        if visible is None:
+            telemetry.kept[layer] = telemetry.total[layer]
+            return
+        telemetry.kept[layer] = visible.sum((1, 2))
+        dropped = in_context & ~visible  # [seqs, kv_heads, blocks]
+        positions = torch.arange(blocks.block_tables.shape[1], device=q.device)
+        tokens = (blocks.context_lens[:, None] - positions * blocks.block_size).clamp(
+            0, blocks.block_size
+        )
+        bound = key_bound_scores(q, summaries, blocks.block_tables) * self.scale
+        seqs, kv_heads, group, _ = bound.shape
+        relative = bound + tokens.log()[:, None, None, :] - row_max.view(seqs, kv_heads, group, 1)
+        log_dropped = relative.masked_fill(~dropped[:, :, None, :], -torch.inf).logsumexp(-1)
+        log_kept = denominators.log().view(seqs, kv_heads, group)
+        telemetry.dropped_mass[layer] = torch.sigmoid(log_dropped - log_kept).amax((1, 2))
+
+    def _observe_mass(self, mass, pattern, weights, denominators, block_size) -> None:
+        """Record each attended block's attention mass, averaged over the query heads that
+        share its KV head (what the mass scorer ranks by, until the block is read again)."""
+        group = self.num_heads // self.num_kv_heads
+        probs = weights / denominators[pattern.row_ids] / group
+        ids = torch.div(
+            pattern.cols, block_size, rounding_mode="floor"
+        ).long()  # head * blocks + block
+        flat = mass.view(-1)
+        flat.index_fill_(0, ids, 0.0)
+        flat.index_add_(0, ids, probs)
 
     def _prefill(
         self,

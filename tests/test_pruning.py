@@ -1,0 +1,236 @@
+"""Entropic block pruning, mechanics on random caches (no model)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etinfer.control.block_selection import (
+    BlockSummaries,
+    DecodeBlocks,
+    EntropicSelector,
+    PruningConfig,
+    block_budget,
+    key_bound_scores,
+)
+from etinfer.model.paged_attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    PruningTelemetry,
+    build_decode_pattern,
+    visible_blocks,
+)
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+GROUP = HEADS // KV_HEADS
+
+
+def filled_cache(lengths, num_blocks=64, seed=0, chunk=3):
+    """A cache with key bounds, filled through ``KVCache.write`` in chunks of ``chunk`` tokens
+    per sequence (so bounds grow across writes), with blocks previously used by other data."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), summaries=True)
+    # Stale contents from an earlier owner of every block: bounds must reset on reuse.
+    cache.key_min.fill_(-100.0)
+    cache.key_max.fill_(100.0)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+    for table, n in zip(tables, lengths, strict=True):
+        for start in range(0, n, chunk):
+            positions = torch.arange(start, min(start + chunk, n))
+            slots = torch.tensor(
+                [table[p // BLOCK] * BLOCK + p % BLOCK for p in positions.tolist()]
+            )
+            fresh = slots[slots % BLOCK == 0] // BLOCK
+            keys = torch.randn(len(positions), KV_HEADS, DIM, generator=gen) * 2
+            cache.write(
+                0, slots, fresh, keys, torch.randn(len(positions), KV_HEADS, DIM, generator=gen)
+            )
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return cache, padded
+
+
+def context_keys(cache, table, n):
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+    return cache.keys[0][:, slots], cache.values[0][:, slots]  # [kv_heads, n, dim]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=4), st.integers(0, 10_000))
+def test_key_bounds_are_upper_bounds_of_every_score_in_the_block(lengths, seed):
+    cache, tables = filled_cache(lengths, seed=seed)
+    query = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    bounds = key_bound_scores(query, cache.summaries(0), tables)  # [seqs, kv, group, blocks]
+    for i, n in enumerate(lengths):
+        keys, _ = context_keys(cache, tables[i].tolist(), n)
+        q = query[i].view(KV_HEADS, GROUP, DIM)
+        scores = q @ keys.transpose(1, 2)  # [kv, group, n]
+        for block in range(-(-n // BLOCK)):
+            inside = scores[:, :, block * BLOCK : (block + 1) * BLOCK]
+            assert (inside.amax(-1) <= bounds[i, :, :, block] + 1e-4).all()
+
+
+def test_budget_follows_entropy_and_respects_every_floor():
+    config = PruningConfig(
+        min_blocks=8, budget_low=0.125, budget_high=0.5, entropy_floor=0.5, entropy_high=4.0
+    )
+    assert block_budget(0.0, 512, None, config) == 64  # below the floor: the floor's budget
+    assert block_budget(0.5, 512, None, config) == 64
+    assert block_budget(2.25, 512, None, config) == math.ceil((0.125 + 0.375 * 0.5) * 512)
+    assert block_budget(9.0, 512, None, config) == 256
+    assert block_budget(0.0, 20, None, config) == 8  # never under the minimum budget
+    assert block_budget(0.0, 5, None, config) == 5  # nor over what exists
+    assert block_budget(0.0, 1, None, PruningConfig(min_blocks=1, budget_low=0.001)) == 1  # never 0
+    budgets = [block_budget(h, 512, None, config) for h in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert budgets == sorted(budgets)
+
+
+def test_budget_shrinks_at_a_limited_rate_and_grows_at_once():
+    config = PruningConfig(max_shrink=0.25)
+    assert block_budget(0.0, 512, 256, config) == 192  # wanted 64: at most a quarter less
+    assert block_budget(9.0, 512, 64, config) == 256  # growing is immediate
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("scorer", "oracle"),
+        ("min_blocks", 0),
+        ("budget_low", 0.0),
+        ("budget_high", 1.5),
+        ("entropy_high", 0.1),
+    ],
+)
+def test_pruning_config_is_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        PruningConfig(**{field: value})
+
+
+def select(lengths, budgets, config, layer=5, seed=0, refresh=None):
+    cache, tables = filled_cache(lengths, seed=seed)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), refresh)
+    query = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+    return EntropicSelector(config).select(layer, query, blocks, cache.summaries(0)), blocks
+
+
+def test_selector_keeps_sink_recent_and_budget_per_head():
+    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=2)
+    mask, _ = select([120, 61], [6, 4], config)  # 30 and 16 blocks
+    assert mask.shape == (2, KV_HEADS, 30)
+    assert mask.sum(-1).tolist() == [[6, 6], [4, 4]]
+    assert mask[:, :, 0].all()  # sink
+    assert mask[0, :, 28:30].all() and mask[1, :, 14:16].all()  # the two most recent blocks
+    assert not mask[1, :, 16:].any()  # nothing beyond the context
+
+
+def test_selector_is_dense_where_the_guards_say():
+    config = PruningConfig(min_context=100, dense_layers=2)
+    assert select([120], [4], config, layer=1)[0] is None  # a dense layer
+    assert select([60, 80], [4, 4], config)[0] is None  # every context is short
+    mask, _ = select([60, 120], [2, 4], config)
+    assert mask[0].sum(-1).tolist() == [15, 15]  # the short one keeps all 15 of its blocks
+    mask, _ = select(
+        [120], [4], PruningConfig(min_context=0, scorer="mass"), refresh=torch.tensor([True])
+    )
+    assert mask.sum().item() == 30 * KV_HEADS  # a refresh step attends to everything
+
+
+def test_block_pattern_equals_token_level_reference():
+    lengths, window = [1, 7, 33, 50], 10
+    cache, tables = filled_cache(lengths)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK)
+    mask = (
+        torch.rand(4, KV_HEADS, tables.shape[1], generator=torch.Generator().manual_seed(4)) < 0.5
+    )
+    for use_window in (None, window):
+        visible = visible_blocks(blocks, KV_HEADS, mask, use_window)
+        pattern = build_decode_pattern(blocks, visible, GROUP, cache.num_slots, use_window)
+        for i, n in enumerate(lengths):
+            for h in range(HEADS):
+                kv = h // GROUP
+                row = i * HEADS + h
+                got = pattern.cols[pattern.crow[row] : pattern.crow[row + 1]].tolist()
+                expected = [
+                    kv * cache.num_slots + tables[i, p // BLOCK].item() * BLOCK + p % BLOCK
+                    for p in range(n)
+                    if visible[i, kv, p // BLOCK] and (use_window is None or p >= n - use_window)
+                ]
+                assert got == expected
+
+
+def test_dropped_mass_bound_holds_and_certifies():
+    lengths = [64, 40]
+    cache, tables = filled_cache(lengths, seed=7)
+    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]))
+    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
+    telemetry = PruningTelemetry.empty(1, 2, torch.device("cpu"))
+    last = torch.tensor(
+        [
+            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            for t, n in zip(tables.tolist(), lengths, strict=True)
+        ]
+    )
+    keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
+    visible = visible_blocks(blocks, KV_HEADS)
+    dense = build_decode_pattern(blocks, visible, GROUP, cache.num_slots)
+    meta = AttentionMetadata(last, 2, blocks, dense, [], None, telemetry)
+    attention(0, query, keys, values, cache, meta)
+    mask = attention.selector.select(0, query, blocks, cache.summaries(0))
+    kept = visible_blocks(blocks, KV_HEADS, mask)
+    for i, n in enumerate(lengths):
+        context_k, _ = context_keys(cache, tables[i].tolist(), n)
+        probs = (
+            query[i].view(KV_HEADS, GROUP, DIM) @ context_k.transpose(1, 2) / DIM**0.5
+        ).softmax(-1)
+        token_kept = kept[i].repeat_interleave(BLOCK, dim=-1)[:, :n]
+        actual = (probs * ~token_kept[:, None, :]).sum(-1).max()
+        assert actual <= telemetry.dropped_mass[0, i] + 1e-6
+        assert telemetry.kept[0, i] == kept[i].sum()
+        assert telemetry.total[0, i] == visible[i].sum()
+
+
+def test_keeping_every_block_equals_dense_exactly():
+    lengths = [64, 40]
+    cache, tables = filled_cache(lengths, seed=3)
+    everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([16, 10]))
+    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    last = torch.tensor(
+        [
+            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            for t, n in zip(tables.tolist(), lengths, strict=True)
+        ]
+    )
+    keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
+    dense = build_decode_pattern(blocks, visible_blocks(blocks, KV_HEADS), GROUP, cache.num_slots)
+    outs = []
+    for selector in (EntropicSelector(everything), None):
+        from etinfer.control.block_selection import DenseSelector
+
+        attention = PagedAttention(HEADS, KV_HEADS, DIM, selector or DenseSelector())
+        outs.append(
+            attention(0, query, keys, values, cache, AttentionMetadata(last, 2, blocks, dense, []))
+        )
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_mass_scorer_ranks_by_observed_attention():
+    lengths = [80]
+    cache, tables = filled_cache(lengths, seed=5)
+    summaries: BlockSummaries = cache.summaries(0)
+    summaries.mass.zero_()
+    table = tables[0].tolist()
+    summaries.mass[:, table[7]] = 0.9  # a block the heads attended to heavily last time
+    config = PruningConfig(
+        min_context=0, dense_layers=0, scorer="mass", sink_blocks=1, recent_blocks=1
+    )
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([3]))
+    mask = EntropicSelector(config).select(3, torch.zeros(1, HEADS, DIM), blocks, summaries)
+    assert mask[0, :, 7].all()
+    assert mask[0].sum(-1).tolist() == [3, 3]
