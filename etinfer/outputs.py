@@ -59,8 +59,9 @@ class RequestOutput:
     num_preemptions: int = 0
     # Sum of the irreversible entropy reductions max(0, H[t-1] - H[t]) of the control signal.
     entropic_time: float = 0.0
-    # With pruning on, per generated token: the share of the context's (block, KV head) pairs
-    # that decode attention read, and an upper bound of the attention mass it dropped.
+    # With pruning on, per decode step (one fewer than generated tokens: the first comes from the
+    # prefill): the share of the context's (block, KV head) pairs decode attention read, and an
+    # upper bound of the attention mass it dropped.
     blocks_kept: list[float] | None = None
     dropped_mass: list[float] | None = None
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks, DenseSelector
+from etinfer.control.block_selection import BlockSelector, DecodeBlocks, DenseSelector, Selection
 from etinfer.model.paged_attention import (
     AttentionMetadata,
     KVCache,
@@ -95,16 +95,21 @@ def test_decode_matches_dense_reference_for_mixed_lengths(window):
         torch.testing.assert_close(out[i : i + 1], expected, rtol=1e-5, atol=1e-5)
 
 
+def mask_of(query, blocks, fill: bool) -> torch.Tensor:
+    shape = (query.shape[0], KV_HEADS, blocks.block_tables.shape[1])
+    return torch.full(shape, fill, dtype=torch.bool)
+
+
 class KeepAll(BlockSelector):
     def select(self, layer, query, blocks, summaries):
-        return torch.ones(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+        return Selection(mask_of(query, blocks, True))
 
 
 class KeepFirstBlock(BlockSelector):
     def select(self, layer, query, blocks, summaries):
-        mask = torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+        mask = mask_of(query, blocks, False)
         mask[:, :, 0] = True
-        return mask
+        return Selection(mask)
 
 
 def test_selector_keeping_every_block_equals_dense_exactly():
@@ -118,7 +123,7 @@ def test_selector_keeping_every_block_equals_dense_exactly():
 
 class KeepNothing(BlockSelector):
     def select(self, layer, query, blocks, summaries):
-        return torch.zeros(query.shape[0], KV_HEADS, blocks.block_tables.shape[1], dtype=torch.bool)
+        return Selection(mask_of(query, blocks, False))
 
 
 def test_an_empty_selection_still_attends_to_the_current_block():

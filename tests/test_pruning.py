@@ -34,8 +34,8 @@ def filled_cache(lengths, num_blocks=64, seed=0, chunk=3):
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), summaries=True)
     # Stale contents from an earlier owner of every block: bounds must reset on reuse.
-    cache.key_min.fill_(-100.0)
-    cache.key_max.fill_(100.0)
+    cache.key_bounds[..., 0, :] = 100.0  # stale maxima
+    cache.key_bounds[..., 1, :] = -100.0  # stale minima
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[order.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
     for table, n in zip(tables, lengths, strict=True):
@@ -114,7 +114,8 @@ def select(lengths, budgets, config, layer=5, seed=0, refresh=None):
     cache, tables = filled_cache(lengths, seed=seed)
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), refresh)
     query = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(seed))
-    return EntropicSelector(config).select(layer, query, blocks, cache.summaries(0)), blocks
+    selection = EntropicSelector(config).select(layer, query, blocks, cache.summaries(0))
+    return (None if selection is None else selection.mask), blocks
 
 
 def test_selector_keeps_sink_recent_and_budget_per_head():
@@ -181,7 +182,7 @@ def test_dropped_mass_bound_holds_and_certifies():
     dense = build_decode_pattern(blocks, visible, GROUP, cache.num_slots)
     meta = AttentionMetadata(last, 2, blocks, dense, [], None, telemetry)
     attention(0, query, keys, values, cache, meta)
-    mask = attention.selector.select(0, query, blocks, cache.summaries(0))
+    mask = attention.selector.select(0, query, blocks, cache.summaries(0)).mask
     kept = visible_blocks(blocks, KV_HEADS, mask)
     for i, n in enumerate(lengths):
         context_k, _ = context_keys(cache, tables[i].tolist(), n)
@@ -231,6 +232,6 @@ def test_mass_scorer_ranks_by_observed_attention():
         min_context=0, dense_layers=0, scorer="mass", sink_blocks=1, recent_blocks=1
     )
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([3]))
-    mask = EntropicSelector(config).select(3, torch.zeros(1, HEADS, DIM), blocks, summaries)
+    mask = EntropicSelector(config).select(3, torch.zeros(1, HEADS, DIM), blocks, summaries).mask
     assert mask[0, :, 7].all()
     assert mask[0].sum(-1).tolist() == [3, 3]

@@ -194,13 +194,16 @@ def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, pa
     out = pruned.generate(
         [corpus[:context]], SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
     )[0]
+    # The first token comes from the prefill; every later one from a decode step whose budget
+    # followed the entropy of the token before it.
+    entropies, kept = out.entropies[:-1], out.blocks_kept
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    left.plot(out.entropies, label="entropy (nats)", linewidth=1)
-    left.plot([10 * b for b in out.blocks_kept], label="blocks kept (x10 share)", linewidth=1)
-    left.set_xlabel("generated token")
+    left.plot(entropies, label="entropy of the previous token (nats)", linewidth=1)
+    left.plot([10 * b for b in kept], label="blocks kept (x10 share)", linewidth=1)
+    left.set_xlabel("decode step")
     left.legend()
-    right.scatter(out.entropies, out.blocks_kept, s=6)
-    right.set_xlabel("entropy of the previous step (nats)")
+    right.scatter(entropies, kept, s=6)
+    right.set_xlabel("entropy of the previous token (nats)")
     right.set_ylabel("share of blocks kept")
     fig.suptitle(f"Entropic pruning over one generation after {context} tokens of context")
     fig.tight_layout()

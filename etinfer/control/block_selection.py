@@ -100,9 +100,20 @@ class DecodeBlocks:
 class BlockSummaries:
     """What a layer's cache keeps per block for scoring, indexed by block id."""
 
-    key_min: torch.Tensor  # [kv_heads, num_blocks, head_dim]
-    key_max: torch.Tensor
+    # [kv_heads, num_blocks, 2, head_dim]: per channel the largest and the smallest key. Kept
+    # together so that one gather and one matmul score every block.
+    key_bounds: torch.Tensor
     mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
+
+
+@dataclass
+class Selection:
+    """A selector's answer for one layer."""
+
+    mask: torch.Tensor  # [seqs, kv_heads, max_blocks] blocks to attend to
+    # [seqs, kv_heads, group, max_blocks] upper bounds of q.k per block and query head, when the
+    # selector computed them (the backend turns them into a dropped-mass certificate)
+    bounds: torch.Tensor | None = None
 
 
 class BlockSelector(ABC):
@@ -116,9 +127,9 @@ class BlockSelector(ABC):
         query: torch.Tensor,
         blocks: DecodeBlocks,
         summaries: BlockSummaries | None,
-    ) -> torch.Tensor | None:
-        """Return a bool mask [num_seqs, num_kv_heads, max_blocks] of blocks to attend to,
-        or None to attend to every block. ``query`` is [num_seqs, num_heads, head_dim]."""
+    ) -> Selection | None:
+        """The blocks to attend to (a mask [num_seqs, num_kv_heads, max_blocks]), or None to
+        attend to every block. ``query`` is [num_seqs, num_heads, head_dim]."""
 
 
 BLOCK_SELECTORS: Registry[BlockSelector] = Registry("block selector")
@@ -138,7 +149,7 @@ class EntropicSelector(BlockSelector):
         self.config = config or PruningConfig()
         self.observes_mass = self.config.scorer == "mass"
 
-    def select(self, layer, query, blocks, summaries) -> torch.Tensor | None:
+    def select(self, layer, query, blocks, summaries) -> Selection | None:
         config = self.config
         if layer < config.dense_layers or blocks.budgets is None:
             return None
@@ -148,24 +159,25 @@ class EntropicSelector(BlockSelector):
         counts = (lens + bs - 1) // bs  # blocks in each context
         positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
         exists = positions < counts[:, None]  # [seqs, max_blocks]
-        scores = self._scores(query, blocks, summaries)  # [seqs, kv_heads, max_blocks]
+        bounds = key_bound_scores(query, summaries, blocks.block_tables)
+        if config.scorer == "mass":
+            scores = summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
+        else:
+            scores = bounds.amax(2)  # a block matters if it may matter to any head of the group
         forced = (positions < config.sink_blocks) | (
             positions >= counts[:, None] - config.recent_blocks
         )
         scores = scores.masked_fill(forced[:, None, :], torch.inf)
         scores = scores.masked_fill(~exists[:, None, :], -torch.inf)
-        ranks = scores.argsort(-1, descending=True).argsort(-1)
         dense = lens < config.min_context
         if blocks.refresh is not None:
             dense |= blocks.refresh
         budget = torch.where(dense, counts, blocks.budgets)
-        return (ranks < budget[:, None, None]) & exists[:, None, :]
-
-    def _scores(self, query, blocks, summaries: BlockSummaries) -> torch.Tensor:
-        tables = blocks.block_tables
-        if self.config.scorer == "mass":
-            return summaries.mass[:, tables].permute(1, 0, 2)
-        return key_bound_scores(query, summaries, tables).amax(2)
+        # One top-k at the largest budget; each row keeps its own budget's worth of it.
+        top = scores.topk(min(int(budget.max()), scores.shape[-1]), dim=-1).indices
+        taken = torch.arange(top.shape[-1], device=lens.device) < budget[:, None, None]
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
+        return Selection(mask & exists[:, None, :], bounds)
 
 
 def key_bound_scores(
@@ -173,12 +185,15 @@ def key_bound_scores(
 ) -> torch.Tensor:
     """Upper bounds of ``q.k`` over each block, per query head: [seqs, kv_heads, group, blocks].
 
-    ``sum_c max(q_c M_c, q_c m_c) = q+ . M + q- . m`` with ``q+``/``q-`` the positive/negative
-    parts of the query.
+    ``sum_c max(q_c M_c, q_c m_c) = [q+, q-] . [M, m]`` with ``q+``/``q-`` the positive and
+    negative parts of the query: one gather of the blocks' bounds and one batched matmul.
     """
     seqs, heads, dim = query.shape
-    kv_heads = summaries.key_min.shape[0]
-    q = query.view(seqs, kv_heads, heads // kv_heads, dim)
-    top = summaries.key_max[:, tables].permute(1, 0, 3, 2)  # [seqs, kv_heads, dim, blocks]
-    bottom = summaries.key_min[:, tables].permute(1, 0, 3, 2)
-    return q.clamp(min=0) @ top + q.clamp(max=0) @ bottom
+    kv_heads = summaries.key_bounds.shape[0]
+    group = heads // kv_heads
+    gathered = summaries.key_bounds.index_select(1, tables.reshape(-1))  # [kv, seqs*blocks, 2, d]
+    gathered = gathered.view(kv_heads * seqs, tables.shape[1], 2 * dim)
+    q = query.view(seqs, kv_heads, group, dim).transpose(0, 1)
+    q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1).reshape(kv_heads * seqs, group, 2 * dim)
+    scores = torch.bmm(gathered, q.transpose(1, 2))  # [kv*seqs, blocks, group]: big operand as is
+    return scores.view(kv_heads, seqs, -1, group).permute(1, 0, 3, 2)

@@ -189,7 +189,7 @@ class ModelRunner:
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
         sampled = [i for i, seq in enumerate(seqs) if ends[i] == seq.num_tokens]
         fresh = None
-        if self.cache.key_min is not None:
+        if self.cache.key_bounds is not None:
             fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         meta = AttentionMetadata(
             slot_mapping.to(self.device),

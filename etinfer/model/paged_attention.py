@@ -38,12 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from etinfer.control.block_selection import (
-    BlockSelector,
-    BlockSummaries,
-    DecodeBlocks,
-    key_bound_scores,
-)
+from etinfer.control.block_selection import BlockSelector, BlockSummaries, DecodeBlocks
 
 # The CSR kernels and index_reduce are stable in the pinned torch; the notices would only confuse.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
@@ -130,17 +125,18 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        self.key_min = self.key_max = self.mass = None
+        self.key_bounds = self.mass = None
         if summaries:
-            per_block = (num_layers, num_kv_heads, num_blocks, head_dim)
-            self.key_min = torch.empty(per_block, device=device, dtype=self.dtype)
-            self.key_max = torch.empty(per_block, device=device, dtype=self.dtype)
-            self.mass = torch.empty(per_block[:3], device=device, dtype=self.dtype)
+            per_block = (num_layers, num_kv_heads, num_blocks)
+            self.key_bounds = torch.empty(
+                (*per_block, 2, head_dim), device=device, dtype=self.dtype
+            )
+            self.mass = torch.empty(per_block, device=device, dtype=self.dtype)
 
     def summaries(self, layer: int) -> BlockSummaries | None:
-        if self.key_min is None:
+        if self.key_bounds is None:
             return None
-        return BlockSummaries(self.key_min[layer], self.key_max[layer], self.mass[layer])
+        return BlockSummaries(self.key_bounds[layer], self.mass[layer])
 
     def write(
         self,
@@ -153,18 +149,18 @@ class KVCache:
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         self.keys[layer].index_copy_(1, slots, keys)
         self.values[layer].index_copy_(1, slots, values)
-        if self.key_min is None:
+        if self.key_bounds is None:
             return
-        key_min, key_max = self.key_min[layer], self.key_max[layer]
+        key_max, key_min = self.key_bounds[layer].unbind(2)
         if fresh_blocks is not None and fresh_blocks.numel():
             # A block's first token starts its bounds afresh; its mass is unknown until it is
             # attended to, and +inf keeps it in the mass scorer's ranking until then.
-            key_min.index_fill_(1, fresh_blocks, torch.inf)
             key_max.index_fill_(1, fresh_blocks, -torch.inf)
+            key_min.index_fill_(1, fresh_blocks, torch.inf)
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        key_min.index_reduce_(1, blocks, keys, "amin")
         key_max.index_reduce_(1, blocks, keys, "amax")
+        key_min.index_reduce_(1, blocks, keys, "amin")
 
 
 def visible_blocks(
@@ -212,33 +208,33 @@ def build_decode_pattern(
         first = torch.maximum(first, lens[seq] - sliding_window)
     count = torch.minimum((block + 1) * bs, lens[seq]) - first  # tokens of each kept block
     start = head * num_slots + tables[seq, block] * bs + (first - block * bs)
-    # Repeat each (seq, head) run of blocks once per query head of the group.
+    # Repeat each (seq, head) run of blocks once per query head of the group: the runs of row r
+    # are those of its segment (seq, kv head), found by their index within the segment.
     segment = seq * kv_heads + head
     per_segment = torch.bincount(segment, minlength=seqs * kv_heads)
     segment_start = torch.cumsum(per_segment, 0) - per_segment
-    row = torch.arange(seqs * kv_heads * queries_per_kv, device=device)
-    row_segment = torch.div(row, queries_per_kv, rounding_mode="floor")
-    row_blocks = per_segment[row_segment]
-    owner_row = torch.repeat_interleave(row, row_blocks)  # one entry per (row, kept block)
-    first_of_row = torch.cumsum(row_blocks, 0) - row_blocks
-    which = (
-        segment_start[row_segment][owner_row]
-        + torch.arange(owner_row.numel(), device=device)
-        - first_of_row[owner_row]
+    rows = seqs * kv_heads * queries_per_kv
+    row_runs = per_segment.repeat_interleave(queries_per_kv)
+    run_row = torch.repeat_interleave(torch.arange(rows, device=device), row_runs)
+    run_in_row = (
+        torch.arange(run_row.numel(), device=device)
+        - (torch.cumsum(row_runs, 0) - row_runs)[run_row]
     )
+    which = segment_start.repeat_interleave(queries_per_kv)[run_row] + run_in_row
     run_start, run_len = start[which], count[which]
-    # Expand each block run into its cache rows.
-    entry_run = torch.repeat_interleave(torch.arange(run_len.numel(), device=device), run_len)
+    # Each run covers consecutive cache rows: entry e of a run starting at entry o is
+    # run_start + (e - o), one repeat and one arange for all of them.
+    nnz = int(run_len.sum())
     run_offset = torch.cumsum(run_len, 0) - run_len
-    position = torch.arange(entry_run.numel(), device=device) - run_offset[entry_run]
-    cols = (run_start[entry_run] + position).int()
-    row_lens = torch.zeros(row.numel(), dtype=torch.int64, device=device).index_add_(
-        0, owner_row, run_len
-    )
-    crow = torch.zeros(row.numel() + 1, dtype=torch.int32, device=device)
+    cols = (
+        torch.arange(nnz, device=device)
+        + torch.repeat_interleave(run_start - run_offset, run_len, output_size=nnz)
+    ).int()
+    row_ids = torch.repeat_interleave(run_row, run_len, output_size=nnz)
+    row_lens = torch.zeros(rows, dtype=torch.int64, device=device).index_add_(0, run_row, run_len)
+    crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
     torch.cumsum(row_lens, 0, out=crow[1:])
-    row_ids = owner_row[entry_run]
-    zeros = torch.zeros(cols.numel(), device=device)
+    zeros = torch.zeros(nnz, device=device)
     return DecodePattern(crow, cols, row_ids, row_lens, zeros)
 
 
@@ -283,10 +279,10 @@ class PagedAttention:
     ) -> torch.Tensor:
         blocks = meta.decode_blocks
         summaries = cache.summaries(layer) if self.selector.needs_summaries else None
-        mask = self.selector.select(layer, q, blocks, summaries)
+        selection = self.selector.select(layer, q, blocks, summaries)
         pattern, visible = meta.dense_pattern, None
-        if mask is not None:
-            visible = visible_blocks(blocks, self.num_kv_heads, mask, self.sliding_window)
+        if selection is not None:
+            visible = visible_blocks(blocks, self.num_kv_heads, selection.mask, self.sliding_window)
             pattern = build_decode_pattern(
                 blocks,
                 visible,
@@ -317,16 +313,12 @@ class PagedAttention:
             include_last_offset=True,
         )
         if meta.telemetry is not None:
-            self._record(
-                layer, q, blocks, summaries, visible, row_max, denominators, meta.telemetry
-            )
+            self._record(layer, blocks, selection, visible, row_max, denominators, meta.telemetry)
         if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
             self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
         return out.div_(denominators[:, None]).view(q.shape)
 
-    def _record(
-        self, layer, q, blocks, summaries, visible, row_max, denominators, telemetry
-    ) -> None:
+    def _record(self, layer, blocks, selection, visible, row_max, denominators, telemetry) -> None:
         """Blocks kept, and an upper bound of the attention mass the dropped blocks carried.
 
         With ``D`` the dropped blocks' true softmax numerator sum and ``K`` the kept one (exact),
@@ -336,16 +328,15 @@ class PagedAttention:
         """
         in_context = visible_blocks(blocks, self.num_kv_heads, None, self.sliding_window)
         telemetry.total[layer] = in_context.sum((1, 2))
-        if visible is None:
+        if selection is None:
             telemetry.kept[layer] = telemetry.total[layer]
             return
         telemetry.kept[layer] = visible.sum((1, 2))
         dropped = in_context & ~visible  # [seqs, kv_heads, blocks]
-        positions = torch.arange(blocks.block_tables.shape[1], device=q.device)
-        tokens = (blocks.context_lens[:, None] - positions * blocks.block_size).clamp(
-            0, blocks.block_size
-        )
-        bound = key_bound_scores(q, summaries, blocks.block_tables) * self.scale
+        positions = torch.arange(blocks.block_tables.shape[1], device=visible.device)
+        tokens = blocks.context_lens[:, None] - positions * blocks.block_size
+        tokens = tokens.clamp(0, blocks.block_size)
+        bound = selection.bounds * self.scale
         seqs, kv_heads, group, _ = bound.shape
         relative = bound + tokens.log()[:, None, None, :] - row_max.view(seqs, kv_heads, group, 1)
         log_dropped = relative.masked_fill(~dropped[:, :, None, :], -torch.inf).logsumexp(-1)
