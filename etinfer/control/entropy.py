@@ -65,31 +65,34 @@ def softmax_entropy(logits: torch.Tensor, masked: bool = False) -> Distribution:
 class TemperedEntropy:
     """Entropy and varentropy of ``softmax(z / T)`` for one set of logits, at any ``u = log T``.
 
-    With ``b = 1/T`` and the logits shifted to a row maximum of 0: ``H = -b E[z] - log p_max``
-    and ``V = b^2 (E[z^2] - E[z]^2)`` under ``p_T``, so an evaluation is one softmax and two dot
-    products; what every evaluation shares is computed once here. Masked (-inf) logits keep zero
-    probability at every temperature and are left out of the moments.
+    With ``b = 1/T`` and the logits shifted to a row maximum of 0, the weights ``w = exp(b z)``
+    sum to ``Z >= 1`` and ``H = log Z - b E[z]``, ``V = b^2 (E[z^2] - E[z]^2)`` under
+    ``p_T = w / Z``. An evaluation is then one exp and one batched matrix-vector product of the
+    stacked ``(z, z^2)`` with ``w``: no max pass, no separate normalisation, no temporaries per
+    moment. Masked (-inf) logits become ``MASKED``, whose weight is exactly zero at any
+    temperature below 1e10 while its products stay finite (its square fits in float32).
     """
 
+    MASKED = -1e15
+
     def __init__(self, logits: torch.Tensor) -> None:
-        self.shifted = logits - logits.amax(-1, keepdim=True)
-        self.finite = torch.where(self.shifted > -torch.inf, self.shifted, 0.0)
-        self.squares = self.finite.square()
-        self.top = self.shifted.argmax(-1, keepdim=True)
+        shifted = (logits - logits.amax(-1, keepdim=True)).clamp(min=self.MASKED)
+        self.moments = torch.stack((shifted, shifted.square()), dim=1)  # [rows, 2, vocab]
 
     def restrict(self, rows: torch.Tensor) -> TemperedEntropy:
         """The same curves for a subset of the rows (a solver drops the converged ones)."""
         subset = object.__new__(TemperedEntropy)
-        for name in ("shifted", "finite", "squares", "top"):
-            setattr(subset, name, getattr(self, name)[rows])
+        subset.moments = self.moments[rows]
         return subset
 
     def __call__(self, log_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         beta = torch.exp(-log_temperature)
-        probs = (self.shifted * beta[:, None]).softmax(-1)
-        mean = torch.linalg.vecdot(probs, self.finite)
-        mean_square = torch.linalg.vecdot(probs, self.squares)
-        h = -beta * mean - probs.gather(1, self.top)[:, 0].log()
+        weights = torch.exp(self.moments[:, 0] * beta[:, None])
+        total = weights.sum(-1)
+        mean, mean_square = (
+            torch.bmm(self.moments, weights[:, :, None])[..., 0] / total[:, None]
+        ).unbind(1)
+        h = total.log() - beta * mean
         v = beta.square() * (mean_square - mean.square()).clamp(min=0.0)
         return h.clamp(min=0.0), v
 
