@@ -1,8 +1,9 @@
-"""Command line: ``etinfer generate``, ``etinfer bench``."""
+"""Command line: ``etinfer generate``, ``etinfer serve``, ``etinfer bench``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -104,6 +105,57 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from etinfer.config import ControlConfig, EngineConfig
+    from etinfer.engine.llm_engine import LLMEngine
+    from etinfer.server import serve as run_server
+
+    control = {
+        "baseline": ControlConfig(),
+        "sampling": ControlConfig(sampling=True),
+        "pruning": ControlConfig(pruning=True),
+        "full": ControlConfig.full(),
+    }[args.control]
+    engine = LLMEngine(EngineConfig(model=args.model, control=control, **_engine_kwargs(args)))
+    run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        api_key=args.api_key,
+        model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    return 0
+
+
+def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("ETINFER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $ETINFER_API_KEY, else none)",
+    )
+    parser.add_argument("--served-model-name", help="the model's id in the API")
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests queued beyond this are refused with 503",
+    )
+    parser.add_argument(
+        "--control",
+        choices=["baseline", "sampling", "pruning", "full"],
+        default="baseline",
+        help="entropy control layers to switch on",
+    )
+    parser.add_argument("--log-level", default="info")
+    _add_engine_args(parser)
+    parser.set_defaults(func=serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etinfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     _add_engine_args(gen)
     gen.set_defaults(func=generate)
+
+    _add_serve_command(commands)
 
     from etinfer import calibrate
     from etinfer.bench import add_bench_commands

@@ -1,0 +1,122 @@
+"""The FastAPI application: routes, API key, and the engine loop's lifetime."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from etinfer.engine.llm_engine import LLMEngine
+from etinfer.model.loader import default_model_path
+from etinfer.server.engine_loop import EngineLoop
+from etinfer.server.errors import APIError, install_handlers
+from etinfer.server.metrics import ServerMetrics
+from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from etinfer.server.serving import OpenAIServing
+
+DEFAULT_MAX_WAITING_REQUESTS = 256
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    """The model's file or folder name, without ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1``)."""
+    path = Path(engine.config.model) if engine.config.model else default_model_path()
+    return path.name.removesuffix(".gguf")
+
+
+class APIKeyMiddleware:
+    """401 for ``/v1`` requests without ``Authorization: Bearer <key>``, before the body is
+    read. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the streaming responses behind it."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "Incorrect API key provided; pass it as 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    engine: LLMEngine,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+) -> FastAPI:
+    """An OpenAI-compatible server over ``engine``, which it then owns: nothing else may call
+    the engine while the app runs."""
+    if max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+    model_name = model_name or default_model_name(engine)
+    metrics = ServerMetrics(model_name)
+    loop = EngineLoop(engine, metrics, max_waiting_requests=max_waiting_requests)
+    serving = OpenAIServing(loop, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            await loop.stop()
+
+    app = FastAPI(title="etinfer", lifespan=lifespan)
+    app.state.loop = loop
+    app.state.metrics = metrics
+    install_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(request, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(request, raw)
+
+    return app
+
+
+def serve(
+    engine: LLMEngine,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    **app_kwargs,
+) -> None:
+    """Run the server until interrupted. ``app_kwargs`` are those of ``create_app``."""
+    app = create_app(engine, **app_kwargs)
+    # Streams still open at shutdown get a few seconds, then are cut (and their requests freed).
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

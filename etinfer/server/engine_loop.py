@@ -1,0 +1,251 @@
+"""The engine's own thread, and the event loop's view of the requests it runs.
+
+``LLMEngine`` is not thread-safe, so exactly one thread touches it. That thread takes the
+commands the event loop queued (add, abort), runs a step, and hands the outputs back with
+``call_soon_threadsafe``. The event loop never waits on a step: it keeps accepting requests,
+answering errors and streaming tokens while the model computes.
+
+Every engine request streams (an output per step), whatever the client asked for: outputs are
+snapshots, so a slow reader just sees the latest one, and per-token latencies can be measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from etinfer.engine.llm_engine import LLMEngine
+from etinfer.outputs import RequestOutput
+from etinfer.sampling_params import SamplingParams
+from etinfer.server.metrics import EngineStats, RequestProgress, ServerMetrics
+
+logger = logging.getLogger("etinfer.server")
+
+
+class QueueFull(Exception):
+    """The waiting queue has no room for a request."""
+
+
+class EngineError(RuntimeError):
+    """A request could not be run: the engine failed a step, refused it, or is shutting down."""
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.perf_counter() when the HTTP request arrived
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request, one per choice. Lives on the event loop."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.outputs: list[RequestOutput | None] = [None] * len(request_ids)
+        self.error: EngineError | None = None
+        self._fresh: set[int] = set()
+        self._event = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(out is not None and out.finished for out in self.outputs)
+
+    async def updates(self) -> AsyncIterator[list[int]]:
+        """The indices of the choices whose output changed, each time some did, until every
+        choice has finished. Raises ``EngineError`` if the engine could not run them."""
+        while not self.finished:
+            await self._event.wait()
+            self._event.clear()
+            if self.error is not None:
+                raise self.error
+            fresh = sorted(self._fresh)
+            self._fresh.clear()
+            if fresh:
+                yield fresh
+
+    def _update(self, index: int, output: RequestOutput) -> None:
+        self.outputs[index] = output
+        self._fresh.add(index)
+        self._event.set()
+
+    def _fail(self, error: EngineError) -> None:
+        self.error = error
+        self._event.set()
+
+
+@dataclass
+class _Route:
+    group: RequestGroup
+    index: int
+    progress: RequestProgress = field(default_factory=RequestProgress)
+
+
+_STOP = ("stop", None)
+
+
+class EngineLoop:
+    def __init__(
+        self, engine: LLMEngine, metrics: ServerMetrics, *, max_waiting_requests: int
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}  # event loop only
+        self._num_submitted = 0  # event loop only
+        self._num_applied = 0  # engine thread only; the event loop reads it through stats
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="etinfer-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for route in self._routes.values():
+            route.group._fail(EngineError("the server is shutting down"))
+        self._routes.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: the engine's waiting ones and those still on their way
+        to its thread (both counted at the same instant by the stats)."""
+        return self.stats.num_waiting + self._num_submitted - self.stats.num_applied
+
+    def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Queue the requests of one HTTP request, all or none."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        if self.num_waiting + len(requests) > self.max_waiting_requests:
+            raise QueueFull(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(at most {self.max_waiting_requests}); retry later"
+            )
+        group = RequestGroup([r.request_id for r in requests])
+        for index, request in enumerate(requests):
+            self._routes[request.request_id] = _Route(group, index)
+        self._num_submitted += len(requests)
+        self._commands.put(("add", requests))
+        return group
+
+    def abort(self, group: RequestGroup) -> None:
+        """Stop the group's unfinished requests and free their KV blocks (at the engine thread's
+        next turn, before its next step). A no-op for a finished group."""
+        ids = [rid for rid in group.request_ids if self._routes.pop(rid, None) is not None]
+        if ids:
+            self._commands.put(("abort", ids))
+
+    def _deliver(
+        self,
+        now: float,
+        outputs: list[tuple[str, RequestOutput | EngineError]],
+        stats: EngineStats,
+    ) -> None:
+        self.stats = stats
+        self.metrics.record_engine(stats, self._num_submitted - stats.num_applied)
+        for request_id, item in outputs:
+            route = self._routes.get(request_id)
+            if route is None:
+                continue  # aborted: its client is gone
+            if isinstance(item, EngineError):
+                self.abort(route.group)
+                route.group._fail(item)
+                continue
+            self.metrics.record_output(route.progress, item, now)
+            route.group._update(route.index, item)
+            if item.finished:
+                del self._routes[request_id]
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block only when there is nothing to compute; otherwise take what has arrived.
+            commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            outputs: list[tuple[str, RequestOutput | EngineError]] = []
+            for kind, payload in commands:
+                if kind == "stop":
+                    self._abort_all()
+                    return
+                if kind == "add":
+                    outputs += self._add(payload)
+                else:
+                    for request_id in payload:
+                        engine.abort_request(request_id)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs += [(out.request_id, out) for out in engine.step()]
+                except Exception as e:
+                    # One bad step must not take the server down: fail the requests it held
+                    # (their state is suspect), free their blocks, and serve new ones.
+                    logger.exception("engine step failed")
+                    error = EngineError(f"the engine failed a step: {e}")
+                    outputs += [(rid, error) for rid in self._abort_all()]
+            self._publish(outputs)
+
+    def _add(self, requests: list[EngineRequest]) -> list[tuple[str, EngineError]]:
+        failed = []
+        for request in requests:
+            self._num_applied += 1
+            try:
+                self.engine.add_request(
+                    request.prompt if request.prompt is not None else request.prompt_token_ids,
+                    request.params,
+                    request_id=request.request_id,
+                    stream=True,
+                    arrival_time=request.arrival_time,
+                    prompt_token_ids=request.prompt_token_ids,
+                )
+            except ValueError as e:  # validated before submission; this is a safety net
+                failed.append((request.request_id, EngineError(str(e))))
+        return failed
+
+    def _abort_all(self) -> list[str]:
+        scheduler = self.engine.scheduler
+        ids = [seq.request_id for seq in [*scheduler.running, *scheduler.waiting]]
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+        return ids
+
+    def _publish(self, outputs: list[tuple[str, RequestOutput | EngineError]]) -> None:
+        engine = self.engine
+        stats = EngineStats(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            kv_usage=engine.kv.pool.usage,
+            num_preemptions=engine.scheduler.num_preemptions,
+            prefix_cache_queries=engine.kv.prefix_cache_queries,
+            prefix_cache_hits=engine.kv.prefix_cache_hits,
+            num_applied=self._num_applied,
+        )
+        # A closed event loop raises: nobody is left to read them.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._deliver, time.perf_counter(), outputs, stats)

@@ -1,0 +1,159 @@
+"""Prometheus metrics under the ``etinfer:`` prefix, named and meant as vLLM's ``vllm:`` ones so
+existing dashboards read them, plus the entropy signal's own.
+
+Each server has its own registry, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from etinfer.outputs import RequestOutput
+
+# vLLM's buckets, so percentiles computed from either line up.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Nats; a uniform distribution over SmolLM2's 49,152 tokens has 10.8.
+ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0,
+                   11.0)  # fmt: skip
+RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after a step, as its thread saw it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # share of KV blocks held by requests (cached free ones excluded)
+    num_preemptions: int = 0  # cumulative, as are the two below
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_applied: int = 0  # requests the engine thread has taken in so far
+
+
+@dataclass
+class RequestProgress:
+    """What has been counted of one engine request so far."""
+
+    tokens: int = 0
+    blocks_kept: int = 0
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(
+                f"etinfer:{name}", doc, labels, registry=self.registry, buckets=buckets
+            )
+            return metric.labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"etinfer:{name}", doc, labels, registry=self.registry).labels(
+                model_name
+            )
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"etinfer:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
+        )
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.token_entropy = histogram(
+            "token_entropy_nats",
+            "Entropy of the model's distribution (temperature 1) at each generated token.",
+            ENTROPY_BUCKETS,
+        )
+        self.entropic_time = counter(
+            "entropic_time_nats",
+            "Entropic time of finished requests: the sum of their irreversible entropy drops.",
+        )
+        self.blocks_kept = histogram(
+            "blocks_kept_ratio",
+            "With pruning on: share of the context's KV blocks each decode step attended to.",
+            RATIO_BUCKETS,
+        )
+        self._request_success = Counter(
+            "etinfer:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self._last = EngineStats()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_engine(self, stats: EngineStats, num_pending: int) -> None:
+        """``num_pending``: requests accepted but not yet taken in by the engine thread."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting + num_pending)
+        self.kv_usage.set(stats.kv_usage)
+        last = self._last
+        self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self._last = stats
+
+    def record_output(self, progress: RequestProgress, out: RequestOutput, now: float) -> None:
+        """Count what ``out`` adds to what ``progress`` says was counted; ``now`` is when the
+        step that produced it ended (``time.perf_counter()``)."""
+        new = len(out.token_ids) - progress.tokens
+        if new > 0:
+            if progress.tokens == 0:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.time_to_first_token.observe(out.metrics.time_to_first_token)
+                if out.metrics.queue_time is not None:
+                    self.queue_time.observe(out.metrics.queue_time)
+            else:
+                gap = (now - progress.last_token_time) / new
+                for _ in range(new):
+                    self.inter_token_latency.observe(gap)
+            for h in out.entropies[progress.tokens :]:
+                if math.isfinite(h):
+                    self.token_entropy.observe(h)
+            self.generation_tokens.inc(new)
+            progress.tokens = len(out.token_ids)
+            progress.last_token_time = now
+        kept = out.blocks_kept or []
+        for ratio in kept[progress.blocks_kept :]:
+            self.blocks_kept.observe(ratio)
+        progress.blocks_kept = len(kept)
+        if out.finished:
+            if out.metrics.total_time is not None:
+                self.e2e_latency.observe(out.metrics.total_time)
+            self.entropic_time.inc(out.entropic_time)
+            self._request_success.labels(self._model_name, out.finish_reason).inc()

@@ -1,0 +1,190 @@
+"""Engine outputs in OpenAI's response shapes, whole or as streamed chunks.
+
+A choice is rendered from a cursor (how much of it was already sent): a whole response is one
+delta from an empty cursor, so both paths share the same code. Each choice also carries an
+``etinfer`` object with the entropy signal of the tokens it covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from etinfer.outputs import Logprob, RequestOutput
+
+# OpenAI's floor for a log-probability (what -inf is reported as).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class Cursor:
+    """How much of one choice has been sent."""
+
+    text: int = 0  # characters
+    tokens: int = 0
+    blocks: int = 0  # entries of blocks_kept
+    text_offset: int = 0  # completions logprobs: characters of the token strings so far
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: range
+    blocks: slice
+
+
+def advance(cursor: Cursor, out: RequestOutput, *, every_token: bool) -> Delta | None:
+    """What ``out`` adds to what was sent, moving the cursor; None when there is nothing to send
+    yet. Tokens whose text has not appeared (an unfinished character, a possible stop string)
+    wait for the next delta unless ``every_token`` (their logprobs are asked for)."""
+    text = out.text[cursor.text :]
+    if not text and not out.finished and not (every_token and len(out.token_ids) > cursor.tokens):
+        return None
+    blocks_kept = out.blocks_kept or []
+    delta = Delta(
+        text,
+        range(cursor.tokens, len(out.token_ids)),
+        slice(cursor.blocks, len(blocks_kept)),
+    )
+    cursor.text = max(cursor.text, len(out.text))
+    cursor.tokens = len(out.token_ids)
+    cursor.blocks = len(blocks_kept)
+    return delta
+
+
+def telemetry(out: RequestOutput, delta: Delta) -> dict:
+    """The ``etinfer`` object of a choice: the entropy signal of the delta's tokens."""
+    a, b = delta.tokens.start, delta.tokens.stop
+    fields = {
+        "entropies": out.entropies[a:b],
+        "tempered_entropies": out.tempered_entropies[a:b],
+        "temperatures": out.temperatures[a:b],
+    }
+    if out.blocks_kept is not None:
+        fields["blocks_kept"] = out.blocks_kept[delta.blocks]
+    if out.finished:
+        fields["entropic_time"] = out.entropic_time
+    return fields
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _chat_entry(lp: Logprob) -> dict:
+    return {"token": lp.token, "logprob": _logprob(lp.logprob), "bytes": list(lp.token.encode())}
+
+
+def chat_logprobs(out: RequestOutput, tokens: range, top_n: int) -> dict:
+    content = []
+    for j in tokens:
+        entry = out.logprobs[j]
+        # The top-N come first, in rank order; the sampled token follows when outside them.
+        top = list(entry.values())[:top_n]
+        content.append(
+            {
+                **_chat_entry(entry[out.token_ids[j]]),
+                "top_logprobs": [_chat_entry(lp) for lp in top],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(out: RequestOutput, tokens: range, cursor: Cursor) -> dict:
+    strings, values, tops, offsets = [], [], [], []
+    for j in tokens:
+        entry = out.logprobs[j]
+        sampled = entry[out.token_ids[j]]
+        strings.append(sampled.token)
+        values.append(_logprob(sampled.logprob))
+        # OpenAI's legacy format: the top-N and the sampled token, by token text.
+        tops.append({lp.token: _logprob(lp.logprob) for lp in entry.values()})
+        offsets.append(cursor.text_offset)
+        cursor.text_offset += len(sampled.token)
+    return {
+        "tokens": strings,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Token counts of a request whose prompts each had ``n`` choices (a prompt counts once)."""
+    firsts = outputs[::n]
+    prompt = sum(len(out.prompt_token_ids) for out in firsts)
+    completion = sum(len(out.token_ids) for out in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in firsts)},
+    }
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, logprobs: int | None) -> None:
+        self.logprobs = logprobs
+        self.with_logprobs = logprobs is not None
+
+    def choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
+        return {
+            "index": index,
+            "text": delta.text,
+            "logprobs": None
+            if self.logprobs is None
+            else completion_logprobs(out, delta.tokens, cursor),
+            "finish_reason": out.finish_reason,
+            "etinfer": telemetry(out, delta),
+        }
+
+    chunk_choice = choice
+
+    def opening_chunk_choices(self, num_choices: int) -> list[dict]:
+        return []
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, top_logprobs: int | None) -> None:
+        self.top_logprobs = top_logprobs  # None: no logprobs
+        self.with_logprobs = top_logprobs is not None
+
+    def _logprobs(self, out: RequestOutput, delta: Delta) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(out, delta.tokens, self.top_logprobs)
+
+    def choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": delta.text},
+            "logprobs": self._logprobs(out, delta),
+            "finish_reason": out.finish_reason,
+            "etinfer": telemetry(out, delta),
+        }
+
+    def chunk_choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
+        return {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(out, delta),
+            "finish_reason": out.finish_reason,
+            "etinfer": telemetry(out, delta),
+        }
+
+    def opening_chunk_choices(self, num_choices: int) -> list[dict]:
+        """OpenAI opens a chat stream with the role of each choice, before any token."""
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(num_choices)
+        ]
