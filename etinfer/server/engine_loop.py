@@ -129,6 +129,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and neither finished nor aborted."""
+        return len(self._routes)
+
+    @property
     def num_waiting(self) -> int:
         """Requests not yet scheduled: the engine's waiting ones and those still on their way
         to its thread (both counted at the same instant by the stats)."""

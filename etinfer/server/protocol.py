@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from etinfer.sampling_params import SamplingParams
 
-# OpenAI's own limit on choices per request.
+# OpenAI's own limit on choices per request, and its default max_tokens for completions.
 MAX_N = 128
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 class _Strict(BaseModel):
@@ -97,7 +98,7 @@ class GenerationRequest(SamplingExtensions):
 class CompletionRequest(GenerationRequest):
     # One prompt (text or token ids) or a batch of them; each gets n choices.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = None  # None: DEFAULT_COMPLETION_TOKENS, as OpenAI does
     logprobs: int | None = None  # top-N per token, as in OpenAI's legacy completions
 
 

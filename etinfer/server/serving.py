@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -21,6 +22,7 @@ from etinfer.sampling_params import SamplingParams
 from etinfer.server.engine_loop import EngineError, EngineLoop, EngineRequest, QueueFull
 from etinfer.server.errors import APIError, invalid_value
 from etinfer.server.protocol import (
+    DEFAULT_COMPLETION_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
@@ -63,14 +65,17 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self._check(request)
         prompts = self._completion_prompts(request.prompt)
-        params = self._params(request, request.max_tokens, request.logprobs, FIELDS)
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = DEFAULT_COMPLETION_TOKENS
+        params = self._params(request, max_tokens, request.logprobs, FIELDS)
         return await self._run(
             request,
             raw,
             "cmpl",
-            [(text, ids) for text, ids in prompts],
+            prompts,
             params,
-            request.max_tokens is None,
+            False,
             CompletionFormat(request.logprobs),
             arrival,
             prompt_param="prompt",
@@ -97,8 +102,9 @@ class OpenAIServing:
         messages = [m.as_template_message() for m in request.messages]
         try:
             ids = self.engine.tokenizer.encode_chat(messages)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+        except (ValueError, jinja2.TemplateError) as e:
+            # The model's template refuses some conversations (say, roles out of order).
+            raise APIError(400, f"chat template: {e}", param="messages") from e
         if not ids:
             raise APIError(400, "messages encode to no tokens", param="messages")
         return await self._run(
