@@ -6,10 +6,11 @@ import argparse
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from etinfer.bench import pruning, sampling, speed
+    from etinfer.bench import pruning, sampling, server_load, speed
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     speed.add_command(kinds)
     sampling.add_command(kinds)
     pruning.add_commands(kinds)
+    server_load.add_command(kinds)

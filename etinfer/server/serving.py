@@ -15,11 +15,17 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
-from etinfer.server.engine_loop import EngineError, EngineLoop, EngineRequest, QueueFull
+from etinfer.server.engine_loop import (
+    EngineError,
+    EngineLoop,
+    EngineRequest,
+    QueueFull,
+    RequestGroup,
+)
 from etinfer.server.errors import APIError, invalid_value
 from etinfer.server.protocol import (
     DEFAULT_COMPLETION_TOKENS,
@@ -61,7 +67,7 @@ class OpenAIServing:
 
     # -- endpoints ------------------------------------------------------------------------
 
-    async def completions(self, request: CompletionRequest, raw: Request):
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         self._check(request)
         prompts = self._completion_prompts(request.prompt)
@@ -69,19 +75,15 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS
         params = self._params(request, max_tokens, request.logprobs, FIELDS)
-        return await self._run(
-            request,
-            raw,
-            "cmpl",
-            prompts,
-            params,
-            False,
-            CompletionFormat(request.logprobs),
-            arrival,
-            prompt_param="prompt",
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = self._engine_requests(
+            request_id, prompts, params, request.n, arrival, prompt_param="prompt"
+        )
+        return await self._answer(
+            request, raw, request_id, requests, CompletionFormat(request.logprobs)
         )
 
-    async def chat(self, request: ChatCompletionRequest, raw: Request):
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         self._check(request)
         fields = dict(FIELDS, logprobs="top_logprobs")
@@ -107,18 +109,18 @@ class OpenAIServing:
             raise APIError(400, f"chat template: {e}", param="messages") from e
         if not ids:
             raise APIError(400, "messages encode to no tokens", param="messages")
-        return await self._run(
-            request,
-            raw,
-            "chatcmpl",
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = self._engine_requests(
+            request_id,
             [(None, ids)],
             params,
-            max_tokens is None,
-            ChatFormat(logprobs),
+            request.n,
             arrival,
             prompt_param="messages",
             max_tokens_param=fields["max_tokens"],
+            to_context_end=max_tokens is None,
         )
+        return await self._answer(request, raw, request_id, requests, ChatFormat(logprobs))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -168,17 +170,19 @@ class OpenAIServing:
 
     def _engine_requests(
         self,
-        kind: str,
+        request_id: str,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         n: int,
-        to_context_end: bool,
         arrival: float,
+        *,
         prompt_param: str,
-        max_tokens_param: str,
+        max_tokens_param: str = "max_tokens",
+        to_context_end: bool = False,
     ) -> list[EngineRequest]:
+        """One engine request per choice; ``to_context_end``: no max_tokens was given, so each
+        prompt may generate up to the end of the context."""
         limit = self.engine.max_model_len
-        base_id = f"{kind}-{uuid.uuid4().hex}"
         requests = []
         for p, (text, ids) in enumerate(prompts):
             length = len(ids)
@@ -215,36 +219,20 @@ class OpenAIServing:
                         prompt_params, seed=(params.seed + i) % MAX_SEED
                     )
                 requests.append(
-                    EngineRequest(f"{base_id}-{p}-{i}", text, ids, choice_params, arrival)
+                    EngineRequest(f"{request_id}-{p}-{i}", text, ids, choice_params, arrival)
                 )
         return requests
 
     # -- running --------------------------------------------------------------------------
 
-    async def _run(
+    async def _answer(
         self,
         request: GenerationRequest,
         raw: Request,
-        kind: str,
-        prompts: list[tuple[str | None, list[int]]],
-        params: SamplingParams,
-        to_context_end: bool,
+        request_id: str,
+        requests: list[EngineRequest],
         fmt: CompletionFormat | ChatFormat,
-        arrival: float,
-        *,
-        prompt_param: str,
-        max_tokens_param: str = "max_tokens",
-    ):
-        requests = self._engine_requests(
-            kind,
-            prompts,
-            params,
-            request.n,
-            to_context_end,
-            arrival,
-            prompt_param,
-            max_tokens_param,
-        )
+    ) -> Response:
         if len(requests) > self.loop.max_waiting_requests:
             raise APIError(
                 400,
@@ -259,7 +247,7 @@ class OpenAIServing:
         except EngineError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         header = {
-            "id": requests[0].request_id.rsplit("-", 2)[0],
+            "id": request_id,
             "created": int(time.time()),
             "model": self.model_name,
         }
@@ -285,7 +273,7 @@ class OpenAIServing:
 
     async def _stream(
         self,
-        group,
+        group: RequestGroup,
         fmt: CompletionFormat | ChatFormat,
         header: dict,
         n: int,
@@ -323,7 +311,7 @@ class OpenAIServing:
             self.loop.abort(group)
 
 
-async def _until_done_or_gone(group, raw: Request) -> list[RequestOutput] | None:
+async def _until_done_or_gone(group: RequestGroup, raw: Request) -> list[RequestOutput] | None:
     """The group's final outputs, or None if the client disconnected first."""
 
     async def finish() -> None:
