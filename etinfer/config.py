@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from etinfer.control.block_selection import PruningConfig
-from etinfer.control.scheduling import SCHEDULING_POLICIES
+from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,16 +21,21 @@ class ControlConfig:
       sample with ``entropy_target``, by the feedback law.
     - pruning: decode attention keeps only the blocks the entropic selector picks; ``True`` uses
       the default ``PruningConfig``.
-
-    The scheduling layer joins these when its policy lands; until then scheduling is FCFS.
+    - scheduling: the ``entropy`` scheduling policy replaces ``EngineConfig.scheduling_policy``;
+      ``True`` uses the default ``SchedulingConfig``.
     """
 
     sampling: bool = False
     pruning: bool | PruningConfig = False
+    scheduling: bool | SchedulingConfig = False
     entropy_target: float = 2.0
 
     def __post_init__(self) -> None:
         check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
+        if not isinstance(self.scheduling, bool | SchedulingConfig):
+            raise ValueError(
+                f"scheduling must be a bool or a SchedulingConfig, got {self.scheduling!r}"
+            )
 
     @classmethod
     def baseline(cls) -> ControlConfig:
@@ -40,13 +45,19 @@ class ControlConfig:
     @classmethod
     def full(cls) -> ControlConfig:
         """Every control layer on, with its defaults."""
-        return cls(sampling=True, pruning=True)
+        return cls(sampling=True, pruning=True, scheduling=True)
 
     @property
     def pruning_config(self) -> PruningConfig | None:
         if self.pruning is True:
             return PruningConfig()
         return self.pruning or None
+
+    @property
+    def scheduling_config(self) -> SchedulingConfig | None:
+        if self.scheduling is True:
+            return SchedulingConfig()
+        return self.scheduling or None
 
 
 @dataclass
@@ -96,6 +107,11 @@ class EngineConfig:
         SCHEDULING_POLICIES.check(self.scheduling_policy)
         if not isinstance(self.control, ControlConfig):
             raise ValueError(f"control must be a ControlConfig, got {self.control!r}")
+
+    @property
+    def policy_name(self) -> str:
+        """The scheduling policy in force: the control layer's switch wins."""
+        return "entropy" if self.control.scheduling_config else self.scheduling_policy
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -46,21 +46,34 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] = 0,
+        slo: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order.
 
         Every prompt is validated before any is queued, so a bad one leaves nothing behind.
+        ``priority`` (lower first, as in vLLM) and ``slo`` (seconds to finish) are one value for
+        every prompt or one per prompt; the entropy scheduling policy reads them.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(params, len(prompts))
+        priorities = self._per_prompt("priority", priority, len(prompts))
+        slos = self._per_prompt("slo", slo, len(prompts))
         encoded = [self.engine.encode_prompt(p)[1] for p in prompts]
-        for ids, p in zip(encoded, params, strict=True):
+        for ids, p, rank, deadline in zip(encoded, params, priorities, slos, strict=True):
             self.engine.check_request(ids, p)
+            self.engine.check_scheduling(rank, deadline)
         request_ids: list[str] = []
         try:
-            for prompt, ids, p in zip(prompts, encoded, params, strict=True):
-                request_ids.append(self._submit(prompt, p, stream=False, prompt_token_ids=ids))
+            for prompt, ids, p, rank, deadline in zip(
+                prompts, encoded, params, priorities, slos, strict=True
+            ):
+                request_ids.append(
+                    self._submit(
+                        prompt, p, stream=False, prompt_token_ids=ids, priority=rank, slo=deadline
+                    )
+                )
             with tqdm(total=len(request_ids), disable=not use_tqdm, unit="req") as bar:
                 pending = set(request_ids)
                 while pending and self.engine.has_unfinished_requests():
@@ -117,6 +130,14 @@ class LLM:
             buffer = self._outputs.get(out.request_id)
             if buffer is not None:
                 buffer.append(out)
+
+    @staticmethod
+    def _per_prompt(name: str, value: object, n: int) -> list:
+        if not isinstance(value, Sequence):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"{name} must be one value or one per prompt ({n}), got {len(value)}")
+        return list(value)
 
     @staticmethod
     def _params_per_prompt(

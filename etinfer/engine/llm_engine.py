@@ -28,6 +28,7 @@ from etinfer.model.loader import LoadedModel, load_model
 from etinfer.model.paged_attention import KVCache
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
+from etinfer.validation import check_float, check_int
 
 Prompt = str | Seq[int]
 
@@ -59,9 +60,14 @@ class LLMEngine:
             // (loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize) * config.block_size),
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        policy = SCHEDULING_POLICIES.create(
+            config.policy_name,
+            config=config.control.scheduling_config,
+            chunk_tokens=config.max_num_batched_tokens,
+        )
         self.scheduler = Scheduler(
             self.kv,
-            SCHEDULING_POLICIES.create(config.scheduling_policy),
+            policy,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
@@ -138,6 +144,12 @@ class LLMEngine:
                 f"num_kvcache_blocks is {self.num_blocks}; lower max_tokens or enlarge the pool"
             )
 
+    @staticmethod
+    def check_scheduling(priority: int, slo: float | None) -> None:
+        check_int("priority", priority)
+        if slo is not None:
+            check_float("slo", slo, low=0.0, low_open=True)
+
     def add_request(
         self,
         prompt: Prompt,
@@ -148,12 +160,17 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         forced_token_ids: list[int] | None = None,
+        priority: int = 0,
+        slo: float | None = None,
     ) -> str:
         """Queue a request. With ``stream`` every step that extends it yields an output;
         otherwise it yields one when it finishes. ``prompt_token_ids``, when given, are the
         already-validated encoding of ``prompt`` (which is then kept only for the output).
         ``forced_token_ids`` are appended as if sampled, one per step, before sampling resumes:
-        each runs as a decode step and counts towards ``max_tokens``."""
+        each runs as a decode step and counts towards ``max_tokens``. ``priority`` (lower first,
+        as in vLLM) and ``slo`` (seconds from arrival to finish) are read by the entropy
+        scheduling policy; FCFS ignores them."""
+        self.check_scheduling(priority, slo)
         params = self._with_control(params or SamplingParams())
         if prompt_token_ids is None:
             text, ids = self.encode_prompt(prompt)
@@ -176,6 +193,8 @@ class LLMEngine:
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             stream=stream,
             forced_token_ids=forced_token_ids,
+            priority=priority,
+            slo=slo,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)

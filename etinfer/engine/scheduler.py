@@ -50,6 +50,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Tokens computed again after preemptions: discarded KV less what the prefix cache found.
+        self.num_recomputed_tokens = 0
+        self._discarded: dict[Sequence, int] = {}  # preempted sequences: computed tokens lost
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,12 +103,16 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._discarded.pop(seq, None)
         seq.status = SequenceStatus.FINISHED
 
     def _admit(self, seq: Sequence, num_cached_tokens: int) -> None:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
+        seq.steps_since_admitted = 0
+        if seq in self._discarded:
+            self.num_recomputed_tokens += max(0, self._discarded.pop(seq) - num_cached_tokens)
         if seq.metrics.first_scheduled_time is None:
             seq.metrics.first_scheduled_time = time.perf_counter()
             seq.num_cached_tokens = num_cached_tokens
@@ -114,6 +121,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        self._discarded[seq] = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -125,3 +133,4 @@ class Scheduler:
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
+        seq.steps_since_admitted += 1

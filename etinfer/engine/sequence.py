@@ -31,6 +31,8 @@ class Sequence:
         arrival_time: float,
         stream: bool,
         forced_token_ids: list[int] | None = None,
+        priority: int = 0,
+        slo: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.arrival_index = arrival_index
@@ -45,6 +47,8 @@ class Sequence:
         # forcing: scoring text under decode, feeding a question as decode steps).
         self.forced = list(reversed(forced_token_ids or []))  # a stack: next one last
         self.status = SequenceStatus.WAITING
+        self.priority = priority  # lower value first, as in vLLM
+        self.slo = slo  # seconds from arrival within which it wants to finish, if any
 
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.block_table: list[int] = []
@@ -52,6 +56,7 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks published in the prefix cache
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.steps_since_admitted = 0  # steps scheduled since it last entered the running set
 
         self.entropies: list[float] = []
         self.tempered_entropies: list[float] = []

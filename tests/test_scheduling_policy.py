@@ -1,0 +1,319 @@
+"""The entropy scheduling policy on scripted sequences and a fake clock: no model runs here."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from etinfer.config import ControlConfig, EngineConfig
+from etinfer.control.scheduling import EntropyPolicy, FCFSPolicy, SchedulingConfig
+from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.scheduler import ScheduledBatch, Scheduler
+from etinfer.engine.sequence import Sequence, SequenceStatus
+from etinfer.sampling_params import SamplingParams
+
+BLOCK = 4
+_ids = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_seq(
+    prompt_len: int = 8,
+    max_tokens: int = 16,
+    *,
+    arrival: float = 0.0,
+    priority: int = 0,
+    slo: float | None = None,
+) -> Sequence:
+    index = next(_ids)
+    tokens = list(range(1000 * index, 1000 * index + prompt_len))  # no shared prefixes
+    return Sequence(
+        f"r{index}",
+        index,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        prompt=None,
+        arrival_time=arrival,
+        stream=False,
+        priority=priority,
+        slo=slo,
+    )
+
+
+def decoding(seq: Sequence, generated: int) -> Sequence:
+    """As if ``seq`` had read its prompt and generated ``generated`` tokens."""
+    seq.token_ids += [7] * generated
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def only(term: str, clock: Clock | None = None, **overrides) -> EntropyPolicy:
+    """A policy whose priority is one term (urgency cannot be off: it keeps a tiny weight)."""
+    weights = {"alpha": 0.0, "beta": 0.0, "gamma": 0.0, "delta": 1e-9} | {term: 1.0}
+    return EntropyPolicy(SchedulingConfig(**weights, **overrides), clock=clock or Clock())
+
+
+# -- ordering by each term ---------------------------------------------------------------------
+
+
+def test_higher_expected_entropy_reduction_goes_first():
+    settled, unsettled = make_seq(), make_seq()
+    for h in (3.0, 2.9, 2.9, 2.8):  # small reductions
+        settled.profile.update(h)
+    for h in (3.0, 1.5, 3.0, 1.0):  # large ones
+        unsettled.profile.update(h)
+    policy = only("alpha")
+    assert policy.order([settled, unsettled]) == [unsettled, settled]
+
+
+def test_a_new_sequence_starts_from_the_prior_and_measurements_replace_it():
+    config = SchedulingConfig(entropy_prior=0.8, entropy_cap=2.0)
+    policy = EntropyPolicy(config)
+    seq = make_seq()
+    assert policy.entropy_term(seq) == pytest.approx(0.4)
+    seq.profile.update(1.0)  # a first entropy measures no reduction yet
+    assert policy.entropy_term(seq) == pytest.approx(0.4)
+    for _ in range(60):  # a steady reduction of 1.2 nats per step
+        seq.profile.update(2.2)
+        seq.profile.update(1.0)
+    assert policy.entropy_term(seq) == pytest.approx(1 / 3, abs=0.01)  # EMA of ...0, 1.2: 2/3
+
+
+def test_cheaper_next_step_goes_first():
+    policy = only("beta")
+    long_prompt, short_prompt = make_seq(prompt_len=900), make_seq(prompt_len=30)
+    decode = decoding(make_seq(prompt_len=900), 5)
+    assert policy.order([long_prompt, short_prompt, decode]) == [decode, short_prompt, long_prompt]
+
+
+def test_pruning_discounts_the_attention_of_a_decode_step():
+    policy = only("beta")
+    dense, pruned = decoding(make_seq(4000), 3), decoding(make_seq(4000), 3)
+    pruned.blocks_kept = [0.9, 0.25]  # the latest step counts
+    assert policy.cost_term(pruned) < policy.cost_term(dense)
+    assert policy.order([dense, pruned]) == [pruned, dense]
+
+
+def test_prefill_chunks_cost_what_the_token_budget_lets_through():
+    policy = EntropyPolicy(chunk_tokens=256)
+    assert policy.cost_term(make_seq(prompt_len=4000)) == policy.cost_term(make_seq(256))
+
+
+def test_less_remaining_memory_time_goes_first():
+    policy = only("gamma")
+    nearly_done = decoding(make_seq(prompt_len=100, max_tokens=100), 95)
+    fresh_short, fresh_long = make_seq(max_tokens=50), make_seq(max_tokens=500)
+    small_context = decoding(make_seq(prompt_len=10, max_tokens=100), 50)
+    big_context = decoding(make_seq(prompt_len=900, max_tokens=100), 50)
+    order = policy.order([fresh_long, big_context, small_context, fresh_short, nearly_done])
+    assert order == [nearly_done, fresh_short, small_context, big_context, fresh_long]
+
+
+def test_longer_wait_lower_priority_value_and_tighter_slo_go_first():
+    clock = Clock()
+    policy = only("delta", clock)
+    clock.now = 10.0
+    old, new = make_seq(arrival=1.0), make_seq(arrival=9.0)
+    assert policy.order([new, old]) == [old, new]
+    urgent, relaxed = make_seq(arrival=5.0, slo=10.0), make_seq(arrival=5.0)
+    assert policy.order([relaxed, urgent]) == [urgent, relaxed]
+    important, ordinary = make_seq(arrival=9.0, priority=-1), make_seq(arrival=1.0)
+    assert policy.order([ordinary, important]) == [important, ordinary]
+
+
+def test_slo_urgency_is_capped():
+    clock = Clock()
+    policy = only("delta", clock, aging_s=1e6, slo_cap=2.0)
+    seq = make_seq(slo=1.0)
+    clock.now = 100.0
+    assert policy.urgency_term(seq, clock.now) == pytest.approx(2.0, abs=1e-3)
+
+
+def test_every_term_but_aging_is_bounded():
+    policy = EntropyPolicy(SchedulingConfig())
+    huge = decoding(make_seq(prompt_len=8000, max_tokens=10**6), 1)
+    huge.profile.update(50.0)
+    huge.profile.update(0.0)
+    for term in (policy.entropy_term, policy.cost_term, policy.memory_term):
+        assert 0.0 <= term(huge) <= 1.0
+
+
+def test_a_preempted_request_keeps_its_place():
+    clock = Clock()
+    policy = EntropyPolicy(clock=clock)
+    seq = decoding(make_seq(prompt_len=300, max_tokens=200), 40)
+    clock.now = 3.0
+    before = policy.priority(seq, clock.now)
+    seq.num_computed_tokens = 0  # preempted: its KV is gone, its recompute still to come
+    assert policy.priority(seq, clock.now) == pytest.approx(before)
+
+
+# -- preemption victims ------------------------------------------------------------------------
+
+
+def running(computed: int, *, steps: int = 100, preemptions: int = 0, priority: int = 0):
+    seq = decoding(make_seq(prompt_len=computed, max_tokens=64, priority=priority), 1)
+    seq.steps_since_admitted, seq.num_preemptions = steps, preemptions
+    return seq
+
+
+def test_victim_is_the_least_computed_work():
+    big, small, medium = running(400), running(20), running(100)
+    assert EntropyPolicy().victim([big, small, medium]) is small
+
+
+def test_hysteresis_protects_a_sequence_just_admitted():
+    policy = EntropyPolicy(SchedulingConfig(min_run_steps=8))
+    just_back, settled = running(20, steps=3), running(400, steps=50)
+    assert policy.victim([just_back, settled]) is settled
+    just_back.steps_since_admitted = 8
+    assert policy.victim([just_back, settled]) is just_back
+
+
+def test_a_request_preempted_max_times_is_preempted_last():
+    policy = EntropyPolicy(SchedulingConfig(max_preemptions=2))
+    capped, other = running(20, preemptions=2), running(400, preemptions=1)
+    assert policy.victim([capped, other]) is other
+    # When every candidate is protected, the least computed work still goes.
+    assert policy.victim([capped, running(400, preemptions=2)]) is capped
+
+
+def test_the_least_important_priority_class_is_preempted_first():
+    vip, ordinary = running(20, priority=-1), running(400, priority=0)
+    assert EntropyPolicy().victim([vip, ordinary]) is ordinary
+
+
+def make_scheduler(policy, num_blocks=64, max_num_seqs=8, budget=64):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    return Scheduler(kv, policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+
+def run_step(scheduler: Scheduler, batch) -> None:
+    """What the engine does after the model ran: computed tokens advance, a finished prompt
+    gets a token, a sequence at max_tokens finishes."""
+    for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq)
+
+
+def test_scheduler_preempts_the_least_computed_work_and_counts_the_recompute():
+    # 5 blocks of 4 tokens. An old request with a short prompt and a long way to go, and a newer
+    # one with a long prompt about to finish, fill the pool. The newer one runs first (less
+    # remaining memory-time) and needs a sixth block: FCFS would evict it (the newest); the
+    # entropy policy evicts the old one, which has less computed work to lose.
+    policy = EntropyPolicy(SchedulingConfig(min_run_steps=0))
+    scheduler = make_scheduler(policy, num_blocks=5)
+    old = make_seq(prompt_len=4, max_tokens=50, arrival=0.0)
+    new = make_seq(prompt_len=16, max_tokens=2, arrival=1.0)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler, scheduler.schedule())  # old holds 1 block, new 4: the pool is full
+    assert FCFSPolicy().victim([old, new]) is new
+    batch = scheduler.schedule()
+    assert batch.preempted == [old] and batch.seqs == [new]
+    assert old.status is SequenceStatus.WAITING and old.num_preemptions == 1
+    run_step(scheduler, batch)  # new finishes and frees its blocks
+    batch = scheduler.schedule()
+    assert batch.seqs == [old] and batch.num_tokens == [5]  # its prompt again, and its token
+    assert scheduler.num_recomputed_tokens == 4
+
+
+def test_steps_since_admitted_counts_scheduled_steps_and_resets_on_admission():
+    scheduler = make_scheduler(FCFSPolicy())
+    seq = make_seq(prompt_len=4, max_tokens=10)
+    scheduler.add(seq)
+    for _ in range(3):
+        run_step(scheduler, scheduler.schedule())
+    assert seq.steps_since_admitted == 3
+    scheduler._preempt(seq, ScheduledBatch())
+    scheduler.schedule()
+    assert seq.steps_since_admitted == 1
+
+
+# -- no starvation -----------------------------------------------------------------------------
+
+
+def adversarial_run(config: SchedulingConfig, seconds: int) -> tuple[Sequence, float | None]:
+    """One slot, one step per second. At t=0 a long, low-priority request arrives; then every
+    second a short, high-priority one, more than the slot can serve, forever. Returns the long
+    request and when it was admitted (None if never)."""
+    clock = Clock()
+    scheduler = make_scheduler(EntropyPolicy(config, clock=clock), max_num_seqs=1)
+    victim = make_seq(prompt_len=200, max_tokens=500, arrival=0.0, priority=1)
+    scheduler.add(victim)
+    blocker = make_seq(prompt_len=4, max_tokens=3, arrival=0.0, priority=-1)
+    scheduler.add(blocker)  # takes the slot first
+    for t in range(seconds):
+        clock.now = float(t)
+        scheduler.add(make_seq(prompt_len=4, max_tokens=3, arrival=clock.now, priority=-1))
+        batch = scheduler.schedule()
+        if victim in batch.seqs:
+            return victim, clock.now
+        run_step(scheduler, batch)
+    return victim, None
+
+
+def test_aging_admits_a_low_priority_request_under_an_endless_high_priority_stream():
+    config = SchedulingConfig()
+    bound = config.starvation_bound_s(priority_gap=2)
+    victim, admitted = adversarial_run(config, seconds=int(10 * bound))
+    assert admitted is not None
+    # It outranks every arrival more than `bound` younger, so only the arrivals within `bound`
+    # of it (one per second, each holding the slot for 3 steps) can go ahead of it.
+    assert admitted <= 4 * bound
+    assert admitted > 3  # but high priority did go first for a while
+    assert victim.num_preemptions == 0
+
+
+def test_without_aging_the_same_stream_starves_it():
+    # The same policy with aging stretched out of reach (what strict priority does, as vLLM's
+    # `priority` policy): the test above would fail.
+    config = dataclasses.replace(SchedulingConfig(), aging_s=1e9)
+    _, admitted = adversarial_run(
+        config, seconds=int(10 * SchedulingConfig().starvation_bound_s(2))
+    )
+    assert admitted is None
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("delta", 0.0, "delta must be in (0, inf], got 0"),
+        ("gamma", -1.0, "gamma must be in [0, inf], got -1"),
+        ("aging_power", 0.5, "aging_power must be in [1, inf], got 0.5"),
+        ("entropy_prior", 3.0, "entropy_prior must be in [0, 2], got 3"),
+        ("max_preemptions", 1.5, "max_preemptions must be an integer, got 1.5"),
+        ("aging_s", float("nan"), "aging_s must be a finite number, got nan"),
+    ],
+)
+def test_scheduling_config_names_the_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        SchedulingConfig(**{field: value})
+
+
+def test_control_config_switches_the_policy():
+    assert EngineConfig().policy_name == "fcfs"
+    assert EngineConfig(control=ControlConfig(scheduling=True)).policy_name == "entropy"
+    assert EngineConfig(control=ControlConfig.full()).policy_name == "entropy"
+    assert EngineConfig(control=ControlConfig.baseline()).policy_name == "fcfs"
+    assert EngineConfig(scheduling_policy="entropy").policy_name == "entropy"
+    custom = SchedulingConfig(gamma=2.0)
+    assert ControlConfig(scheduling=custom).scheduling_config is custom
+    with pytest.raises(ValueError, match="scheduling must be a bool or a SchedulingConfig"):
+        ControlConfig(scheduling="yes")
