@@ -310,6 +310,7 @@ def test_full_queue_answers_503(small_server) -> None:
         client.completions.create(model=MODEL, prompt="One more", max_tokens=1)
     assert caught.value.status_code == 503
     assert caught.value.code == "queue_full" and "overloaded" in caught.value.message
+    assert caught.value.response.headers["retry-after"] == "1"
     # The accepted ones are unaffected: the running stream goes on.
     more = [next(running) for _ in range(3)]
     assert all(chunk.choices[0].finish_reason is None for chunk in [first, *more])

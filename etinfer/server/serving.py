@@ -243,7 +243,8 @@ class OpenAIServing:
         try:
             group = self.loop.submit(requests)
         except QueueFull as e:
-            raise APIError(503, str(e), code="queue_full") from e
+            # OpenAI's clients retry a 503 by themselves, after Retry-After.
+            raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         header = {
