@@ -7,6 +7,7 @@ delta from an empty cursor, so both paths share the same code. Each choice also 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from etinfer.outputs import Logprob, RequestOutput
@@ -55,15 +56,20 @@ def telemetry(out: RequestOutput, delta: Delta) -> dict:
     """The ``etinfer`` object of a choice: the entropy signal of the delta's tokens."""
     a, b = delta.tokens.start, delta.tokens.stop
     fields = {
-        "entropies": out.entropies[a:b],
-        "tempered_entropies": out.tempered_entropies[a:b],
-        "temperatures": out.temperatures[a:b],
+        "entropies": _finite(out.entropies[a:b]),
+        "tempered_entropies": _finite(out.tempered_entropies[a:b]),
+        "temperatures": _finite(out.temperatures[a:b]),
     }
     if out.blocks_kept is not None:
-        fields["blocks_kept"] = out.blocks_kept[delta.blocks]
+        fields["blocks_kept"] = _finite(out.blocks_kept[delta.blocks])
     if out.finished:
-        fields["entropic_time"] = out.entropic_time
+        fields["entropic_time"] = out.entropic_time if math.isfinite(out.entropic_time) else None
     return fields
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    """JSON has no NaN or infinity (and Starlette refuses to write them): null instead."""
+    return [v if math.isfinite(v) else None for v in values]
 
 
 def _logprob(value: float) -> float:
