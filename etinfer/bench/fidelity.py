@@ -97,7 +97,8 @@ def teacher_forced(
                 forced_token_ids=text[context : context + steps],
             )
     kl, agree, nll_dense, nll_pruned, kept = [], [], [], [], []
-    while dense.engine.has_unfinished_requests():
+    # Not in lockstep: a prefix cached in one engine shortens its prefill.
+    while dense.engine.has_unfinished_requests() or pruned.engine.has_unfinished_requests():
         outputs = dense.engine.step() + pruned.engine.step()
         for (request_id, position), p_dense in list(recorders[0].rows.items()):
             p_pruned = recorders[1].rows.pop((request_id, position), None)

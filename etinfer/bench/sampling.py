@@ -223,24 +223,29 @@ def estimator_fidelity(logits: torch.Tensor) -> list[dict]:
 
 
 def plot_traces(results: dict[str, list[RequestOutput]], index: int, path: Path) -> None:
+    """One row per sampler (entropy sampled from, and temperature), on shared axes: overlaid,
+    eight jagged traces hide one another."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    for name, outs in results.items():
+    fig, axes = plt.subplots(
+        len(results), 2, figsize=(12, 1.3 * len(results) + 1), sharex=True, sharey="col"
+    )
+    for (name, outs), (left, right) in zip(results.items(), axes, strict=True):
         out = outs[index]
-        top.plot(out.tempered_entropies, label=name, linewidth=1)
-        bottom.plot(out.temperatures, label=name, linewidth=1)
-    top.axhline(TARGET, color="black", linestyle="--", linewidth=0.8)
-    top.set_ylabel("entropy sampled from (nats)")
-    bottom.set_ylabel("temperature")
-    bottom.set_xlabel("generated token")
-    top.legend(fontsize=7, ncol=2)
-    top.set_title(f"One prompt under each sampler (prompt {index})")
+        left.plot(out.tempered_entropies, linewidth=0.8)
+        left.axhline(TARGET, color="black", linestyle="--", linewidth=0.6)
+        right.plot(out.temperatures, linewidth=0.8, color="tab:red")
+        left.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
+    axes[0, 0].set_title("entropy sampled from (nats); dashed: target 2")
+    axes[0, 1].set_title("temperature")
+    for ax in axes[-1]:
+        ax.set_xlabel("generated token")
+    fig.suptitle(f"One prompt under each sampler (prompt {index})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

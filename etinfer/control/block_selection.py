@@ -195,5 +195,6 @@ def key_bound_scores(
     gathered = gathered.view(kv_heads * seqs, tables.shape[1], 2 * dim)
     q = query.view(seqs, kv_heads, group, dim).transpose(0, 1)
     q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1).reshape(kv_heads * seqs, group, 2 * dim)
-    scores = torch.bmm(gathered, q.transpose(1, 2))  # [kv*seqs, blocks, group]: big operand as is
-    return scores.view(kv_heads, seqs, -1, group).permute(1, 0, 3, 2)
+    # Queries on the left: a product with a handful of columns on the right is a slow BLAS shape.
+    scores = torch.bmm(q, gathered.transpose(1, 2))  # [kv*seqs, group, blocks]
+    return scores.view(kv_heads, seqs, group, -1).transpose(0, 1)

@@ -335,13 +335,17 @@ class PagedAttention:
         dropped = in_context & ~visible  # [seqs, kv_heads, blocks]
         positions = torch.arange(blocks.block_tables.shape[1], device=visible.device)
         tokens = blocks.context_lens[:, None] - positions * blocks.block_size
-        tokens = tokens.clamp(0, blocks.block_size)
-        bound = selection.bounds * self.scale
-        seqs, kv_heads, group, _ = bound.shape
-        relative = bound + tokens.log()[:, None, None, :] - row_max.view(seqs, kv_heads, group, 1)
-        log_dropped = relative.masked_fill(~dropped[:, :, None, :], -torch.inf).logsumexp(-1)
+        log_tokens = tokens.clamp(0, blocks.block_size).log()  # [seqs, blocks]
+        seqs, kv_heads, group, _ = selection.bounds.shape
+        # One fresh tensor, updated in place: the terms are small but there are many layers.
+        relative = selection.bounds * self.scale
+        relative += log_tokens[:, None, None, :]
+        relative -= row_max.view(seqs, kv_heads, group, 1)
+        relative.masked_fill_(~dropped[:, :, None, :], -torch.inf)
         log_kept = denominators.log().view(seqs, kv_heads, group)
-        telemetry.dropped_mass[layer] = torch.sigmoid(log_dropped - log_kept).amax((1, 2))
+        telemetry.dropped_mass[layer] = torch.sigmoid(relative.logsumexp(-1) - log_kept).amax(
+            (1, 2)
+        )
 
     def _observe_mass(self, mass, pattern, weights, denominators, block_size) -> None:
         """Record each attended block's attention mass, averaged over the query heads that
