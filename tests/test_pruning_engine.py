@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from etinfer import ControlConfig, PruningConfig, SamplingParams
@@ -67,3 +71,24 @@ def test_short_contexts_attend_densely_by_default(make_llm):
     pruned = make_llm(control=ControlConfig(pruning=True))
     out = pruned.generate(["The capital of France is"], GREEDY)[0]
     assert all(share == 1.0 for share in out.blocks_kept)
+
+
+def test_fidelity_benchmark_runs_end_to_end(tmp_path):
+    """``etinfer bench fidelity`` at toy sizes: every part runs and the report has its fields."""
+    toy = "--batches 1 --fidelity-batches 1 --fidelity-context 200 --fidelity-steps 6"
+    configs = "--fidelity-configs bound --passkey-configs bound --passkey-lengths 200"
+    command = [sys.executable, "-m", "etinfer.cli", "bench", "fidelity"]
+    result = subprocess.run(
+        [*command, *toy.split(), *configs.split(), "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "pruning.json").read_text())
+    (fidelity,) = report["fidelity"]
+    assert fidelity["steps"] == 5 and 0 <= fidelity["top1_agreement"] <= 1
+    # Under the default minimum context nothing is pruned: pruned equals dense.
+    assert fidelity["kl_max"] < 1e-6 and fidelity["blocks_kept"] == 1.0
+    assert len(report["passkey"]) == 2 * 5  # two haystacks, five depths
+    assert {"haystack", "length", "depth", "dense", "bound"} <= set(report["passkey"][0])

@@ -38,7 +38,13 @@ from etinfer.model.config import ModelConfig
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.sampling_params import SamplingParams
 
-SCORERS = {"bound": PruningConfig(), "mass": PruningConfig(scorer="mass")}
+# Named pruning configurations; each part of the benchmark runs the ones it is given.
+CONFIGS = {
+    "bound": PruningConfig(),
+    "mass": PruningConfig(scorer="mass"),
+    # A fidelity operating point: half the blocks at every entropy.
+    "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
+}
 
 
 def attention_work(pairs: float, config: ModelConfig, block_size: int) -> tuple[float, float]:
@@ -163,7 +169,7 @@ def dense_layer_sweep(
     for n in options:
         llm = LLM(
             loaded,
-            control=ControlConfig(pruning=replace(SCORERS["bound"], dense_layers=n)),
+            control=ControlConfig(pruning=replace(CONFIGS["bound"], dense_layers=n)),
             **engine_kwargs,
         )
         stats = teacher_forced(dense, llm, [corpus[: context + steps]], context, steps)
@@ -214,7 +220,7 @@ def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, pa
 
 def engines(args: argparse.Namespace) -> tuple[LoadedModel, LLM, dict[str, LLM], dict]:
     loaded = load_model(args.model)
-    longest = max(args.contexts) + 128
+    longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
     kwargs = dict(
         max_num_seqs=max(max(args.batches), 16),
         max_num_batched_tokens=2048,
@@ -222,9 +228,9 @@ def engines(args: argparse.Namespace) -> tuple[LoadedModel, LLM, dict[str, LLM],
         num_kvcache_blocks=max(max(args.batches), 5) * (longest // 16 + 8) + 64,
     )
     dense = LLM(loaded, **kwargs)
+    names = dict.fromkeys(args.speed_configs + args.fidelity_configs + args.passkey_configs)
     pruned = {
-        name: LLM(loaded, control=ControlConfig(pruning=config), **kwargs)
-        for name, config in SCORERS.items()
+        name: LLM(loaded, control=ControlConfig(pruning=CONFIGS[name]), **kwargs) for name in names
     }
     return loaded, dense, pruned, kwargs
 
@@ -236,26 +242,48 @@ def run(args: argparse.Namespace) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {
         "date": time.strftime("%Y-%m-%d"),
-        "pruning": {k: asdict(v) for k, v in SCORERS.items()},
+        "pruning": {name: asdict(CONFIGS[name]) for name in pruned},
     }
+
+    def subset(names: list[str]) -> dict[str, LLM]:
+        return {name: pruned[name] for name in names}
+
+    def save() -> None:  # after every part: a long run leaves what it measured behind
+        (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
+
     if not args.fidelity_only:
         print("decode step time, dense against pruned", flush=True)
-        report["speed"] = speed_rows(dense, pruned, args.batches, args.contexts, args.steps)
+        report["speed"] = speed_rows(
+            dense, subset(args.speed_configs), args.batches, args.contexts, args.steps
+        )
+        save()
     print("teacher-forced fidelity", flush=True)
     report["fidelity"] = fidelity_rows(
-        dense, pruned, corpus, args.batches, args.fidelity_context, args.fidelity_steps
+        dense,
+        subset(args.fidelity_configs),
+        corpus,
+        args.fidelity_batches,
+        args.fidelity_context,
+        args.fidelity_steps,
     )
+    save()
     print("passkey retrieval", flush=True)
-    report["passkey"] = passkey_rows({"dense": dense, **pruned}, tuple(args.passkey_lengths))
+    report["passkey"] = passkey_rows(
+        {"dense": dense, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
+    )
+    save()
     if not args.fidelity_only:
         print("dense layers", flush=True)
         report["dense_layers"] = dense_layer_sweep(
             loaded, dense, corpus, args.fidelity_context, args.fidelity_steps, (0, 1, 2, 4), kwargs
         )
         report["trace"] = plot_blocks_against_entropy(
-            pruned["bound"], corpus, args.fidelity_context, out_dir / "blocks_vs_entropy.png"
+            pruned[args.speed_configs[0]],
+            corpus,
+            args.fidelity_context,
+            out_dir / "blocks_vs_entropy.png",
         )
-    (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
+        save()
     return report
 
 
@@ -272,11 +300,20 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
         )
         parser.add_argument("--steps", type=int, default=8)
+        parser.add_argument("--fidelity-batches", type=int, nargs="+", default=[1, 8])
         parser.add_argument("--fidelity-context", type=int, default=6144)
         parser.add_argument("--fidelity-steps", type=int, default=128)
         parser.add_argument(
             "--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
         )
+        for part, default in (
+            ("speed", ["bound", "mass"]),
+            ("fidelity", ["bound", "mass", "bound-half"]),
+            ("passkey", ["bound", "mass"]),
+        ):
+            parser.add_argument(
+                f"--{part}-configs", nargs="+", choices=list(CONFIGS), default=default
+            )
         parser.add_argument("--output-dir", default=f"results/{name}")
         parser.set_defaults(func=main, fidelity_only=fidelity_only)
 
