@@ -31,12 +31,13 @@ def make_seq(
     max_tokens: int = 16,
     *,
     arrival: float = 0.0,
+    arrival_step: int = 0,
     priority: int = 0,
     slo: float | None = None,
 ) -> Sequence:
     index = next(_ids)
     tokens = list(range(1000 * index, 1000 * index + prompt_len))  # no shared prefixes
-    return Sequence(
+    seq = Sequence(
         f"r{index}",
         index,
         tokens,
@@ -48,6 +49,8 @@ def make_seq(
         priority=priority,
         slo=slo,
     )
+    seq.arrival_step = arrival_step
+    return seq
 
 
 def decoding(seq: Sequence, generated: int) -> Sequence:
@@ -122,18 +125,25 @@ def test_less_remaining_memory_time_goes_first():
 def test_longer_wait_lower_priority_value_and_tighter_slo_go_first():
     clock = Clock()
     policy = only("delta", clock)
-    clock.now = 10.0
-    old, new = make_seq(arrival=1.0), make_seq(arrival=9.0)
+    clock.now, policy.step = 10.0, 100  # ages count steps; SLOs count seconds
+    old, new = make_seq(arrival_step=10), make_seq(arrival_step=90)
     assert policy.order([new, old]) == [old, new]
     urgent, relaxed = make_seq(arrival=5.0, slo=10.0), make_seq(arrival=5.0)
     assert policy.order([relaxed, urgent]) == [urgent, relaxed]
-    important, ordinary = make_seq(arrival=9.0, priority=-1), make_seq(arrival=1.0)
+    important, ordinary = make_seq(arrival_step=90, priority=-1), make_seq(arrival_step=10)
     assert policy.order([ordinary, important]) == [important, ordinary]
+
+
+def test_aging_is_convex_in_the_steps_waited():
+    policy = only("delta", aging_steps=10, aging_power=3)
+    seq = make_seq(arrival_step=0)
+    ages = [policy.urgency_term(seq, 0.0) for policy.step in (0, 10, 20, 30)]
+    assert ages == pytest.approx([0, 1, 8, 27])
 
 
 def test_slo_urgency_is_capped():
     clock = Clock()
-    policy = only("delta", clock, aging_s=1e6, slo_cap=2.0)
+    policy = only("delta", clock, aging_steps=1e6, slo_cap=2.0)
     seq = make_seq(slo=1.0)
     clock.now = 100.0
     assert policy.urgency_term(seq, clock.now) == pytest.approx(2.0, abs=1e-3)
@@ -246,33 +256,29 @@ def test_steps_since_admitted_counts_scheduled_steps_and_resets_on_admission():
 # -- no starvation -----------------------------------------------------------------------------
 
 
-def adversarial_run(config: SchedulingConfig, seconds: int) -> tuple[Sequence, float | None]:
-    """One slot, one step per second. At t=0 a long, low-priority request arrives; then every
-    second a short, high-priority one, more than the slot can serve, forever. Returns the long
-    request and when it was admitted (None if never)."""
-    clock = Clock()
-    scheduler = make_scheduler(EntropyPolicy(config, clock=clock), max_num_seqs=1)
-    victim = make_seq(prompt_len=200, max_tokens=500, arrival=0.0, priority=1)
+def adversarial_run(config: SchedulingConfig, steps: int) -> tuple[Sequence, int | None]:
+    """One slot. Before the first step a long, low-priority request arrives; then before every
+    step a short, high-priority one, more than the slot can serve, forever. Returns the long
+    request and the step that admitted it (None if none did)."""
+    scheduler = make_scheduler(EntropyPolicy(config), max_num_seqs=1)
+    victim = make_seq(prompt_len=200, max_tokens=500, priority=1)
     scheduler.add(victim)
-    blocker = make_seq(prompt_len=4, max_tokens=3, arrival=0.0, priority=-1)
-    scheduler.add(blocker)  # takes the slot first
-    for t in range(seconds):
-        clock.now = float(t)
-        scheduler.add(make_seq(prompt_len=4, max_tokens=3, arrival=clock.now, priority=-1))
+    for _ in range(steps):
+        scheduler.add(make_seq(prompt_len=4, max_tokens=3, priority=-1))
         batch = scheduler.schedule()
         if victim in batch.seqs:
-            return victim, clock.now
+            return victim, scheduler.num_steps
         run_step(scheduler, batch)
     return victim, None
 
 
 def test_aging_admits_a_low_priority_request_under_an_endless_high_priority_stream():
     config = SchedulingConfig()
-    bound = config.starvation_bound_s(priority_gap=2)
-    victim, admitted = adversarial_run(config, seconds=int(10 * bound))
+    bound = config.starvation_bound_steps(priority_gap=2)
+    victim, admitted = adversarial_run(config, steps=int(10 * bound))
     assert admitted is not None
-    # It outranks every arrival more than `bound` younger, so only the arrivals within `bound`
-    # of it (one per second, each holding the slot for 3 steps) can go ahead of it.
+    # It outranks every arrival more than `bound` steps younger, so only the arrivals within
+    # `bound` of it (one per step, each holding the slot for 3 steps) can go ahead of it.
     assert admitted <= 4 * bound
     assert admitted > 3  # but high priority did go first for a while
     assert victim.num_preemptions == 0
@@ -281,10 +287,9 @@ def test_aging_admits_a_low_priority_request_under_an_endless_high_priority_stre
 def test_without_aging_the_same_stream_starves_it():
     # The same policy with aging stretched out of reach (what strict priority does, as vLLM's
     # `priority` policy): the test above would fail.
-    config = dataclasses.replace(SchedulingConfig(), aging_s=1e9)
-    _, admitted = adversarial_run(
-        config, seconds=int(10 * SchedulingConfig().starvation_bound_s(2))
-    )
+    config = dataclasses.replace(SchedulingConfig(), aging_steps=1e9)
+    bound = SchedulingConfig().starvation_bound_steps(priority_gap=2)
+    _, admitted = adversarial_run(config, steps=int(10 * bound))
     assert admitted is None
 
 
@@ -299,7 +304,7 @@ def test_without_aging_the_same_stream_starves_it():
         ("aging_power", 0.5, "aging_power must be in [1, inf], got 0.5"),
         ("entropy_prior", 3.0, "entropy_prior must be in [0, 2], got 3"),
         ("max_preemptions", 1.5, "max_preemptions must be an integer, got 1.5"),
-        ("aging_s", float("nan"), "aging_s must be a finite number, got nan"),
+        ("aging_steps", float("nan"), "aging_steps must be a finite number, got nan"),
     ],
 )
 def test_scheduling_config_names_the_bad_field(field, value, message):

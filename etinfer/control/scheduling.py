@@ -24,6 +24,7 @@ class HasMaxTokens(Protocol):
 
 class Schedulable(Protocol):
     arrival_time: float  # time.perf_counter() seconds
+    arrival_step: int  # the scheduler's step count when it arrived
     arrival_index: int  # breaks ties between equal arrival times
     num_computed_tokens: int  # tokens whose keys and values are in the cache
     num_prompt_tokens: int
@@ -60,10 +61,12 @@ class SchedulingConfig:
     attention_scale: float = 512.0
     cost_scale: float = 512.0  # token-equivalents of compute at which the cost term is 1/2
     memory_scale: float = 65536.0  # KV token-steps still to be held at which the memory term is 1/2
-    # Aging is (wait / aging_s) ** aging_power: convex, so a request that has waited long is
-    # overtaken by ever fewer later arrivals (FCFS among the long waiters keeps the longest queue
-    # time near FCFS's), while fresh arrivals are ordered by the other terms.
-    aging_s: float = 8.0
+    # Aging is (age / aging_steps) ** aging_power, the age counted in scheduler steps, not
+    # seconds: what a wait costs is relative to how fast the engine works, so one default fits a
+    # busy CPU and a GPU alike. Convex, so a request that has waited long is overtaken by ever
+    # fewer later arrivals (FCFS among the long waiters keeps the longest queue time near
+    # FCFS's), while fresh arrivals are ordered by the other terms.
+    aging_steps: float = 100.0
     aging_power: float = 3.0
     # One step of a request's `priority` is worth this much urgency: more than every bounded term
     # together, so priority classes are strict until aging overrides them.
@@ -79,7 +82,7 @@ class SchedulingConfig:
             check_float(name, getattr(self, name), low=0.0)
         for name in ("delta", "entropy_cap", "attention_scale", "cost_scale", "memory_scale"):
             check_float(name, getattr(self, name), low=0.0, low_open=True)
-        check_float("aging_s", self.aging_s, low=0.0, low_open=True)
+        check_float("aging_steps", self.aging_steps, low=0.0, low_open=True)
         check_float("aging_power", self.aging_power, low=1.0)
         check_float("entropy_prior", self.entropy_prior, low=0.0, high=self.entropy_cap)
         check_int("max_preemptions", self.max_preemptions, low=0)
@@ -90,16 +93,16 @@ class SchedulingConfig:
         """How far apart every term but aging can put two requests (each term lies in [0, 1])."""
         return self.alpha + self.beta + self.gamma + self.delta * self.slo_cap
 
-    def starvation_bound_s(self, priority_gap: int = 0) -> float:
-        """A request outranks every request that arrived more than this many seconds after it,
+    def starvation_bound_steps(self, priority_gap: int = 0) -> float:
+        """A request outranks every request that arrived more than this many steps after it,
         whose `priority` is at most ``priority_gap`` lower (more urgent) than its own.
 
         The aging curve g is convex with g(0) = 0, so g(w) - g(w - d) >= g(d) for every w >= d:
-        an arrival d seconds younger trails by at least ``delta * g(d)`` in urgency, which beats
+        an arrival d steps younger trails by at least ``delta * g(d)`` in urgency, which beats
         the bounded terms and the priority gap once d reaches this bound.
         """
         gap = self.bounded_range / self.delta + priority_gap * self.priority_weight
-        return self.aging_s * gap ** (1 / self.aging_power)
+        return self.aging_steps * gap ** (1 / self.aging_power)
 
 
 class SchedulingPolicy(ABC):
@@ -115,6 +118,7 @@ class SchedulingPolicy(ABC):
         self.config = config or SchedulingConfig()
         self.chunk_tokens = chunk_tokens  # the scheduler's token budget: the largest chunk
         self.clock = clock  # the clock `arrival_time` was read from
+        self.step = 0  # the scheduler's step count (it advances it): the clock of aging
 
     @abstractmethod
     def order(self, seqs: Sequence[Schedulable]) -> list[Schedulable]:
@@ -146,10 +150,10 @@ class EntropyPolicy(SchedulingPolicy):
 
     Every term but U is normalised into [0, 1], so P is bounded for any bounded wait
     (Proposition 2), and U follows one unbounded, convex aging curve of the wait for every
-    request alike: a request outranks every arrival more than ``config.starvation_bound_s()``
-    younger, so it competes with finitely many requests and is served (Proposition 3, by aging
-    rather than by the paper's entropy-variance assumption, which no request can be made to
-    satisfy).
+    request alike: a request outranks every arrival more than
+    ``config.starvation_bound_steps()`` steps younger, so it competes with finitely many
+    requests and is served (Proposition 3, by aging rather than by the paper's entropy-variance
+    assumption, which no request can be made to satisfy).
 
     - E: the profile's EMA of irreversible entropy reduction, plus the prior with the weight the
       EMA has not yet given to measurements (the EMA starts from 0).
@@ -158,7 +162,7 @@ class EntropyPolicy(SchedulingPolicy):
     - M: KV memory held and still needed, integrated over the request's remaining life: it holds
       its context for each of its remaining output tokens, and grows by one token per step. A
       request near its end scores near 0, which makes the order shortest-remaining-first.
-    - U: the aging curve of the wait since arrival, less ``priority_weight`` per step of the
+    - U: the aging curve of the steps since arrival, less ``priority_weight`` per step of the
       request's ``priority`` (lower is earlier, as in vLLM); plus, with an SLO, the fraction of
       it already spent, capped.
 
@@ -220,8 +224,8 @@ class EntropyPolicy(SchedulingPolicy):
 
     def urgency_term(self, seq: Schedulable, now: float) -> float:
         c = self.config
-        waited = max(0.0, now - seq.arrival_time)
-        urgency = (waited / c.aging_s) ** c.aging_power - seq.priority * c.priority_weight
+        age = max(0, self.step - seq.arrival_step)
+        urgency = (age / c.aging_steps) ** c.aging_power - seq.priority * c.priority_weight
         if seq.slo is not None:
-            urgency += min(waited / seq.slo, c.slo_cap)
+            urgency += min(max(0.0, now - seq.arrival_time) / seq.slo, c.slo_cap)
         return urgency

@@ -50,17 +50,21 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0
         # Tokens computed again after preemptions: discarded KV less what the prefix cache found.
         self.num_recomputed_tokens = 0
         self._discarded: dict[Sequence, int] = {}  # preempted sequences: computed tokens lost
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
+        self.policy.step = self.num_steps
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         pending = self.policy.order(self.running)

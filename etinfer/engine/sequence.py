@@ -37,6 +37,7 @@ class Sequence:
         self.request_id = request_id
         self.arrival_index = arrival_index
         self.arrival_time = arrival_time
+        self.arrival_step = 0  # the scheduler's step count when it was added
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
