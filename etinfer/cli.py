@@ -114,6 +114,7 @@ def serve(args: argparse.Namespace) -> int:
         "baseline": ControlConfig(),
         "sampling": ControlConfig(sampling=True),
         "pruning": ControlConfig(pruning=True),
+        "scheduling": ControlConfig(scheduling=True),
         "full": ControlConfig.full(),
     }[args.control]
     engine = LLMEngine(EngineConfig(model=args.model, control=control, **_engine_kwargs(args)))
@@ -147,7 +148,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--control",
-        choices=["baseline", "sampling", "pruning", "full"],
+        choices=["baseline", "sampling", "pruning", "scheduling", "full"],
         default="baseline",
         help="entropy control layers to switch on",
     )

@@ -6,11 +6,13 @@ import argparse
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from etinfer.bench import pruning, sampling, server_load, speed
+    from etinfer.bench import pruning, sampling, server_load, serving, serving_sweep, speed
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     speed.add_command(kinds)
     sampling.add_command(kinds)
     pruning.add_commands(kinds)
+    serving.add_command(kinds)
+    serving_sweep.add_command(kinds)
     server_load.add_command(kinds)
