@@ -1,6 +1,7 @@
 """Entropic block pruning, mechanics on random caches (no model)."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from etinfer.control.block_selection import (
     PruningConfig,
     block_budget,
     key_bound_scores,
+    plan_budget,
 )
 from etinfer.model.paged_attention import (
     AttentionMetadata,
@@ -84,7 +86,15 @@ def test_budget_follows_entropy_and_respects_every_floor():
     assert block_budget(9.0, 512, None, config) == 256
     assert block_budget(0.0, 20, None, config) == 8  # never under the minimum budget
     assert block_budget(0.0, 5, None, config) == 5  # nor over what exists
-    assert block_budget(0.0, 1, None, PruningConfig(min_blocks=1, budget_low=0.001)) == 1  # never 0
+    assert (
+        block_budget(
+            0.0,
+            1,
+            None,
+            PruningConfig(min_blocks=1, sink_blocks=0, recent_blocks=1, budget_low=0.001),
+        )
+        == 1
+    )  # never 0
     budgets = [block_budget(h, 512, None, config) for h in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)]
     assert budgets == sorted(budgets)
 
@@ -93,6 +103,21 @@ def test_budget_shrinks_at_a_limited_rate_and_grows_at_once():
     config = PruningConfig(max_shrink=0.25)
     assert block_budget(0.0, 512, 256, config) == 192  # wanted 64: at most a quarter less
     assert block_budget(9.0, 512, 64, config) == 256  # growing is immediate
+    # A small budget still shrinks by a block a step instead of rounding back to itself.
+    slow = PruningConfig(max_shrink=0.05, min_blocks=8)
+    assert block_budget(0.0, 64, 19, slow) == 18
+    assert block_budget(0.0, 64, 19, PruningConfig(max_shrink=0.0)) == 19
+
+
+def test_plan_budget_attends_densely_where_the_guards_say():
+    config = PruningConfig(min_context=100, min_blocks=3, max_shrink=0.5)
+    plan = partial(plan_budget, config=config, block_size=BLOCK)
+    assert plan(None, 120, None, False) == 30  # no entropy measured yet
+    assert plan(0.0, 60, None, False) == 15  # a context under min_context
+    assert plan(0.0, 120, 4, True) == 30  # a refresh step of the mass scorer
+    # Pruning starts from the dense budget, under the rate limit: 30, then 15, then 8...
+    assert plan(0.0, 120, None, False) == 15
+    assert plan(0.0, 120, 15, False) == 8
 
 
 @pytest.mark.parametrize(
@@ -100,6 +125,7 @@ def test_budget_shrinks_at_a_limited_rate_and_grows_at_once():
     [
         ("scorer", "oracle"),
         ("min_blocks", 0),
+        ("min_blocks", 2),  # fewer than the sink and recent blocks always kept (1 + 2)
         ("budget_low", 0.0),
         ("budget_high", 1.5),
         ("entropy_high", 0.1),
@@ -110,9 +136,9 @@ def test_pruning_config_is_validated(field, value):
         PruningConfig(**{field: value})
 
 
-def select(lengths, budgets, config, layer=5, seed=0, refresh=None):
+def select(lengths, budgets, config, layer=5, seed=0):
     cache, tables = filled_cache(lengths, seed=seed)
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), refresh)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), max(budgets))
     query = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(seed))
     selection = EntropicSelector(config).select(layer, query, blocks, cache.summaries(0))
     return (None if selection is None else selection.mask), blocks
@@ -128,16 +154,22 @@ def test_selector_keeps_sink_recent_and_budget_per_head():
     assert not mask[1, :, 16:].any()  # nothing beyond the context
 
 
-def test_selector_is_dense_where_the_guards_say():
+def test_selector_is_dense_in_the_first_layers_and_keeps_each_sequences_budget():
     config = PruningConfig(min_context=100, dense_layers=2)
     assert select([120], [4], config, layer=1)[0] is None  # a dense layer
-    assert select([60, 80], [4, 4], config)[0] is None  # every context is short
-    mask, _ = select([60, 120], [2, 4], config)
-    assert mask[0].sum(-1).tolist() == [15, 15]  # the short one keeps all 15 of its blocks
-    mask, _ = select(
-        [120], [4], PruningConfig(min_context=0, scorer="mass"), refresh=torch.tensor([True])
-    )
-    assert mask.sum().item() == 30 * KV_HEADS  # a refresh step attends to everything
+    mask, _ = select([60, 120], [15, 4], config)
+    assert mask[0].sum(-1).tolist() == [15, 15]  # a dense budget keeps all 15 blocks
+    assert mask[1].sum(-1).tolist() == [4, 4]
+
+
+def test_mass_scorer_keeps_sink_and_recent_blocks_before_unseen_ones():
+    config = PruningConfig(min_context=0, scorer="mass", min_blocks=4)
+    cache, tables = filled_cache([80])  # 20 blocks, none attended to yet: infinite mass
+    cache.mass.fill_(torch.inf)
+    blocks = DecodeBlocks(tables, torch.tensor([80]), BLOCK, torch.tensor([4]), 4)
+    query = torch.randn(1, HEADS, DIM)
+    mask = EntropicSelector(config).select(5, query, blocks, cache.summaries(0)).mask
+    assert mask[:, :, [0, 18, 19]].all() and mask.sum(-1).tolist() == [[4, 4]]
 
 
 def test_block_pattern_equals_token_level_reference():
@@ -167,7 +199,7 @@ def test_dropped_mass_bound_holds_and_certifies():
     lengths = [64, 40]
     cache, tables = filled_cache(lengths, seed=7)
     config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]))
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]), 5)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
     attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
     telemetry = PruningTelemetry.empty(1, 2, torch.device("cpu"))
@@ -200,7 +232,7 @@ def test_keeping_every_block_equals_dense_exactly():
     lengths = [64, 40]
     cache, tables = filled_cache(lengths, seed=3)
     everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([16, 10]))
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([16, 10]), 16)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(2))
     last = torch.tensor(
         [
@@ -231,7 +263,7 @@ def test_mass_scorer_ranks_by_observed_attention():
     config = PruningConfig(
         min_context=0, dense_layers=0, scorer="mass", sink_blocks=1, recent_blocks=1
     )
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([3]))
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([3]), 3)
     mask = EntropicSelector(config).select(3, torch.zeros(1, HEADS, DIM), blocks, summaries).mask
     assert mask[0, :, 7].all()
     assert mask[0].sum(-1).tolist() == [3, 3]

@@ -16,7 +16,8 @@ meant to save, so two proxies are offered:
   the paper does not define a computable value surprisal), refreshed by a dense step every
   ``refresh_interval`` steps.
 
-Guards, all from the paper's sections 3.3 and 5:
+Guards (DESIGN.md section 2, the paper's sections 3.2, 3.3 and 5), the first four applied
+where the engine plans each sequence's budget (``plan_budget``):
 
 - the entropy floor ``H_prune = max(H_upper, H_floor)``, where ``H_upper`` is the upper side of
   the estimate;
@@ -60,9 +61,10 @@ class PruningConfig:
         check_choice("scorer", self.scorer, SCORERS)
         check_int("min_context", self.min_context, low=0)
         check_int("dense_layers", self.dense_layers, low=0)
-        check_int("min_blocks", self.min_blocks, low=1)
         check_int("sink_blocks", self.sink_blocks, low=0)
         check_int("recent_blocks", self.recent_blocks, low=0)
+        # The always-kept blocks fit in every budget, so none of them is ever cut.
+        check_int("min_blocks", self.min_blocks, low=max(1, self.sink_blocks + self.recent_blocks))
         check_float("entropy_floor", self.entropy_floor, low=0.0)
         check_float("entropy_high", self.entropy_high, low=self.entropy_floor, low_open=True)
         check_float("budget_low", self.budget_low, low=0.0, high=1.0, low_open=True)
@@ -80,9 +82,29 @@ def block_budget(
     weight = min(1.0, (h - config.entropy_floor) / span)
     fraction = config.budget_low + (config.budget_high - config.budget_low) * weight
     budget = max(config.min_blocks, math.ceil(fraction * num_blocks))
-    if previous is not None:
-        budget = max(budget, math.ceil(previous * (1 - config.max_shrink)))
+    if previous is not None and config.max_shrink < 1:
+        # At least one block per step, or a small budget rounds back to itself for good.
+        shrink = 0 if config.max_shrink == 0 else max(1, math.floor(previous * config.max_shrink))
+        budget = max(budget, previous - shrink)
     return min(budget, num_blocks)
+
+
+def plan_budget(
+    entropy: float | None,
+    context_len: int,
+    previous: int | None,
+    refresh: bool,
+    config: PruningConfig,
+    block_size: int,
+) -> int:
+    """The blocks a decoding sequence keeps this step: its whole context where it attends
+    densely (no entropy measured yet, a context under ``min_context``, a mass refresh step),
+    else its entropy's budget. A dense step counts as the previous budget, so the rate limit
+    also holds where pruning starts."""
+    in_context = -(-context_len // block_size)
+    if entropy is None or context_len < config.min_context or refresh:
+        return in_context
+    return block_budget(entropy, in_context, in_context if previous is None else previous, config)
 
 
 @dataclass
@@ -92,8 +114,11 @@ class DecodeBlocks:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids (padding past the end)
     context_lens: torch.Tensor  # [num_seqs] tokens in context, the current one included
     block_size: int
-    budgets: torch.Tensor | None = None  # [num_seqs] blocks each sequence keeps this step
-    refresh: torch.Tensor | None = None  # [num_seqs] attend densely this step (mass scorer)
+    # [num_seqs] blocks each sequence keeps this step (its whole context where it attends
+    # densely), or None when every sequence attends densely; and the largest budget, known on
+    # the host so that the selector's top-k needs no device sync.
+    budgets: torch.Tensor | None = None
+    max_budget: int = 0
 
 
 @dataclass
@@ -128,8 +153,9 @@ class BlockSelector(ABC):
         blocks: DecodeBlocks,
         summaries: BlockSummaries | None,
     ) -> Selection | None:
-        """The blocks to attend to (a mask [num_seqs, num_kv_heads, max_blocks]), or None to
-        attend to every block. ``query`` is [num_seqs, num_heads, head_dim]."""
+        """The blocks to attend to (a :class:`Selection` whose mask is [num_seqs,
+        num_kv_heads, max_blocks]), or None to attend to every block. ``query`` is [num_seqs,
+        num_heads, head_dim]."""
 
 
 BLOCK_SELECTORS: Registry[BlockSelector] = Registry("block selector")
@@ -154,8 +180,6 @@ class EntropicSelector(BlockSelector):
         if layer < config.dense_layers or blocks.budgets is None:
             return None
         lens, bs = blocks.context_lens, blocks.block_size
-        if bool((lens < config.min_context).all()):
-            return None
         counts = (lens + bs - 1) // bs  # blocks in each context
         positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
         exists = positions < counts[:, None]  # [seqs, max_blocks]
@@ -167,15 +191,14 @@ class EntropicSelector(BlockSelector):
         forced = (positions < config.sink_blocks) | (
             positions >= counts[:, None] - config.recent_blocks
         )
+        # Forced blocks rank strictly first: blocks never attended to yet have an infinite mass,
+        # which is clamped just below them.
+        scores = scores.clamp(max=torch.finfo(scores.dtype).max)
         scores = scores.masked_fill(forced[:, None, :], torch.inf)
         scores = scores.masked_fill(~exists[:, None, :], -torch.inf)
-        dense = lens < config.min_context
-        if blocks.refresh is not None:
-            dense |= blocks.refresh
-        budget = torch.where(dense, counts, blocks.budgets)
         # One top-k at the largest budget; each row keeps its own budget's worth of it.
-        top = scores.topk(min(int(budget.max()), scores.shape[-1]), dim=-1).indices
-        taken = torch.arange(top.shape[-1], device=lens.device) < budget[:, None, None]
+        top = scores.topk(min(blocks.max_budget, scores.shape[-1]), dim=-1).indices
+        taken = torch.arange(top.shape[-1], device=lens.device) < blocks.budgets[:, None, None]
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
         return Selection(mask & exists[:, None, :], bounds)
 

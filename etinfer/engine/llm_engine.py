@@ -279,8 +279,8 @@ class LLMEngine:
         """Per decoding sequence: the share of its context's blocks attended to this step (over
         all layers and KV heads) and the bound on the attention mass any layer dropped."""
         for i, seq in enumerate(stats.seqs):
-            if seq.num_output_tokens == 0:
-                continue  # a one-token prefill chunk, not a generated token's step
+            if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens:
+                continue  # a one-token prefill or recompute chunk, not a generated token's step
             kept = sum(layer[i] for layer in stats.kept)
             total = sum(layer[i] for layer in stats.total)
             seq.blocks_kept.append(kept / total if total else 1.0)

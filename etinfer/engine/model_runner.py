@@ -8,7 +8,7 @@ from itertools import chain
 
 import torch
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks, PruningConfig, block_budget
+from etinfer.control.block_selection import BlockSelector, DecodeBlocks, PruningConfig, plan_budget
 from etinfer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
@@ -211,23 +211,30 @@ class ModelRunner:
 
     def _plan_budgets(self, blocks: DecodeBlocks, seqs: list[Sequence]) -> None:
         """Each decoding sequence's block budget for this step, from its entropy (the upper side
-        of its last estimate). A sequence with no generated token yet has no entropy: dense."""
+        of its last estimate). A one-token chunk of a prompt being recomputed after preemption
+        is prefill, not decode: dense."""
         config = self.pruning
-        budgets, refresh = [], []
+        budgets, dense = [], True
         for seq in seqs:
-            in_context = -(-(seq.num_computed_tokens + 1) // self.block_size)
-            if seq.pruning_entropy is None:
-                budget = in_context
-            else:
-                budget = block_budget(seq.pruning_entropy, in_context, seq.block_budget, config)
-                seq.block_budget = budget
-            budgets.append(budget)
-            refresh.append(
-                config.scorer == "mass"
-                and (seq.num_output_tokens - 1) % config.refresh_interval == 0
+            context = seq.num_computed_tokens + 1
+            decoding = context == seq.num_tokens
+            refresh = config.scorer == "mass" and (
+                (seq.num_output_tokens - 1) % config.refresh_interval == 0
             )
-        blocks.budgets = torch.tensor(budgets, device=self.device)
-        blocks.refresh = torch.tensor(refresh, device=self.device)
+            budget = plan_budget(
+                seq.pruning_entropy if decoding else None,
+                context,
+                seq.block_budget,
+                refresh,
+                config,
+                self.block_size,
+            )
+            seq.block_budget = budget
+            budgets.append(budget)
+            dense &= budget >= -(-context // self.block_size)
+        if not dense:
+            blocks.budgets = torch.tensor(budgets, device=self.device)
+            blocks.max_budget = max(budgets)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
