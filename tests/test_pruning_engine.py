@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -42,15 +43,27 @@ def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, te
         assert max(p.dropped_mass) == 0.0
 
 
-def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(llm, make_llm, texts):
-    pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=PruningConfig(**EAGER)))
-    stats = teacher_forced(llm, pruned, texts, CONTEXT, 24)
+def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts):
+    config = PruningConfig(**EAGER)
+    pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=config))
+    stats = teacher_forced(pruned, texts, CONTEXT, 24, config)
     assert stats.steps == 2 * 23  # every forced token after the first ran as a decode step
     assert stats.blocks_kept < 0.7
     # Loose bounds that a broken selection (wrong blocks, or attention to padding) fails.
     assert stats.top1_agreement >= 0.8
     assert stats.kl_mean < 0.1
     assert 0.9 < stats.perplexity_ratio < 1.2
+    # Back to dense on the same engine: what it computes is dense attention again.
+    same = teacher_forced(
+        pruned, texts, CONTEXT, 24, replace(config, budget_low=1.0, budget_high=1.0)
+    )
+    # (Not bit for bit: the prompt's last, partial block is recomputed in a chunk of its own.)
+    assert same.kl_max < 1e-4
+
+
+def test_switching_pruning_needs_an_engine_built_with_it(llm):
+    with pytest.raises(ValueError, match="set_pruning needs an engine built with pruning"):
+        llm.engine.set_pruning(PruningConfig())
 
 
 def test_telemetry_reports_a_dropped_mass_bound_per_token(make_llm, texts):

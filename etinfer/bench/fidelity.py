@@ -4,10 +4,11 @@
 
 **Teacher-forced decoding.** Long human-written text (CPython's ``pydoc_data.topics``, as in
 calibration) is prefilled up to ``context`` tokens. The next ``steps`` tokens are then fed as
-decode steps, so every one of them is predicted under (sparse) attention. Dense and pruned
-engines run side by side on the same texts. Each step gives ``KL(p_dense || p_pruned)``, whether
-the two agree on the most likely token, and each side's negative log-likelihood of the true
-token; the last gives the perplexity ratio.
+decode steps, so every one of them is predicted under (sparse) attention. One engine runs the
+texts densely, then pruned: prefill is dense either way, so the pruned pass takes its prompts
+from the prefix cache and both passes see the same cache. Each step gives
+``KL(p_dense || p_pruned)``, whether the two agree on the most likely token, and each side's
+negative log-likelihood of the true token; the last gives the perplexity ratio.
 
 **Passkey retrieval** uses the Landmark-attention format:
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.block_selection import PruningConfig
 from etinfer.engine.sequence import Sequence
 from etinfer.llm import LLM
 from etinfer.model.tokenizer import Tokenizer
@@ -53,16 +55,39 @@ def corpus_tokens(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-class LogitsRecorder:
-    """Log-probabilities of each forced step, keyed by (request id, position predicted)."""
+LogProbs = dict[tuple[int, int], torch.Tensor]
 
-    def __init__(self, llm: LLM) -> None:
-        self.rows: dict[tuple[str, int], torch.Tensor] = {}
-        llm.engine.runner.logits_hook = self
 
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+def forced_log_probs(
+    llm: LLM, texts: list[list[int]], context: int, steps: int
+) -> tuple[LogProbs, list[float]]:
+    """Feed ``texts[i][context : context + steps]`` as decode steps after a prefill of
+    ``texts[i][:context]``. Returns the next-token log-probabilities of every decode step, keyed
+    by (text, position predicted), and the share of blocks each step read. The token predicted
+    by the prefill is left out: it is dense under any pruning."""
+    rows: dict[tuple[str, int], torch.Tensor] = {}
+
+    def record(seqs: list[Sequence], logits: torch.Tensor) -> None:
         for seq, row in zip(seqs, logits.log_softmax(-1), strict=True):
-            self.rows[(seq.request_id, seq.num_tokens)] = row
+            if seq.num_tokens > seq.num_prompt_tokens:
+                rows[(seq.request_id, seq.num_tokens)] = row
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    ids = [
+        engine.add_request(text[:context], params, forced_token_ids=text[context : context + steps])
+        for text in texts
+    ]
+    engine.runner.logits_hook = record
+    kept = []
+    try:
+        while engine.has_unfinished_requests():
+            kept += [share for out in engine.step() for share in out.blocks_kept or ()]
+    finally:
+        engine.runner.logits_hook = None
+    index = {request_id: i for i, request_id in enumerate(ids)}
+    by_text = {(index[request_id], position): row for (request_id, position), row in rows.items()}
+    return by_text, kept
 
 
 @dataclass
@@ -82,39 +107,31 @@ class FidelityStats:
 
 
 def teacher_forced(
-    dense: LLM, pruned: LLM, texts: list[list[int]], context: int, steps: int
+    llm: LLM,
+    texts: list[list[int]],
+    context: int,
+    steps: int,
+    pruning: PruningConfig,
+    dense: LogProbs | None = None,
 ) -> FidelityStats:
-    """Feed ``texts[i][context : context + steps]`` as decode steps to both engines in lockstep
-    and compare their next-token distributions at every decode step."""
-    recorders = [LogitsRecorder(dense), LogitsRecorder(pruned)]
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    for llm in (dense, pruned):
-        for i, text in enumerate(texts):
-            llm.engine.add_request(
-                text[:context],
-                params,
-                request_id=f"text{i}",
-                forced_token_ids=text[context : context + steps],
-            )
-    kl, agree, nll_dense, nll_pruned, kept = [], [], [], [], []
-    # Not in lockstep: a prefix cached in one engine shortens its prefill.
-    while dense.engine.has_unfinished_requests() or pruned.engine.has_unfinished_requests():
-        outputs = dense.engine.step() + pruned.engine.step()
-        for (request_id, position), p_dense in list(recorders[0].rows.items()):
-            p_pruned = recorders[1].rows.pop((request_id, position), None)
-            if p_pruned is None:
-                continue
-            del recorders[0].rows[(request_id, position)]
-            if position == context:  # predicted by the prefill, which is dense in both
-                continue
-            truth = texts[int(request_id[4:])][position]
-            kl.append(torch.sum(p_dense.exp() * (p_dense - p_pruned)).item())
-            agree.append(int(p_dense.argmax() == p_pruned.argmax()))
-            nll_dense.append(-p_dense[truth].item())
-            nll_pruned.append(-p_pruned[truth].item())
-        kept += [share for o in outputs if o.blocks_kept for share in o.blocks_kept]
-    for llm in (dense, pruned):
-        llm.engine.runner.logits_hook = None
+    """Dense against pruned attention on the same forced continuations, in one engine (built
+    with pruning on): a dense pass, then a pruned one whose prompts come from the prefix cache.
+    Every forced token after the first runs as a decode step. ``dense`` reuses the log-probs of
+    an earlier dense pass over the same texts."""
+    engine = llm.engine
+    if dense is None:
+        engine.set_pruning(None)
+        dense, _ = forced_log_probs(llm, texts, context, steps)
+    engine.set_pruning(pruning)
+    pruned, kept = forced_log_probs(llm, texts, context, steps)
+    kl, agree, nll_dense, nll_pruned = [], [], [], []
+    for key, p_dense in dense.items():
+        p_pruned = pruned[key]
+        truth = texts[key[0]][key[1]]
+        kl.append(torch.sum(p_dense.exp() * (p_dense - p_pruned)).item())
+        agree.append(int(p_dense.argmax() == p_pruned.argmax()))
+        nll_dense.append(-p_dense[truth].item())
+        nll_pruned.append(-p_pruned[truth].item())
     ordered = sorted(kl)
     return FidelityStats(
         steps=len(kl),

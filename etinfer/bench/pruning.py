@@ -2,8 +2,8 @@
 
     etinfer bench pruning --output-dir results/pruning      (etinfer bench fidelity: fidelity only)
 
-Side by side in one run, dense attention and the entropic selector with both of its scorers (key
-bounds and lagged attention mass):
+Side by side in one run and on one engine (prefill is dense, so every comparison decodes the
+same prefilled cache both ways), dense attention and the entropic selector's configurations:
 
 - decode step time against context length at batch 1 and 8;
 - attention FLOPs and KV bytes read per generated token (from the engine's telemetry: the
@@ -16,26 +16,27 @@ bounds and lagged attention mass):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 from etinfer.bench.fidelity import (
     corpus_tokens,
+    forced_log_probs,
     passkey_accuracy,
     passkey_cases,
     teacher_forced,
 )
-from etinfer.bench.speed import ours_decode_step_ms
+from etinfer.bench.speed import context_prompts, decode_budget
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
 from etinfer.engine.model_runner import AttentionStats
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig
-from etinfer.model.loader import LoadedModel, load_model
 from etinfer.sampling_params import SamplingParams
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
@@ -75,49 +76,93 @@ def step_work(stats: list[AttentionStats], config: ModelConfig, block_size: int)
     }
 
 
-def speed_rows(dense: LLM, pruned: dict[str, LLM], batches, contexts, steps: int) -> list[dict]:
+WARMUP = 10  # untimed pruned steps before timing a configuration
+
+
+def paired_step_ms(
+    llm: LLM, batch: int, context: int, steps: int, configs: dict[str, PruningConfig], clock
+) -> dict[str, dict]:
+    """Decode step time, dense against each pruning configuration, on one prefilled batch.
+
+    Steps alternate between dense and pruned, so both see the same contexts and the same
+    moment of a noisy machine. Each configuration first runs ``WARMUP`` pruned steps untimed:
+    its budgets start from dense and shrink at the rate limit.
+    """
+    engine = llm.engine
+    engine.set_pruning(None)
+    rounds = len(configs) * (WARMUP + 2 * steps)
+    budget = decode_budget(batch, context, rounds, engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in context_prompts(llm, batch, context)]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+
+    def timed() -> float:
+        start = clock()
+        engine.step()
+        return (clock() - start) * 1000
+
+    results = {}
+    for name, config in configs.items():
+        engine.set_pruning(config)
+        for _ in range(WARMUP):
+            engine.step()
+        dense_ms, pruned_ms, stats = [], [], []
+        for _ in range(steps):
+            engine.set_pruning(None)
+            dense_ms.append(timed())
+            engine.set_pruning(config)
+            pruned_ms.append(timed())
+            stats.append(engine.last_attention)
+        results[name] = {
+            "dense_ms": statistics.median(dense_ms),
+            "ms": statistics.median(pruned_ms),
+            "stats": stats,
+        }
+    for request_id in ids:
+        engine.abort_request(request_id)
+    engine.set_pruning(None)
+    return results
+
+
+def speed_rows(
+    llm: LLM, configs: dict[str, PruningConfig], batches, contexts, steps: int, clock
+) -> list[dict]:
     rows = []
-    config, block_size = dense.engine.model_config, dense.engine.block_size
+    model, block_size = llm.engine.model_config, llm.engine.block_size
     for batch in batches:
         for context in contexts:
-            row = {
-                "batch": batch,
-                "context": context,
-                "dense_ms": ours_decode_step_ms(dense, batch, context, steps),
-            }
-            for name, llm in pruned.items():
-                stats: list[AttentionStats] = []
-                ms = ours_decode_step_ms(
-                    llm,
-                    batch,
-                    context,
-                    steps,
-                    on_step=lambda llm=llm, stats=stats: stats.append(llm.engine.last_attention),
-                )
+            row: dict = {"batch": batch, "context": context}
+            for name, result in paired_step_ms(llm, batch, context, steps, configs, clock).items():
                 row[name] = {
-                    "ms": ms,
-                    "ratio": ms / row["dense_ms"],
-                    **step_work(stats, config, block_size),
+                    "ms": result["ms"],
+                    "dense_ms": result["dense_ms"],
+                    "ratio": result["ms"] / result["dense_ms"],
+                    **step_work(result["stats"], model, block_size),
                 }
             rows.append(row)
-            parts = [f"dense {row['dense_ms']:.1f} ms"] + [
-                f"{name} {row[name]['ms']:.1f} ms ({row[name]['ratio']:.2f}x, "
-                f"{100 * row[name]['blocks_kept']:.0f} % blocks)"
-                for name in pruned
+            parts = [
+                f"{name} {row[name]['ms']:.1f} ms against dense {row[name]['dense_ms']:.1f} ms "
+                f"({row[name]['ratio']:.2f}x, {100 * row[name]['blocks_kept']:.0f} % blocks)"
+                for name in configs
             ]
-            print(f"  batch {batch} context {context:5d}: " + ", ".join(parts), flush=True)
+            print(f"  batch {batch} context {context:5d}: " + "; ".join(parts), flush=True)
     return rows
 
 
 def fidelity_rows(
-    dense: LLM, pruned: dict[str, LLM], corpus: list[int], batches, context: int, steps: int
+    llm: LLM, configs: dict[str, PruningConfig], corpus: list[int], batches, context: int, steps
 ) -> list[dict]:
     rows = []
     for batch in batches:
         stride = (len(corpus) - context - steps) // batch
         texts = [corpus[i * stride : i * stride + context + steps] for i in range(batch)]
-        for name, llm in pruned.items():
-            stats = teacher_forced(dense, llm, texts, context, steps)
+        llm.engine.set_pruning(None)
+        dense, _ = forced_log_probs(llm, texts, context, steps)
+        for name, config in configs.items():
+            stats = teacher_forced(llm, texts, context, steps, config, dense)
             rows.append(
                 {
                     "batch": batch,
@@ -130,18 +175,24 @@ def fidelity_rows(
             print(
                 f"  fidelity batch {batch} {name}: KL mean {stats.kl_mean:.4f} "
                 f"p99 {stats.kl_p99:.4f}, top-1 {stats.top1_agreement:.4f}, "
-                f"ppl ratio {stats.perplexity_ratio:.4f}",
+                f"ppl ratio {stats.perplexity_ratio:.4f}, {100 * stats.blocks_kept:.0f} % blocks",
                 flush=True,
             )
     return rows
 
 
-def passkey_rows(llms: dict[str, LLM], lengths: tuple[int, ...]) -> list[dict]:
+def passkey_rows(
+    llm: LLM, configs: dict[str, PruningConfig | None], lengths: tuple[int, ...]
+) -> list[dict]:
+    """Every case under every configuration (None: dense); the prompts come from the prefix
+    cache after the first, so each configuration costs its decode steps."""
     rows = []
-    tokenizer = next(iter(llms.values())).tokenizer
     for haystack in ("repeated", "varied"):
-        cases = passkey_cases(tokenizer, lengths, haystack)
-        found = {name: passkey_accuracy(llm, cases) for name, llm in llms.items()}
+        cases = passkey_cases(llm.tokenizer, lengths, haystack)
+        found = {}
+        for name, config in configs.items():
+            llm.engine.set_pruning(config)
+            found[name] = passkey_accuracy(llm, cases)
         for i, case in enumerate(cases):
             rows.append(
                 {"haystack": haystack, "length": case.length, "depth": case.depth}
@@ -152,27 +203,20 @@ def passkey_rows(llms: dict[str, LLM], lengths: tuple[int, ...]) -> list[dict]:
             + ", ".join(f"{name} {sum(h)}/{len(h)}" for name, h in found.items()),
             flush=True,
         )
+    llm.engine.set_pruning(None)
     return rows
 
 
-def dense_layer_sweep(
-    loaded: LoadedModel,
-    dense: LLM,
-    corpus: list[int],
-    context: int,
-    steps: int,
-    options,
-    engine_kwargs,
-) -> list[dict]:
+def dense_layer_sweep(llm: LLM, corpus: list[int], context: int, steps: int, options) -> list[dict]:
     """Teacher-forced KL with the first ``n`` layers dense, for each ``n``."""
     rows = []
+    texts = [corpus[: context + steps]]
+    llm.engine.set_pruning(None)
+    dense, _ = forced_log_probs(llm, texts, context, steps)
     for n in options:
-        llm = LLM(
-            loaded,
-            control=ControlConfig(pruning=replace(CONFIGS["bound"], dense_layers=n)),
-            **engine_kwargs,
+        stats = teacher_forced(
+            llm, texts, context, steps, replace(CONFIGS["bound"], dense_layers=n), dense
         )
-        stats = teacher_forced(dense, llm, [corpus[: context + steps]], context, steps)
         rows.append(
             {
                 "dense_layers": n,
@@ -186,8 +230,6 @@ def dense_layer_sweep(
             f"  dense_layers {n}: KL mean {stats.kl_mean:.4f}, top-1 {stats.top1_agreement:.4f}",
             flush=True,
         )
-        del llm
-        gc.collect()
     return rows
 
 
@@ -218,48 +260,50 @@ def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, pa
     return {"entropies": out.entropies, "blocks_kept": out.blocks_kept}
 
 
-def engines(args: argparse.Namespace) -> tuple[LoadedModel, LLM, dict[str, LLM], dict]:
-    loaded = load_model(args.model)
+def engine(args: argparse.Namespace) -> LLM:
+    """One engine for every comparison, built with pruning on so that its cache keeps the key
+    bounds; ``set_pruning`` switches it between dense and each configuration."""
     longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
-    kwargs = dict(
+    return LLM(
+        args.model,
+        control=ControlConfig(pruning=CONFIGS["bound"]),
         max_num_seqs=max(max(args.batches), 16),
         max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        num_kvcache_blocks=max(max(args.batches), 5) * (longest // 16 + 8) + 64,
+        num_kvcache_blocks=max(max(args.batches), 6) * (longest // 16 + 8) + 64,
     )
-    dense = LLM(loaded, **kwargs)
-    names = dict.fromkeys(args.speed_configs + args.fidelity_configs + args.passkey_configs)
-    pruned = {
-        name: LLM(loaded, control=ControlConfig(pruning=CONFIGS[name]), **kwargs) for name in names
-    }
-    return loaded, dense, pruned, kwargs
 
 
 def run(args: argparse.Namespace) -> dict:
-    loaded, dense, pruned, kwargs = engines(args)
-    corpus = corpus_tokens(dense.tokenizer)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = engine(args)
+    corpus = corpus_tokens(llm.tokenizer)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    names = dict.fromkeys(args.speed_configs + args.fidelity_configs + args.passkey_configs)
     report: dict = {
         "date": time.strftime("%Y-%m-%d"),
-        "pruning": {name: asdict(CONFIGS[name]) for name in pruned},
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "pruning": {name: asdict(CONFIGS[name]) for name in names},
     }
 
-    def subset(names: list[str]) -> dict[str, LLM]:
-        return {name: pruned[name] for name in names}
+    def subset(names: list[str]) -> dict[str, PruningConfig]:
+        return {name: CONFIGS[name] for name in names}
 
     def save() -> None:  # after every part: a long run leaves what it measured behind
         (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
 
     if not args.fidelity_only:
         print("decode step time, dense against pruned", flush=True)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         report["speed"] = speed_rows(
-            dense, subset(args.speed_configs), args.batches, args.contexts, args.steps
+            llm, subset(args.speed_configs), args.batches, args.contexts, args.steps, clock
         )
         save()
     print("teacher-forced fidelity", flush=True)
     report["fidelity"] = fidelity_rows(
-        dense,
+        llm,
         subset(args.fidelity_configs),
         corpus,
         args.fidelity_batches,
@@ -269,19 +313,17 @@ def run(args: argparse.Namespace) -> dict:
     save()
     print("passkey retrieval", flush=True)
     report["passkey"] = passkey_rows(
-        {"dense": dense, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
+        llm, {"dense": None, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
     )
     save()
     if not args.fidelity_only:
         print("dense layers", flush=True)
         report["dense_layers"] = dense_layer_sweep(
-            loaded, dense, corpus, args.fidelity_context, args.fidelity_steps, (0, 1, 2, 4), kwargs
+            llm, corpus, args.fidelity_context, args.fidelity_steps, (0, 1, 2, 4)
         )
+        llm.engine.set_pruning(CONFIGS[args.speed_configs[0]])
         report["trace"] = plot_blocks_against_entropy(
-            pruned[args.speed_configs[0]],
-            corpus,
-            args.fidelity_context,
-            out_dir / "blocks_vs_entropy.png",
+            llm, corpus, args.fidelity_context, out_dir / "blocks_vs_entropy.png"
         )
         save()
     return report
@@ -300,6 +342,14 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
         )
         parser.add_argument("--steps", type=int, default=8)
+        parser.add_argument(
+            "--clock",
+            choices=["wall", "cpu"],
+            default="wall",
+            help="cpu: this process's CPU time per step, which a busy machine inflates far "
+            "less than wall time (use with --threads 1)",
+        )
+        parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
         parser.add_argument("--fidelity-batches", type=int, nargs="+", default=[1, 8])
         parser.add_argument("--fidelity-context", type=int, default=6144)
         parser.add_argument("--fidelity-steps", type=int, default=128)

@@ -8,7 +8,13 @@ from itertools import chain
 
 import torch
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks, PruningConfig, plan_budget
+from etinfer.control.block_selection import (
+    BLOCK_SELECTORS,
+    BlockSelector,
+    DecodeBlocks,
+    PruningConfig,
+    plan_budget,
+)
 from etinfer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
@@ -74,10 +80,10 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sliding_window = config.sliding_window
-        attention = PagedAttention(
+        self.attention = PagedAttention(
             config.num_heads, config.num_kv_heads, config.head_dim, selector, config.sliding_window
         )
-        self.model = LlamaModel(config, weights, attention, max_model_len, device, dtype)
+        self.model = LlamaModel(config, weights, self.attention, max_model_len, device, dtype)
         self.cache = KVCache(
             config.num_layers,
             num_blocks,
@@ -91,6 +97,20 @@ class ModelRunner:
         # Called with each step's sampled sequences and their logits [rows, vocab] (benchmarks
         # and harnesses read the distributions through it).
         self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
+
+    def set_pruning(self, config: PruningConfig | None) -> None:
+        """Prune decode attention with ``config`` from the next step on, or attend densely
+        (None). Prefill is dense either way, so one prefilled context can be decoded both ways
+        (benchmarks compare them on one cache). The cache must keep block summaries, which it
+        does when the runner was built with pruning."""
+        if self.cache.key_bounds is None:
+            raise ValueError(
+                "set_pruning needs an engine built with pruning on "
+                "(control=ControlConfig(pruning=...)): its cache keeps the key bounds"
+            )
+        self.pruning = config
+        if config is not None:
+            self.attention.selector = BLOCK_SELECTORS.create("entropic", config=config)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
