@@ -184,20 +184,24 @@ def fidelity_rows(
 def passkey_rows(
     llm: LLM, configs: dict[str, PruningConfig | None], lengths: tuple[int, ...]
 ) -> list[dict]:
-    """Every case under every configuration (None: dense); the prompts come from the prefix
-    cache after the first, so each configuration costs its decode steps."""
+    """Every case under every configuration (None: dense). One length at a time, so that the
+    pool keeps its prompts: after the first configuration they come from the prefix cache, and
+    each further one costs only its decode steps."""
     rows = []
     for haystack in ("repeated", "varied"):
-        cases = passkey_cases(llm.tokenizer, lengths, haystack)
-        found = {}
-        for name, config in configs.items():
-            llm.engine.set_pruning(config)
-            found[name] = passkey_accuracy(llm, cases)
-        for i, case in enumerate(cases):
-            rows.append(
-                {"haystack": haystack, "length": case.length, "depth": case.depth}
-                | {name: hits[i] for name, hits in found.items()}
-            )
+        found: dict[str, list[bool]] = {name: [] for name in configs}
+        for length in lengths:
+            cases = passkey_cases(llm.tokenizer, (length,), haystack)
+            hits = {}
+            for name, config in configs.items():
+                llm.engine.set_pruning(config)
+                hits[name] = passkey_accuracy(llm, cases)
+                found[name] += hits[name]
+            for i, case in enumerate(cases):
+                rows.append(
+                    {"haystack": haystack, "length": case.length, "depth": case.depth}
+                    | {name: h[i] for name, h in hits.items()}
+                )
         print(
             f"  passkey {haystack}: "
             + ", ".join(f"{name} {sum(h)}/{len(h)}" for name, h in found.items()),
