@@ -224,7 +224,7 @@ def test_scheduler_preempts_the_least_computed_work_and_counts_the_recompute():
     # one with a long prompt about to finish, fill the pool. The newer one runs first (less
     # remaining memory-time) and needs a sixth block: FCFS would evict it (the newest); the
     # entropy policy evicts the old one, which has less computed work to lose.
-    policy = EntropyPolicy(SchedulingConfig(min_run_steps=0))
+    policy = EntropyPolicy(SchedulingConfig(min_run_steps=0, admission_lookahead=0))
     scheduler = make_scheduler(policy, num_blocks=5)
     old = make_seq(prompt_len=4, max_tokens=50, arrival=0.0)
     new = make_seq(prompt_len=16, max_tokens=2, arrival=1.0)
@@ -239,6 +239,23 @@ def test_scheduler_preempts_the_least_computed_work_and_counts_the_recompute():
     batch = scheduler.schedule()
     assert batch.seqs == [old] and batch.num_tokens == [5]  # its prompt again, and its token
     assert scheduler.num_recomputed_tokens == 4
+
+
+def test_admission_keeps_blocks_for_the_running_sequences_to_grow_into():
+    # 8 blocks of 4 tokens. A running sequence of 8 tokens with 40 to go fills 4 more blocks in
+    # its next 16 tokens; a waiting one needs 3 blocks now. FCFS admits it (3 of 6 free
+    # blocks); the entropy policy keeps the 4 and waits.
+    for policy, admitted in ((FCFSPolicy(), True), (EntropyPolicy(), False)):
+        scheduler = make_scheduler(policy, num_blocks=8)
+        running = make_seq(prompt_len=7, max_tokens=40)
+        scheduler.add(running)
+        run_step(scheduler, scheduler.schedule())  # 8 tokens in 2 blocks
+        assert policy.growth_reserve([running], BLOCK) == (4 if admitted is False else 0)
+        waiting = make_seq(prompt_len=10)
+        scheduler.add(waiting)
+        batch = scheduler.schedule()
+        assert (waiting in batch.seqs) is admitted
+        assert not batch.preempted
 
 
 def test_steps_since_admitted_counts_scheduled_steps_and_resets_on_admission():

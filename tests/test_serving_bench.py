@@ -180,16 +180,17 @@ def test_http_driver_streams_completions_from_a_server():
 
 
 def test_bench_serving_end_to_end(tmp_path):
-    """A few tiny requests on the real model through the command line, under KV pressure (8
-    blocks of 16 tokens for 6 requests of up to 40 tokens), so the policy has to preempt."""
+    """A few tiny requests on the real model through the command line, all at once under KV
+    pressure (8 blocks of 16 tokens for 6 requests of up to 56 tokens), so that even with its
+    admission reserve the policy has to preempt."""
     output = tmp_path / "result.json"
     # Passive OpenMP threads: on a machine whose cores other work shares, spinning threads wait
     # on each other and a step takes seconds instead of tens of milliseconds.
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(
         [sys.executable, "-m", "etinfer.cli", "bench", "serving", "--policy", "entropy",
-         "--num-requests", "6", "--request-rate", "20", "--seed", "1",
-         "--max-output-tokens", "24", "--max-prompt-tokens", "16",
+         "--num-requests", "6", "--request-rate", "inf", "--seed", "1",
+         "--max-output-tokens", "40", "--max-prompt-tokens", "16",
          "--num-kvcache-blocks", "8", "--output", str(output)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

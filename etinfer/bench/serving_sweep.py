@@ -58,7 +58,11 @@ ABLATIONS = (
     Variant("no cost (beta=0)", "entropy", {"beta": 0.0}),
     Variant("no memory (gamma=0)", "entropy", {"gamma": 0.0}),
     Variant("no aging", "entropy", {"aging_steps": 1e9}),
-    Variant("no hysteresis or cap", "entropy", {"min_run_steps": 0, "max_preemptions": 10**6}),
+    Variant(
+        "no hysteresis or cap",
+        "entropy",
+        {"min_run_steps": 0, "max_preemptions": 10**6, "admission_lookahead": 0},
+    ),
 )
 
 

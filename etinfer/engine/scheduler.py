@@ -82,20 +82,32 @@ class Scheduler:
                 budget -= n
         # Like vLLM, admit nothing in a step that had to preempt: memory is already short.
         if not batch.preempted and self._can_admit(budget):
-            for seq in self.policy.order(self.waiting):
-                if not self._can_admit(budget):
-                    break
-                cached = self.kv.cached_prefix(seq)
-                n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
-                if not self.kv.allocate(seq, n, cached):
-                    break
-                self._admit(seq, len(cached) * self.kv.block_size)
-                self._add(batch, seq, n)
-                budget -= n
+            self._admit_waiting(batch, budget)
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_tokens[i] != 1)
         batch.seqs = [batch.seqs[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit in the policy's order, stopping at the first request that does not fit (so none
+        overtakes the head for lack of room), or that would eat into the blocks the policy keeps
+        for the running sequences to grow into."""
+        size = self.kv.block_size
+        reserve = self.policy.growth_reserve(self.running, size)
+        for seq in self.policy.order(self.waiting):
+            if not self._can_admit(budget):
+                break
+            cached = self.kv.cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * size, budget)
+            new_blocks = self.kv.blocks_needed(len(cached) * size + n) - len(cached)
+            if self.kv.pool.num_free_blocks - new_blocks < reserve:
+                break
+            if not self.kv.allocate(seq, n, cached):
+                break
+            self._admit(seq, len(cached) * size)
+            self._add(batch, seq, n)
+            budget -= n
+            reserve += self.policy.growth_reserve([seq], size)
 
     def _can_admit(self, budget: int) -> bool:
         return bool(budget and self.waiting) and len(self.running) < self.max_num_seqs
