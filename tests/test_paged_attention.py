@@ -156,10 +156,12 @@ def test_pattern_rows_list_each_heads_context_slots():
     num_slots = 4 * BLOCK
     visible = visible_blocks(blocks, KV_HEADS)
     pattern = build_decode_pattern(blocks, visible, HEADS // KV_HEADS, num_slots)
-    assert pattern.crow.diff().tolist() == [6] * HEADS + [2] * HEADS
-    assert pattern.cols[:6].tolist() == [12, 13, 14, 15, 4, 5]  # sequence 0, head 0 (KV head 0)
-    last_row = pattern.cols[-2:].tolist()  # sequence 1, the last head reads KV head 1
-    assert last_row == [num_slots + 8, num_slots + 9]
+    rows = pattern.rows_read()
+    assert [len(row) for row in rows] == [6] * HEADS + [2] * HEADS
+    assert rows[0] == [12, 13, 14, 15, 4, 5]  # sequence 0, head 0 (KV head 0)
+    assert rows[-1] == [num_slots + 8, num_slots + 9]  # sequence 1, the last head: KV head 1
+    # Whole blocks are read (2 and 1 of them), the slots past the context masked.
+    assert pattern.crow.diff().tolist() == [8] * HEADS + [4] * HEADS
 
 
 @pytest.mark.parametrize(

@@ -182,11 +182,12 @@ def test_block_pattern_equals_token_level_reference():
     for use_window in (None, window):
         visible = visible_blocks(blocks, KV_HEADS, mask, use_window)
         pattern = build_decode_pattern(blocks, visible, GROUP, cache.num_slots, use_window)
+        rows = pattern.rows_read()
         for i, n in enumerate(lengths):
             for h in range(HEADS):
                 kv = h // GROUP
                 row = i * HEADS + h
-                got = pattern.cols[pattern.crow[row] : pattern.crow[row + 1]].tolist()
+                got = rows[row]
                 expected = [
                     kv * cache.num_slots + tables[i, p // BLOCK].item() * BLOCK + p % BLOCK
                     for p in range(n)

@@ -32,6 +32,7 @@ chunk, and gathering the chunk's cached prefix once is cheap beside it.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -47,17 +48,31 @@ warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
 @dataclass
 class DecodePattern:
-    """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern."""
+    """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern.
+
+    Every kept block is read whole; ``masked`` lists the entries outside the context (past the
+    current token in the last block, before the window in the first), whose scores are set to
+    -inf. They are few (under two blocks' worth per row), and reading them costs less than
+    making every row's length exact: that needs a compaction over all entries.
+    """
 
     crow: torch.Tensor  # [rows + 1] int32
     cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
     row_ids: torch.Tensor  # [nnz] the row of each entry, for the row-wise max
     row_lens: torch.Tensor  # [rows]
     zeros: torch.Tensor  # [nnz] placeholder values; sampled_addmm needs some
+    masked: torch.Tensor  # [few] entries outside the context
 
     @property
     def nnz(self) -> int:
         return self.cols.numel()
+
+    def rows_read(self) -> list[list[int]]:
+        """Per row, the cache rows it attends to (the masked entries left out); for inspection."""
+        inside = torch.ones(self.nnz, dtype=torch.bool, device=self.cols.device)
+        inside[self.masked] = False
+        bounds = self.crow.tolist()
+        return [self.cols[a:b][inside[a:b]].tolist() for a, b in itertools.pairwise(bounds)]
 
 
 @dataclass
@@ -196,18 +211,23 @@ def build_decode_pattern(
     """CSR pattern of decode rows against the cache rows of their ``visible`` blocks.
 
     Built at block granularity: the kept (sequence, head, block) triples become runs of
-    consecutive cache rows, so the work scales with what is kept, not with the context. Rows
-    follow the query layout ``seq * num_heads + kv_head * queries_per_kv + j``.
+    ``block_size`` consecutive cache rows, so the work scales with what is kept, not with the
+    context, and every per-entry tensor is one broadcast of a per-block one. Rows follow the
+    query layout ``seq * num_heads + kv_head * queries_per_kv + j``; a row's blocks are in
+    order. Slots of a kept block outside the context are read and masked (see DecodePattern):
+    they belong to the sequence's own blocks, whose cache rows only ever hold finite keys and
+    values (or the zeros of untouched memory).
     """
     tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
     seqs, kv_heads, _ = visible.shape
     device = tables.device
     seq, head, block = visible.nonzero(as_tuple=True)  # in (seq, head, block) order
-    first = block * bs
+    start = head * num_slots + tables[seq, block] * bs
+    # Tokens of each block inside the context: [skip, end) of its bs slots.
+    end = (lens[seq] - block * bs).clamp(max=bs)
+    skip = torch.zeros_like(end)
     if sliding_window is not None:
-        first = torch.maximum(first, lens[seq] - sliding_window)
-    count = torch.minimum((block + 1) * bs, lens[seq]) - first  # tokens of each kept block
-    start = head * num_slots + tables[seq, block] * bs + (first - block * bs)
+        skip = (lens[seq] - sliding_window - block * bs).clamp(0, bs)
     # Repeat each (seq, head) run of blocks once per query head of the group: the runs of row r
     # are those of its segment (seq, kv head), found by their index within the segment.
     segment = seq * kv_heads + head
@@ -221,21 +241,20 @@ def build_decode_pattern(
         - (torch.cumsum(row_runs, 0) - row_runs)[run_row]
     )
     which = segment_start.repeat_interleave(queries_per_kv)[run_row] + run_in_row
-    run_start, run_len = start[which], count[which]
-    # Each run covers consecutive cache rows: entry e of a run starting at entry o is
-    # run_start + (e - o), one repeat and one arange for all of them.
-    nnz = int(run_len.sum())
-    run_offset = torch.cumsum(run_len, 0) - run_len
-    cols = (
-        torch.arange(nnz, device=device)
-        + torch.repeat_interleave(run_start - run_offset, run_len, output_size=nnz)
-    ).int()
-    row_ids = torch.repeat_interleave(run_row, run_len, output_size=nnz)
-    row_lens = torch.zeros(rows, dtype=torch.int64, device=device).index_add_(0, run_row, run_len)
+    offsets = torch.arange(bs, device=device)
+    cols = (start[which, None] + offsets).view(-1).int()
+    row_ids = run_row[:, None].expand(-1, bs).reshape(-1)
+    row_lens = row_runs * bs
     crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
     torch.cumsum(row_lens, 0, out=crow[1:])
-    zeros = torch.zeros(nnz, device=device)
-    return DecodePattern(crow, cols, row_ids, row_lens, zeros)
+    # Entries outside the context: only in the few runs whose block is cut.
+    end, skip = end[which], skip[which]
+    (cut,) = ((end < bs) | (skip > 0)).nonzero(as_tuple=True)
+    outside = (offsets >= end[cut, None]) | (offsets < skip[cut, None])
+    masked = (cut[:, None] * bs + offsets)[outside]
+    return DecodePattern(
+        crow, cols, row_ids, row_lens, torch.zeros(cols.numel(), device=device), masked
+    )
 
 
 class PagedAttention:
@@ -298,6 +317,7 @@ class PagedAttention:
         scores = torch.sparse.sampled_addmm(
             structure, q.reshape(rows, self.head_dim), keys.t(), beta=0.0, alpha=self.scale
         ).values()
+        scores.index_fill_(0, pattern.masked, -torch.inf)
         row_max = torch.full((rows,), -torch.inf, device=q.device, dtype=scores.dtype)
         row_max.scatter_reduce_(0, pattern.row_ids, scores, "amax")
         weights = scores.sub_(
