@@ -6,7 +6,15 @@ import argparse
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from etinfer.bench import pruning, sampling, server_load, serving, serving_sweep, speed
+    from etinfer.bench import (
+        pruning,
+        sampling,
+        scheduling_sim,
+        server_load,
+        serving,
+        serving_sweep,
+        speed,
+    )
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -15,4 +23,5 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     pruning.add_commands(kinds)
     serving.add_command(kinds)
     serving_sweep.add_command(kinds)
+    scheduling_sim.add_command(kinds)
     server_load.add_command(kinds)

@@ -11,6 +11,7 @@ admitted while budget, sequence slots and blocks last.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from etinfer.control.scheduling import SchedulingPolicy
@@ -42,9 +43,11 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.kv = kv
         self.policy = policy
+        self.clock = clock  # of the request metrics (a simulation passes its own)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []
@@ -130,7 +133,7 @@ class Scheduler:
         if seq in self._discarded:
             self.num_recomputed_tokens += max(0, self._discarded.pop(seq) - num_cached_tokens)
         if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = time.perf_counter()
+            seq.metrics.first_scheduled_time = self.clock()
             seq.num_cached_tokens = num_cached_tokens
             self.kv.record_lookup(seq, num_cached_tokens)
 
