@@ -7,6 +7,7 @@ import argparse
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench import (
+        ablation,
         pruning,
         sampling,
         scheduling_sim,
@@ -25,3 +26,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     serving_sweep.add_command(kinds)
     scheduling_sim.add_command(kinds)
     server_load.add_command(kinds)
+    ablation.add_command(kinds)
