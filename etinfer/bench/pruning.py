@@ -94,9 +94,12 @@ def paired_step_ms(
     budget = decode_budget(batch, context, rounds, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in context_prompts(llm, batch, context)]
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    for _ in range(budget):  # every step computes at least one prompt token of the batch
+        running = engine.scheduler.running
+        if len(running) == batch and all(s.num_output_tokens for s in running):
+            break
         engine.step()
-    if len(engine.scheduler.running) != batch:
+    else:
         raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
 
     def timed() -> float:
