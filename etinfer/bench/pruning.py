@@ -301,33 +301,38 @@ def run(args: argparse.Namespace) -> dict:
     def save() -> None:  # after every part: a long run leaves what it measured behind
         (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
 
-    if not args.fidelity_only:
+    parts = set(args.parts)
+    if "speed" in parts:
         print("decode step time, dense against pruned", flush=True)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         report["speed"] = speed_rows(
             llm, subset(args.speed_configs), args.batches, args.contexts, args.steps, clock
         )
         save()
-    print("teacher-forced fidelity", flush=True)
-    report["fidelity"] = fidelity_rows(
-        llm,
-        subset(args.fidelity_configs),
-        corpus,
-        args.fidelity_batches,
-        args.fidelity_context,
-        args.fidelity_steps,
-    )
-    save()
-    print("passkey retrieval", flush=True)
-    report["passkey"] = passkey_rows(
-        llm, {"dense": None, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
-    )
-    save()
-    if not args.fidelity_only:
+    if "fidelity" in parts:
+        print("teacher-forced fidelity", flush=True)
+        report["fidelity"] = fidelity_rows(
+            llm,
+            subset(args.fidelity_configs),
+            corpus,
+            args.fidelity_batches,
+            args.fidelity_context,
+            args.fidelity_steps,
+        )
+        save()
+    if "passkey" in parts:
+        print("passkey retrieval", flush=True)
+        report["passkey"] = passkey_rows(
+            llm, {"dense": None, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
+        )
+        save()
+    if "layers" in parts:
         print("dense layers", flush=True)
         report["dense_layers"] = dense_layer_sweep(
             llm, corpus, args.fidelity_context, args.fidelity_steps, (0, 1, 2, 4)
         )
+        save()
+    if "trace" in parts:
         llm.engine.set_pruning(CONFIGS[args.speed_configs[0]])
         report["trace"] = plot_blocks_against_entropy(
             llm, corpus, args.fidelity_context, out_dir / "blocks_vs_entropy.png"
@@ -336,13 +341,12 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+PARTS = ("speed", "fidelity", "passkey", "layers", "trace")
+
+
 def add_commands(kinds: argparse._SubParsersAction) -> None:
-    for name, fidelity_only in (("pruning", False), ("fidelity", True)):
-        parser = kinds.add_parser(
-            name,
-            help="entropic pruning against dense: "
-            + ("fidelity" if fidelity_only else "speed, work, fidelity"),
-        )
+    for name, parts in (("pruning", PARTS), ("fidelity", ("fidelity", "passkey"))):
+        parser = kinds.add_parser(name, help="entropic pruning against dense: " + ", ".join(parts))
         parser.add_argument("--model")
         parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
         parser.add_argument(
@@ -371,8 +375,9 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             parser.add_argument(
                 f"--{part}-configs", nargs="+", choices=list(CONFIGS), default=default
             )
+        parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")
-        parser.set_defaults(func=main, fidelity_only=fidelity_only)
+        parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
