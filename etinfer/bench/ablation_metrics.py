@@ -252,13 +252,7 @@ def super_additivity(records: list[dict]) -> dict:
         full = [gain("full", k) for k in repeats]
         singles = [sum(gain(c, k) for c in SINGLE_LAYERS) for k in repeats]
         excess = [f - s for f, s in zip(full, singles, strict=True)]
-        verdict = (
-            "super-additive"
-            if min(excess) > 0
-            else "sub-additive"
-            if max(excess) < 0
-            else "not distinguishable from additive"
-        )
+        verdict = _additivity_verdict(full, excess)
         result[column] = {
             "figure": name,
             "full_gain": spread(full),
@@ -269,6 +263,18 @@ def super_additivity(records: list[dict]) -> dict:
             "verdict": verdict if len(repeats) > 1 else f"{verdict} (one repeat)",
         }
     return result
+
+
+def _additivity_verdict(full: list[float], excess: list[float]) -> str:
+    """Super-additive only where the full system gains and every repeat's excess is positive:
+    losses smaller than the sum of the single layers' losses are no gain to add."""
+    if max(full) <= 0:
+        return "no gain (the full system is no better than the baseline)"
+    if min(excess) > 0:
+        return "super-additive"
+    if max(excess) < 0:
+        return "sub-additive"
+    return "not distinguishable from additive"
 
 
 def baseline_self_rouge(records: list[dict]) -> float | None:

@@ -69,12 +69,12 @@ class Sizes:
     cap: int | None = None  # at most this many of each kind (retrieval, documents, short tasks)
 
 
-# The engine served this mix at about 0.42 req/s with every request queued at once (one thread,
-# CPU clock), so 0.4 req/s is near capacity: queues form and drain, and ordering matters.
+# The engine served this mix at about 0.28 req/s with every request queued at once (one thread,
+# CPU clock), so 0.3 req/s is near capacity: queues form and drain, and ordering matters.
 FULL = Sizes(
     document_tokens=(2048, 3072),
     max_tokens={"retrieval": 10, "continuation": 64, "free": 128, "instruction": 64, "chat": 96},
-    rate=0.4,
+    rate=0.3,
 )
 # Small enough for a test: one request of each task, long prompts of 512-768 tokens (pruned
 # because quick mode lowers PruningConfig.min_context), all arriving at once so that the
