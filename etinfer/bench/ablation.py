@@ -80,7 +80,7 @@ def run_all(
 
 def machine() -> dict:
     return {
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -88,10 +88,21 @@ def machine() -> dict:
     }
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name, where Linux tells it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None
+    )
+
+
 def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     """The whole study; writes the report under ``args.output`` and returns it."""
     # One thread by default: on a shared two-core machine, two threads of one process wait for
-    # each other whenever another process holds a core (a quick run took 5.5 minutes with two,
+    # each other whenever another process holds a core (a quick run took 5.7 minutes with two,
     # 53 s with one, at a load average of 5), and one thread makes the CPU time of a step its
     # own work, which is what eta divides by.
     torch.set_num_threads(args.threads)
@@ -149,7 +160,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         "ablation", help="the paper's Table 1: five control configurations on one workload"
     )
     parser.add_argument("--workload", choices=tuple(ablation_workload.MIXES), default="mixed")
-    parser.add_argument("--quick", action="store_true", help="a small run (a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="a small run (about a minute)")
     parser.add_argument("--output", required=True, help="directory for the report and plots")
     parser.add_argument("--repeats", type=int, help="default: 2, or 1 with --quick")
     parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")

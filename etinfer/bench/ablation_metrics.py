@@ -11,7 +11,7 @@ question's forced tokens included: they are decode steps like any other):
   collapse rate is ``tau`` per output token. ``eta`` is ``tau`` per unit of compute, with two
   cost measures: ``eta_cpu``, per CPU-second this process spent stepping the engine (what the
   machine spent, whatever else ran on it: the run uses one torch thread), and ``eta_flops``, per
-  TFLOP of model compute (``ablation.StepMeter``);
+  TFLOP of model compute (``ablation_runner.StepMeter``);
 - work: decode attention FLOPs and KV bytes read per decode step, the share of the context's
   KV blocks decode attention read, model FLOPs per output token, KV pool use (mean and peak
   share of blocks held);
