@@ -76,8 +76,9 @@ class SchedulingConfig:
     # Hysteresis: a sequence that (re)entered the running set fewer steps ago than this is
     # preempted only if every other candidate is protected too; and while blocks run out at zero
     # free, admission stops while the free blocks would not cover the running sequences' next
-    # `admission_lookahead` tokens (one block each at 16: about half the preemptions, and of the
-    # recomputed tokens, of admitting while blocks last, in a simulation of this engine).
+    # `admission_lookahead` tokens (one block each at 16). On simulated KV pressure this left a
+    # quarter of the preemptions and under half the recomputed tokens of admitting while blocks
+    # last (etinfer bench scheduling-sim; BENCHMARKS.md, issue 5).
     min_run_steps: int = 8
     admission_lookahead: int = 16
 
