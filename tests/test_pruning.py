@@ -196,6 +196,16 @@ def test_block_pattern_equals_token_level_reference():
                 assert got == expected
 
 
+def last_slots(tables: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The cache slot of each sequence's current (last) token."""
+    return torch.tensor(
+        [
+            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            for t, n in zip(tables.tolist(), lengths, strict=True)
+        ]
+    )
+
+
 def test_dropped_mass_bound_holds_and_certifies():
     lengths = [64, 40]
     cache, tables = filled_cache(lengths, seed=7)
@@ -203,13 +213,8 @@ def test_dropped_mass_bound_holds_and_certifies():
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]), 5)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
     attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
-    telemetry = PruningTelemetry.empty(1, 2, torch.device("cpu"))
-    last = torch.tensor(
-        [
-            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
-            for t, n in zip(tables.tolist(), lengths, strict=True)
-        ]
-    )
+    telemetry = PruningTelemetry.empty(1, visible_blocks(blocks, KV_HEADS))
+    last = last_slots(tables, lengths)
     keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
     visible = visible_blocks(blocks, KV_HEADS)
     dense = build_decode_pattern(blocks, visible, GROUP, cache.num_slots)
@@ -235,12 +240,7 @@ def test_keeping_every_block_equals_dense_exactly():
     everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([16, 10]), 16)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(2))
-    last = torch.tensor(
-        [
-            t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
-            for t, n in zip(tables.tolist(), lengths, strict=True)
-        ]
-    )
+    last = last_slots(tables, lengths)
     keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
     dense = build_decode_pattern(blocks, visible_blocks(blocks, KV_HEADS), GROUP, cache.num_slots)
     outs = []

@@ -183,12 +183,12 @@ class ModelRunner:
                 (starts_t[:num_decode] + 1).to(self.device),
                 bs,
             )
-            if self.pruning is not None:
-                self._plan_budgets(decode_blocks, decoding)
-                telemetry = PruningTelemetry.empty(self.config.num_layers, num_decode, self.device)
             visible = visible_blocks(
                 decode_blocks, self.config.num_kv_heads, None, self.sliding_window
             )
+            if self.pruning is not None:
+                self._plan_budgets(decode_blocks, decoding)
+                telemetry = PruningTelemetry.empty(self.config.num_layers, visible)
             dense = build_decode_pattern(
                 decode_blocks,
                 visible,

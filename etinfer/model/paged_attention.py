@@ -89,14 +89,17 @@ class PrefillChunk:
 class PruningTelemetry:
     """Per layer and decode sequence, what attention kept; filled in as layers run."""
 
+    in_context: torch.Tensor  # [seqs, kv_heads, blocks] blocks in context (and window)
     kept: torch.Tensor  # [layers, seqs] (block, KV head) pairs attended to
     total: torch.Tensor  # [layers, seqs] (block, KV head) pairs in context
     # [layers, seqs] upper bound of the softmax mass the dropped blocks carried (max over heads)
     dropped_mass: torch.Tensor
 
     @classmethod
-    def empty(cls, layers: int, seqs: int, device: torch.device) -> PruningTelemetry:
-        return cls(*(torch.zeros(layers, seqs, device=device) for _ in range(3)))
+    def empty(cls, layers: int, in_context: torch.Tensor) -> PruningTelemetry:
+        """Before the step; ``in_context`` is what dense attention reads (built once per step)."""
+        total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
+        return cls(in_context, torch.zeros_like(total), total, torch.zeros_like(total))
 
 
 @dataclass
@@ -346,13 +349,11 @@ class PagedAttention:
         so ``D <= sum_dropped tokens * exp(bound)`` bounds it from above. The attention output
         error is that mass times the gap between dropped and kept mean values.
         """
-        in_context = visible_blocks(blocks, self.num_kv_heads, None, self.sliding_window)
-        telemetry.total[layer] = in_context.sum((1, 2))
         if selection is None:
             telemetry.kept[layer] = telemetry.total[layer]
             return
         telemetry.kept[layer] = visible.sum((1, 2))
-        dropped = in_context & ~visible  # [seqs, kv_heads, blocks]
+        dropped = telemetry.in_context & ~visible  # [seqs, kv_heads, blocks]
         positions = torch.arange(blocks.block_tables.shape[1], device=visible.device)
         tokens = blocks.context_lens[:, None] - positions * blocks.block_size
         log_tokens = tokens.clamp(0, blocks.block_size).log()  # [seqs, blocks]
