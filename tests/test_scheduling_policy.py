@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 
 from etinfer.bench import workload
@@ -138,10 +139,39 @@ def test_longer_wait_lower_priority_value_and_tighter_slo_go_first():
 
 
 def test_aging_is_convex_in_the_steps_waited():
-    policy = only("delta", aging_steps=10, aging_power=3)
+    policy = only("delta", aging_steps=10, aging_steps_min=10, aging_power=3)
     seq = make_seq(arrival_step=0)
     ages = [policy.urgency_term(seq, 0.0) for policy.step in (0, 10, 20, 30)]
     assert ages == pytest.approx([0, 1, 8, 27])
+
+
+def running_and_waiting(left: list[int], num_running: int) -> tuple[list, list]:
+    """Sequences with ``left`` output tokens still to go; the first ``num_running`` run."""
+    seqs = [make_seq(max_tokens=n) for n in left]
+    return seqs[:num_running], seqs[num_running:]
+
+
+def test_aging_horizon_follows_the_backlog_within_its_bounds():
+    config = SchedulingConfig(aging_backlog=0.5, aging_steps_min=20, aging_steps=150)
+    policy = EntropyPolicy(config)
+    # 2 running, 600 decode steps left in all: 300 per running sequence, half of it.
+    assert policy.aging_horizon(*running_and_waiting([100, 100, 200, 200], 2)) == 150
+    assert policy.aging_horizon(*running_and_waiting([100, 60, 40], 2)) == 50
+    assert policy.aging_horizon(*running_and_waiting([10, 10], 2)) == 20  # never below the floor
+    assert policy.aging_horizon(*running_and_waiting([900] * 8, 2)) == 150  # nor above aging_steps
+    fixed = EntropyPolicy(SchedulingConfig(aging_backlog=0.0, aging_steps=80))
+    assert fixed.aging_horizon(*running_and_waiting([900] * 8, 2)) == 80
+
+
+def test_a_shorter_horizon_ages_the_same_wait_faster():
+    policy = only("delta", aging_backlog=1.0, aging_steps_min=10, aging_steps=1000)
+    old = make_seq(arrival_step=0)
+    policy.begin_step(40, *running_and_waiting([400, 400], 2))  # horizon 400
+    deep = policy.urgency_term(old, 0.0)
+    policy.begin_step(40, *running_and_waiting([20, 20], 2))  # horizon 20
+    assert policy.step == 40 and policy.horizon == 20
+    assert policy.urgency_term(old, 0.0) == pytest.approx((40 / 20) ** 3)
+    assert deep == pytest.approx((40 / 400) ** 3)
 
 
 def test_slo_urgency_is_capped():
@@ -247,8 +277,9 @@ def test_scheduler_preempts_the_least_computed_work_and_counts_the_recompute():
 def test_admission_keeps_blocks_for_the_running_sequences_to_grow_into():
     # 8 blocks of 4 tokens. A running sequence of 8 tokens with 40 to go fills 4 more blocks in
     # its next 16 tokens; a waiting one needs 3 blocks now. FCFS admits it (3 of 6 free
-    # blocks); the entropy policy keeps the 4 and waits.
-    for policy, admitted in ((FCFSPolicy(), True), (EntropyPolicy(), False)):
+    # blocks); the entropy policy looking 16 tokens ahead keeps the 4 and waits.
+    entropy = EntropyPolicy(SchedulingConfig(admission_lookahead=16))
+    for policy, admitted in ((FCFSPolicy(), True), (entropy, False)):
         scheduler = make_scheduler(policy, num_blocks=8)
         running = make_seq(prompt_len=7, max_tokens=40)
         scheduler.add(running)
@@ -307,7 +338,7 @@ def test_aging_admits_a_low_priority_request_under_an_endless_high_priority_stre
 def test_without_aging_the_same_stream_starves_it():
     # The same policy with aging stretched out of reach (what strict priority does, as vLLM's
     # `priority` policy): the test above would fail.
-    config = dataclasses.replace(SchedulingConfig(), aging_steps=1e9)
+    config = dataclasses.replace(SchedulingConfig(), aging_steps=1e9, aging_backlog=0.0)
     bound = SchedulingConfig().starvation_bound_steps(priority_gap=2)
     _, admitted = adversarial_run(config, steps=int(2 * bound))
     assert admitted is None
@@ -347,16 +378,25 @@ def test_control_config_switches_the_policy():
 # -- at scale, on a simulated engine -----------------------------------------------------------
 
 
-def simulated(kv_blocks: int, rate: float) -> list[tuple[dict, dict]]:
-    """FCFS and entropy figures on three seeded ShareGPT-like workloads of 80 requests, on the
+TARGETS = ("e2e_mean", "e2e_p99", "max_queue_time", "request_throughput")
+
+
+def simulated(
+    kv_blocks: int, rate: float, config: SchedulingConfig | None = None, seeds=(1, 2, 3)
+) -> list[tuple[dict, dict]]:
+    """FCFS and entropy figures on seeded ShareGPT-like workloads of 80 requests, on the
     simulated engine at the speed the shared machine ran the real benchmark."""
     pairs = []
-    for seed in (1, 2, 3):
+    for seed in seeds:
         requests = workload.generate("sharegpt", 80, rate, seed, length_scale=0.35)
         figures = []
         for policy in ("fcfs", "entropy"):
             records, duration, scheduler = simulate(
-                requests, policy, num_blocks=kv_blocks, cost=StepCost(speed=0.2)
+                requests,
+                policy,
+                config=config if policy == "entropy" else None,
+                num_blocks=kv_blocks,
+                cost=StepCost(speed=0.2),
             )
             figures.append(
                 summarize(records, duration, preemptions=scheduler.num_preemptions)
@@ -374,8 +414,28 @@ def test_past_saturation_shortest_remaining_first_cuts_mean_latency():
         assert entropy["ttft_mean"] < 0.75 * fcfs["ttft_mean"]
 
 
+@pytest.mark.parametrize(("kv_blocks", "rate"), [(100_000, 0.76), (80, 0.38)])
+def test_the_defaults_meet_the_targets_of_issue_5_on_eight_simulated_workloads(kv_blocks, rate):
+    # Past saturation and under KV pressure, as the mean of the ratios to FCFS over the seeds
+    # (single seeds miss: on some, even no aging at all leaves the mean above 0.88x). The
+    # horizon that follows the backlog keeps the longest waits and the p99 near FCFS's while
+    # short requests overtake.
+    pairs = simulated(kv_blocks, rate, seeds=range(1, 9))
+    ratio = {k: np.mean([e[k] / f[k] for f, e in pairs]) for k in TARGETS}
+    assert ratio["e2e_mean"] <= 0.88
+    assert ratio["e2e_p99"] <= 1.1 and ratio["max_queue_time"] <= 1.1
+    assert ratio["request_throughput"] >= 1.0
+
+
 def test_under_kv_pressure_the_admission_reserve_cuts_preemptions_and_recompute():
-    for fcfs, entropy in simulated(kv_blocks=80, rate=0.38):
+    config = SchedulingConfig(admission_lookahead=16)
+    for fcfs, entropy in simulated(kv_blocks=80, rate=0.38, config=config):
         assert entropy["completed"] == 80
         assert entropy["preemptions"] < 0.6 * fcfs["preemptions"]
         assert entropy["recomputed"] < fcfs["recomputed"]
+
+
+def test_under_kv_pressure_the_defaults_preempt_no_more_than_fcfs():
+    for fcfs, entropy in simulated(kv_blocks=80, rate=0.38):
+        assert entropy["completed"] == 80
+        assert entropy["preemptions"] <= fcfs["preemptions"]

@@ -58,7 +58,7 @@ ABLATIONS = {
     "alpha": Variant("no entropy (alpha=0)", "entropy", {"alpha": 0.0}),
     "beta": Variant("no cost (beta=0)", "entropy", {"beta": 0.0}),
     "gamma": Variant("no memory (gamma=0)", "entropy", {"gamma": 0.0}),
-    "aging": Variant("no aging", "entropy", {"aging_steps": 1e9}),
+    "aging": Variant("no aging", "entropy", {"aging_steps": 1e9, "aging_backlog": 0.0}),
     "hysteresis": Variant(
         "no hysteresis or cap",
         "entropy",

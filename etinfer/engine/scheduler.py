@@ -67,7 +67,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         self.num_steps += 1
-        self.policy.step = self.num_steps
+        self.policy.begin_step(self.num_steps, self.running, self.waiting)
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         pending = self.policy.order(self.running)
