@@ -16,7 +16,8 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from etinfer.config import EngineConfig
+from etinfer.config import ControlConfig, EngineConfig
+from etinfer.control.scheduling import SchedulingConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
 from etinfer.server import create_app
@@ -332,6 +333,14 @@ MALFORMED = [
     ),
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+    (COMPLETIONS, {"prompt": "a", "priority": 1.5}, "priority"),
+    (COMPLETIONS, {"prompt": "a", "priority": "high"}, "priority"),
+    (COMPLETIONS, {"prompt": "a", "priority": 2**31}, "priority"),
+    (CHAT, {"messages": MESSAGES, "priority": -(2**31) - 1}, "priority"),
+    (COMPLETIONS, {"prompt": "a", "slo": 0}, "slo"),
+    (CHAT, {"messages": MESSAGES, "slo": -2.5}, "slo"),
+    (COMPLETIONS, {"prompt": "a", "slo": "soon"}, "slo"),
+    (COMPLETIONS, {"prompt": "a", "slo": float("inf")}, "slo"),  # sent as Infinity
 ]
 
 
@@ -353,6 +362,24 @@ def test_malformed_bodies_are_400(server: ServerThread, body: bytes) -> None:
     response = post(server, COMPLETIONS, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"priority": 2**31}, "Input should be less than or equal to 2147483647"),
+        ({"priority": -(2**31) - 1}, "Input should be greater than or equal to -2147483648"),
+        ({"slo": 0.0}, "Input should be greater than 0"),
+    ],
+)
+def test_scheduling_fields_out_of_range_name_the_field_and_the_limit(
+    client: openai.OpenAI, model_name: str, body: dict, message: str
+) -> None:
+    (name,) = body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model_name, prompt="a", max_tokens=1, extra_body=body)
+    assert caught.value.status_code == 400 and caught.value.param == name
+    assert caught.value.body["message"] == f"Invalid value for '{name}': {message}"
 
 
 def test_openai_client_surfaces_errors(client: openai.OpenAI, model_name: str) -> None:
@@ -395,6 +422,56 @@ def test_accepted_streams_keep_streaming_through_errors(
     assert post(server, COMPLETIONS, b"{{{").status_code == 400
     pieces += [chunk.choices[0].text for chunk in stream]
     assert "".join(pieces) == expected
+
+
+# -- scheduling fields --------------------------------------------------------------------------
+
+
+def test_priority_and_slo_reach_the_scheduler(loaded_model: LoadedModel) -> None:
+    """One sequence slot and the entropy policy with aging out of reach, so `priority` alone
+    orders the queue. While a long request holds the slot, an ordinary request and then a more
+    urgent one (priority -1, as vLLM's extra parameter) queue up; the urgent one, though it
+    arrived later, is admitted first. Every choice of a request carries its fields."""
+    control = ControlConfig(scheduling=SchedulingConfig(aging_steps=1e6, aging_backlog=0.0))
+    engine = make_engine(loaded_model, max_num_seqs=1, control=control)
+    seen: dict[str, tuple[int, float | None]] = {}
+    add_request = engine.add_request
+
+    def spy(*args, **kwargs) -> str:
+        seen[kwargs["request_id"]] = (kwargs["priority"], kwargs["slo"])
+        return add_request(*args, **kwargs)
+
+    engine.add_request = spy
+    finished: list[str] = []
+
+    def send(name: str, max_tokens: int, extra: dict, n: int) -> None:
+        common = {"max_tokens": max_tokens, "extra_body": {"ignore_eos": True, **extra}}
+        if name == "ordinary":
+            reply = client.chat.completions.create(model=model, messages=MESSAGES, **common)
+        else:
+            reply = client.completions.create(model=model, prompt=name, n=n, **common)
+        finished.append(name)
+        ids[name] = reply.id
+
+    with ServerThread(create_app(engine)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        ids: dict[str, str] = {}
+        queued = [  # a chat request, and completions (two choices for the urgent one)
+            ("blocker", 300, {}, 1, ("etinfer:num_requests_running", 1)),
+            ("ordinary", 2, {}, 1, ("etinfer:num_requests_waiting", 1)),
+            ("urgent", 2, {"priority": -1, "slo": 2.5}, 2, ("etinfer:num_requests_waiting", 3)),
+        ]
+        threads = []
+        for name, max_tokens, extra, n, (gauge, count) in queued:
+            threads.append(threading.Thread(target=send, args=(name, max_tokens, extra, n)))
+            threads[-1].start()
+            wait_for(lambda g=gauge, c=count: server.metrics()[g] == c, f"{name} to queue")
+        for thread in threads:
+            thread.join(timeout=SETTLE_S)
+    assert finished == ["blocker", "urgent", "ordinary"]
+    fields = {name: {seen[k] for k in seen if k.startswith(ids[name])} for name in ids}
+    assert fields == {"blocker": {(0, None)}, "ordinary": {(0, None)}, "urgent": {(-1, 2.5)}}
 
 
 # -- concurrency, disconnects, metrics ---------------------------------------------------------

@@ -43,6 +43,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.perf_counter() when the HTTP request arrived
+    priority: int = 0  # lower first, as in vLLM
+    slo: float | None = None  # seconds from arrival
 
 
 class RequestGroup:
@@ -228,6 +230,8 @@ class EngineLoop:
                     stream=True,
                     arrival_time=request.arrival_time,
                     prompt_token_ids=request.prompt_token_ids,
+                    priority=request.priority,
+                    slo=request.slo,
                 )
             except ValueError as e:  # validated before submission; this is a safety net
                 failed.append((request.request_id, EngineError(str(e))))

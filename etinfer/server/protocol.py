@@ -16,6 +16,9 @@ from etinfer.sampling_params import SamplingParams
 # OpenAI's own limit on choices per request, and its default max_tokens for completions.
 MAX_N = 128
 DEFAULT_COMPLETION_TOKENS = 16
+# vLLM takes any integer priority; ours are bounded to a 32-bit range so that the policy's
+# urgency, which is linear in it, stays a finite float.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 class _Strict(BaseModel):
@@ -70,6 +73,10 @@ class GenerationRequest(SamplingExtensions):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Scheduling, read by the entropy policy (FCFS ignores them): lower priority first, as in
+    # vLLM's extra parameter; slo in seconds from arrival within which the request wants to end.
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    slo: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     def unsupported_field(self) -> str | None:
         for name in ("frequency_penalty", "presence_penalty"):

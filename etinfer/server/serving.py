@@ -77,7 +77,7 @@ class OpenAIServing:
         params = self._params(request, max_tokens, request.logprobs, FIELDS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = self._engine_requests(
-            request_id, prompts, params, request.n, arrival, prompt_param="prompt"
+            request_id, prompts, params, request, arrival, prompt_param="prompt"
         )
         return await self._answer(
             request, raw, request_id, requests, CompletionFormat(request.logprobs)
@@ -114,7 +114,7 @@ class OpenAIServing:
             request_id,
             [(None, ids)],
             params,
-            request.n,
+            request,
             arrival,
             prompt_param="messages",
             max_tokens_param=fields["max_tokens"],
@@ -173,15 +173,16 @@ class OpenAIServing:
         request_id: str,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
-        n: int,
+        request: GenerationRequest,
         arrival: float,
         *,
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
         to_context_end: bool = False,
     ) -> list[EngineRequest]:
-        """One engine request per choice; ``to_context_end``: no max_tokens was given, so each
-        prompt may generate up to the end of the context."""
+        """One engine request per choice (``request.n`` per prompt), each with the request's
+        scheduling fields; ``to_context_end``: no max_tokens was given, so each prompt may
+        generate up to the end of the context."""
         limit = self.engine.max_model_len
         requests = []
         for p, (text, ids) in enumerate(prompts):
@@ -211,7 +212,7 @@ class OpenAIServing:
                 self.engine.check_request(ids, prompt_params)
             except ValueError as e:
                 raise APIError(400, str(e), param=max_tokens_param) from e
-            for i in range(n):
+            for i in range(request.n):
                 choice_params = prompt_params
                 if params.seed is not None and i:
                     # Distinct draws per choice, reproducible from the one seed.
@@ -219,7 +220,15 @@ class OpenAIServing:
                         prompt_params, seed=(params.seed + i) % MAX_SEED
                     )
                 requests.append(
-                    EngineRequest(f"{request_id}-{p}-{i}", text, ids, choice_params, arrival)
+                    EngineRequest(
+                        f"{request_id}-{p}-{i}",
+                        text,
+                        ids,
+                        choice_params,
+                        arrival,
+                        priority=request.priority,
+                        slo=request.slo,
+                    )
                 )
         return requests
 
