@@ -209,15 +209,27 @@ def key_bound_scores(
     """Upper bounds of ``q.k`` over each block, per query head: [seqs, kv_heads, group, blocks].
 
     ``sum_c max(q_c M_c, q_c m_c) = [q+, q-] . [M, m]`` with ``q+``/``q-`` the positive and
-    negative parts of the query: one gather of the blocks' bounds and one batched matmul.
+    negative parts of the query. Each query row meets only its own sequence's blocks (padding
+    included, so that the answer is a plain view): a sampled matmul on exactly those pairs reads
+    the bounds in place, where gathering them first and a batched matmul cost 2-3x as much (two
+    extra passes over the gathered copy, and a BLAS shape of three rows).
     """
     seqs, heads, dim = query.shape
-    kv_heads = summaries.key_bounds.shape[0]
-    group = heads // kv_heads
-    gathered = summaries.key_bounds.index_select(1, tables.reshape(-1))  # [kv, seqs*blocks, 2, d]
-    gathered = gathered.view(kv_heads * seqs, tables.shape[1], 2 * dim)
-    q = query.view(seqs, kv_heads, group, dim).transpose(0, 1)
-    q = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1).reshape(kv_heads * seqs, group, 2 * dim)
-    # Queries on the left: a product with a handful of columns on the right is a slow BLAS shape.
-    scores = torch.bmm(q, gathered.transpose(1, 2))  # [kv*seqs, group, blocks]
-    return scores.view(kv_heads, seqs, group, -1).transpose(0, 1)
+    kv_heads, num_blocks = summaries.key_bounds.shape[:2]
+    group, width = heads // kv_heads, tables.shape[1]
+    # Column of (kv head, block) in the bounds viewed as [kv_heads * num_blocks, 2 * dim].
+    cols = torch.arange(kv_heads, device=tables.device)[:, None] * num_blocks + tables[:, None]
+    cols = cols[:, :, None].expand(seqs, kv_heads, group, width).reshape(-1).int()
+    rows = seqs * heads
+    crow = torch.arange(0, rows * width + 1, width, device=tables.device, dtype=torch.int32)
+    structure = torch.sparse_csr_tensor(
+        crow,
+        cols,
+        query.new_zeros(cols.numel()),
+        (rows, kv_heads * num_blocks),
+        check_invariants=False,
+    )
+    q = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1).view(rows, 2 * dim)
+    bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim)
+    scores = torch.sparse.sampled_addmm(structure, q, bounds.t(), beta=0.0).values()
+    return scores.view(seqs, kv_heads, group, width)

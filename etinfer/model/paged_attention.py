@@ -225,7 +225,7 @@ def build_decode_pattern(
     seqs, kv_heads, _ = visible.shape
     device = tables.device
     seq, head, block = visible.nonzero(as_tuple=True)  # in (seq, head, block) order
-    start = head * num_slots + tables[seq, block] * bs
+    start = (head * num_slots + tables[seq, block] * bs).int()  # the kernels' index type
     # Tokens of each block inside the context: [skip, end) of its bs slots.
     end = (lens[seq] - block * bs).clamp(max=bs)
     skip = torch.zeros_like(end)
@@ -244,8 +244,8 @@ def build_decode_pattern(
         - (torch.cumsum(row_runs, 0) - row_runs)[run_row]
     )
     which = segment_start.repeat_interleave(queries_per_kv)[run_row] + run_in_row
-    offsets = torch.arange(bs, device=device)
-    cols = (start[which, None] + offsets).view(-1).int()
+    offsets = torch.arange(bs, device=device, dtype=torch.int32)
+    cols = (start[which, None] + offsets).view(-1)
     row_ids = run_row[:, None].expand(-1, bs).reshape(-1)
     row_lens = row_runs * bs
     crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
