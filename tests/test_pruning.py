@@ -5,6 +5,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -268,3 +269,29 @@ def test_mass_scorer_ranks_by_observed_attention():
     mask = EntropicSelector(config).select(3, torch.zeros(1, HEADS, DIM), blocks, summaries).mask
     assert mask[0, :, 7].all()
     assert mask[0].sum(-1).tolist() == [3, 3]
+
+
+def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
+    from etinfer.bench.oracle_selection import OracleSelector
+
+    lengths, budgets = [37, 22], [5, 3]
+    cache, tables = filled_cache(lengths, seed=7)
+    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
+    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), 5)
+    mask = OracleSelector(config, cache).select(0, query, blocks, cache.summaries(0)).mask
+    for i, n in enumerate(lengths):
+        assert mask[i].sum(-1).tolist() == [budgets[i]] * KV_HEADS
+        keys, _ = context_keys(cache, tables[i].tolist(), n)
+        probs = (query[i].view(KV_HEADS, GROUP, DIM) @ keys.transpose(1, 2) / DIM**0.5).softmax(-1)
+        count = -(-n // BLOCK)
+        padded = F.pad(probs, (0, count * BLOCK - n)).view(KV_HEADS, GROUP, count, BLOCK)
+        mass = padded.sum(-1).amax(1)  # [kv, blocks]
+        for head in range(KV_HEADS):
+            kept = mask[i, head, :count]
+            assert kept[0] and kept[count - 1]  # sink and recent
+            ranked = kept.clone()
+            ranked[[0, count - 1]] = False
+            dropped = ~kept
+            if ranked.any() and dropped.any():
+                assert mass[head][ranked].min() >= mass[head][dropped].max() - 1e-6

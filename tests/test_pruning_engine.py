@@ -89,7 +89,7 @@ def test_short_contexts_attend_densely_by_default(make_llm):
 def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     """``etinfer bench fidelity`` at toy sizes: every part runs and the report has its fields."""
     toy = "--batches 1 --fidelity-batches 1 --fidelity-context 200 --fidelity-steps 6"
-    configs = "--fidelity-configs bound --passkey-configs bound --passkey-lengths 200"
+    configs = "--fidelity-configs bound --oracle --passkey-configs bound --passkey-lengths 200"
     command = [sys.executable, "-m", "etinfer.cli", "bench", "fidelity"]
     result = subprocess.run(
         [*command, *toy.split(), *configs.split(), "--output-dir", str(tmp_path)],
@@ -99,7 +99,8 @@ def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "pruning.json").read_text())
-    (fidelity,) = report["fidelity"]
+    fidelity, oracle = report["fidelity"]
+    assert oracle["scorer"] == "bound oracle" and oracle["steps"] == 5
     assert fidelity["steps"] == 5 and 0 <= fidelity["top1_agreement"] <= 1
     # Under the default minimum context nothing is pruned: pruned equals dense.
     assert fidelity["kl_max"] < 1e-6 and fidelity["blocks_kept"] == 1.0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from etinfer.control.block_selection import PruningConfig
+from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.sequence import Sequence
 from etinfer.llm import LLM
 from etinfer.model.tokenizer import Tokenizer
@@ -113,16 +113,17 @@ def teacher_forced(
     steps: int,
     pruning: PruningConfig,
     dense: LogProbs | None = None,
+    selector: BlockSelector | None = None,
 ) -> FidelityStats:
     """Dense against pruned attention on the same forced continuations, in one engine (built
     with pruning on): a dense pass, then a pruned one whose prompts come from the prefix cache.
     Every forced token after the first runs as a decode step. ``dense`` reuses the log-probs of
-    an earlier dense pass over the same texts."""
+    an earlier dense pass over the same texts; ``selector`` replaces the entropic one."""
     engine = llm.engine
     if dense is None:
         engine.set_pruning(None)
         dense, _ = forced_log_probs(llm, texts, context, steps)
-    engine.set_pruning(pruning)
+    engine.set_pruning(pruning, selector)
     pruned, kept = forced_log_probs(llm, texts, context, steps)
     kl, agree, nll_dense, nll_pruned = [], [], [], []
     for key, p_dense in dense.items():

@@ -176,18 +176,32 @@ class EntropicSelector(BlockSelector):
         self.observes_mass = self.config.scorer == "mass"
 
     def select(self, layer, query, blocks, summaries) -> Selection | None:
-        config = self.config
-        if layer < config.dense_layers or blocks.budgets is None:
+        if layer < self.config.dense_layers or blocks.budgets is None:
             return None
-        lens, bs = blocks.context_lens, blocks.block_size
+        bounds = key_bound_scores(query, summaries, blocks.block_tables)
+        scores = self.block_scores(layer, query, blocks, summaries, bounds)
+        return Selection(self.keep_best(scores, blocks), bounds)
+
+    def block_scores(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        blocks: DecodeBlocks,
+        summaries: BlockSummaries,
+        bounds: torch.Tensor,
+    ) -> torch.Tensor:
+        """What each block may contribute, [seqs, kv_heads, max_blocks]: higher is kept first."""
+        if self.config.scorer == "mass":
+            return summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
+        return bounds.amax(2)  # a block matters if it may matter to any head of the group
+
+    def keep_best(self, scores: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """The mask of each row's ``budget`` best blocks, the forced ones (sink and recent)
+        first."""
+        config, lens, bs = self.config, blocks.context_lens, blocks.block_size
         counts = (lens + bs - 1) // bs  # blocks in each context
         positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
         exists = positions < counts[:, None]  # [seqs, max_blocks]
-        bounds = key_bound_scores(query, summaries, blocks.block_tables)
-        if config.scorer == "mass":
-            scores = summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
-        else:
-            scores = bounds.amax(2)  # a block matters if it may matter to any head of the group
         forced = (positions < config.sink_blocks) | (
             positions >= counts[:, None] - config.recent_blocks
         )
@@ -200,7 +214,7 @@ class EntropicSelector(BlockSelector):
         top = scores.topk(min(blocks.max_budget, scores.shape[-1]), dim=-1).indices
         taken = torch.arange(top.shape[-1], device=lens.device) < blocks.budgets[:, None, None]
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
-        return Selection(mask & exists[:, None, :], bounds)
+        return mask & exists[:, None, :]
 
 
 def key_bound_scores(

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from etinfer.config import EngineConfig
-from etinfer.control.block_selection import BLOCK_SELECTORS, PruningConfig
+from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.engine.detokenizer import Detokenizer
@@ -241,10 +241,12 @@ class LLMEngine:
         finally:
             self.kv.pool.free(blocks)
 
-    def set_pruning(self, config: PruningConfig | None) -> None:
+    def set_pruning(
+        self, config: PruningConfig | None, selector: BlockSelector | None = None
+    ) -> None:
         """Switch decode attention to pruning with ``config``, or to dense (None), from the next
         step on; the engine must have been built with pruning on (see ``ModelRunner``)."""
-        self.runner.set_pruning(config)
+        self.runner.set_pruning(config, selector)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

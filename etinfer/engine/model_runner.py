@@ -98,11 +98,14 @@ class ModelRunner:
         # and harnesses read the distributions through it).
         self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
-    def set_pruning(self, config: PruningConfig | None) -> None:
+    def set_pruning(
+        self, config: PruningConfig | None, selector: BlockSelector | None = None
+    ) -> None:
         """Prune decode attention with ``config`` from the next step on, or attend densely
         (None). Prefill is dense either way, so one prefilled context can be decoded both ways
         (benchmarks compare them on one cache). The cache must keep block summaries, which it
-        does when the runner was built with pruning."""
+        does when the runner was built with pruning. ``selector`` chooses the blocks within
+        the config's budgets instead of the entropic selector (benchmarks pass an oracle)."""
         if self.cache.key_bounds is None:
             raise ValueError(
                 "set_pruning needs an engine built with pruning on "
@@ -110,7 +113,7 @@ class ModelRunner:
             )
         self.pruning = config
         if config is not None:
-            self.attention.selector = BLOCK_SELECTORS.create("entropic", config=config)
+            self.attention.selector = selector or BLOCK_SELECTORS.create("entropic", config=config)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
