@@ -102,6 +102,7 @@ def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     fidelity, oracle = report["fidelity"]
     assert oracle["scorer"] == "bound oracle" and oracle["steps"] == 5
     assert fidelity["steps"] == 5 and 0 <= fidelity["top1_agreement"] <= 1
+    assert fidelity["step_ms"] > 0 and fidelity["step_ratio"] > 0
     # Under the default minimum context nothing is pruned: pruned equals dense.
     assert fidelity["kl_max"] < 1e-6 and fidelity["blocks_kept"] == 1.0
     assert len(report["passkey"]) == 2 * 5  # two haystacks, five depths

@@ -28,6 +28,7 @@ import pydoc_data.topics
 import random
 import re
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +59,18 @@ def corpus_tokens(tokenizer: Tokenizer) -> list[int]:
 LogProbs = dict[tuple[int, int], torch.Tensor]
 
 
-def forced_log_probs(
-    llm: LLM, texts: list[list[int]], context: int, steps: int
-) -> tuple[LogProbs, list[float]]:
+@dataclass
+class ForcedPass:
+    log_probs: LogProbs  # keyed by (text, position predicted)
+    blocks_kept: list[float]  # per decode step and sequence: the share of blocks read
+    step_ms: float  # median CPU time of a step (this process: use one torch thread)
+
+
+def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int) -> ForcedPass:
     """Feed ``texts[i][context : context + steps]`` as decode steps after a prefill of
-    ``texts[i][:context]``. Returns the next-token log-probabilities of every decode step, keyed
-    by (text, position predicted), and the share of blocks each step read. The token predicted
-    by the prefill is left out: it is dense under any pruning."""
+    ``texts[i][:context]``, and record the next-token log-probabilities of every decode step.
+    The token predicted by the prefill is left out: it is dense under any pruning. The steps
+    are mostly decode steps, so their median time is a decode step's."""
     rows: dict[tuple[str, int], torch.Tensor] = {}
 
     def record(seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -79,15 +85,18 @@ def forced_log_probs(
         for text in texts
     ]
     engine.runner.logits_hook = record
-    kept = []
+    kept, seconds = [], []
     try:
         while engine.has_unfinished_requests():
-            kept += [share for out in engine.step() for share in out.blocks_kept or ()]
+            start = time.process_time()
+            outputs = engine.step()
+            seconds.append(time.process_time() - start)
+            kept += [share for out in outputs for share in out.blocks_kept or ()]
     finally:
         engine.runner.logits_hook = None
     index = {request_id: i for i, request_id in enumerate(ids)}
     by_text = {(index[request_id], position): row for (request_id, position), row in rows.items()}
-    return by_text, kept
+    return ForcedPass(by_text, kept, 1000 * statistics.median(seconds))
 
 
 @dataclass
@@ -100,10 +109,16 @@ class FidelityStats:
     perplexity_dense: float
     perplexity_pruned: float
     blocks_kept: float  # mean share of (block, KV head) pairs the pruned engine read
+    step_ms: float  # median CPU time of a pruned step
+    dense_step_ms: float
 
     @property
     def perplexity_ratio(self) -> float:
         return self.perplexity_pruned / self.perplexity_dense
+
+    @property
+    def step_ratio(self) -> float:
+        return self.step_ms / self.dense_step_ms
 
 
 def teacher_forced(
@@ -112,7 +127,7 @@ def teacher_forced(
     context: int,
     steps: int,
     pruning: PruningConfig,
-    dense: LogProbs | None = None,
+    dense: ForcedPass | None = None,
     selector: BlockSelector | None = None,
 ) -> FidelityStats:
     """Dense against pruned attention on the same forced continuations, in one engine (built
@@ -122,12 +137,12 @@ def teacher_forced(
     engine = llm.engine
     if dense is None:
         engine.set_pruning(None)
-        dense, _ = forced_log_probs(llm, texts, context, steps)
+        dense = forced_log_probs(llm, texts, context, steps)
     engine.set_pruning(pruning, selector)
-    pruned, kept = forced_log_probs(llm, texts, context, steps)
+    pruned = forced_log_probs(llm, texts, context, steps)
     kl, agree, nll_dense, nll_pruned = [], [], [], []
-    for key, p_dense in dense.items():
-        p_pruned = pruned[key]
+    for key, p_dense in dense.log_probs.items():
+        p_pruned = pruned.log_probs[key]
         truth = texts[key[0]][key[1]]
         kl.append(torch.sum(p_dense.exp() * (p_dense - p_pruned)).item())
         agree.append(int(p_dense.argmax() == p_pruned.argmax()))
@@ -142,7 +157,9 @@ def teacher_forced(
         top1_agreement=statistics.fmean(agree),
         perplexity_dense=math.exp(statistics.fmean(nll_dense)),
         perplexity_pruned=math.exp(statistics.fmean(nll_pruned)),
-        blocks_kept=statistics.fmean(kept) if kept else 1.0,
+        blocks_kept=statistics.fmean(pruned.blocks_kept) if pruned.blocks_kept else 1.0,
+        step_ms=pruned.step_ms,
+        dense_step_ms=dense.step_ms,
     )
 
 

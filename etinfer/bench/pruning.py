@@ -173,7 +173,7 @@ def fidelity_rows(
         stride = (len(corpus) - context - steps) // batch
         texts = [corpus[i * stride : i * stride + context + steps] for i in range(batch)]
         llm.engine.set_pruning(None)
-        dense, _ = forced_log_probs(llm, texts, context, steps)
+        dense = forced_log_probs(llm, texts, context, steps)
         runs = [(name, config, None) for name, config in configs.items()]
         if oracle:
             cache = llm.engine.runner.cache
@@ -191,12 +191,14 @@ def fidelity_rows(
                     "context": context,
                     **asdict(stats),
                     "perplexity_ratio": stats.perplexity_ratio,
+                    "step_ratio": stats.step_ratio,
                 }
             )
             print(
                 f"  fidelity batch {batch} {name}: KL mean {stats.kl_mean:.4f} "
                 f"p99 {stats.kl_p99:.4f}, top-1 {stats.top1_agreement:.4f}, "
-                f"ppl ratio {stats.perplexity_ratio:.4f}, {100 * stats.blocks_kept:.0f} % blocks",
+                f"ppl ratio {stats.perplexity_ratio:.4f}, {100 * stats.blocks_kept:.0f} % blocks, "
+                f"step {stats.step_ms:.1f} ms against dense {stats.dense_step_ms:.1f} ms",
                 flush=True,
             )
     return rows
@@ -237,7 +239,7 @@ def dense_layer_sweep(llm: LLM, corpus: list[int], context: int, steps: int, opt
     rows = []
     texts = [corpus[: context + steps]]
     llm.engine.set_pruning(None)
-    dense, _ = forced_log_probs(llm, texts, context, steps)
+    dense = forced_log_probs(llm, texts, context, steps)
     for n in options:
         stats = teacher_forced(
             llm, texts, context, steps, replace(CONFIGS["bound"], dense_layers=n), dense
