@@ -214,7 +214,7 @@ def test_dropped_mass_bound_holds_and_certifies():
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]), 5)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
     attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
-    telemetry = PruningTelemetry.empty(1, visible_blocks(blocks, KV_HEADS))
+    telemetry = PruningTelemetry.empty(1, blocks, visible_blocks(blocks, KV_HEADS))
     last = last_slots(tables, lengths)
     keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
     visible = visible_blocks(blocks, KV_HEADS)

@@ -68,28 +68,18 @@ class SchedulingConfig:
     # Aging is (age / horizon) ** aging_power, the age counted in scheduler steps, not seconds:
     # what a wait costs is relative to how fast the engine works, so one default fits a busy CPU
     # and a GPU alike. Convex, so a request that has waited long is overtaken by ever fewer later
-    # arrivals (FCFS among the long waiters keeps the longest queue time near FCFS's), while
-    # fresh arrivals are ordered by the other terms.
+    # arrivals, while fresh arrivals are ordered by the other terms.
     # The horizon follows the backlog: `aging_backlog` times the decode steps the requests in
     # the engine still need per running sequence (how long FCFS would make a new arrival wait,
-    # whatever the order), clipped to [aging_steps_min, aging_steps]. A deep queue lets short
-    # requests overtake within the wait FCFS would impose anyway; as it drains, the horizon
-    # shrinks and the long waiters go first, FCFS-like, which also keeps the batch full of long
-    # requests at the end instead of leaving them to finish last in a thin one. 0 keeps the
-    # horizon at `aging_steps`. It never exceeds `aging_steps`, so the starvation bound holds.
-    # Simulated past saturation (8 seeds), against a fixed horizon of 150 steps: p99 latency
-    # 1.06x FCFS's instead of 1.13x, longest queue 0.95x instead of 1.23x, throughput 1.00x
-    # instead of 0.99x, for a mean of 0.86x instead of 0.84x.
-    # While fewer requests wait than run, the backlog is scaled by waiting / running: FCFS then
-    # admits a new arrival as soon as that many slots free up, long before the average running
-    # sequence finishes, and a horizon of the full backlog let a long request that arrived in
-    # a short burst be overtaken for two to three times FCFS's wait. Simulated (8 seeds) near
-    # capacity, where bursts form and drain (0.42-0.6 requests/s), the longest queue is 0.97-1.08x
-    # FCFS's instead of 1.11-1.27x (worst seed 1.58x instead of 2.33x), 0.97x instead of 1.01x at
-    # 0.38/s; past saturation mean 0.86x, p99 1.06x, longest queue 0.91x, throughput 1.00x;
-    # under KV pressure 0.87x, 1.01x, 0.98x, 1.01x. The floor no longer binds with 0.35 and 20
-    # (the horizon was at it on 1% of the steps with a queue: every value from 0 to 20 gives the
-    # same figures), so this takes both the scaling and the higher backlog factor.
+    # whatever the order), scaled by waiting / running while fewer wait than run (FCFS then
+    # admits as soon as that many slots free up), clipped to [aging_steps_min, aging_steps]. In
+    # a deep queue short requests overtake within the wait FCFS would impose anyway; as it
+    # drains the long waiters go first, which also keeps the batch full of long requests at the
+    # end. 0 keeps the horizon at `aging_steps`, which bounds it, so the starvation bound holds.
+    # A fixed horizon cannot serve both ends: on the real engine, 100 steps left the longest
+    # queue at 2.94x FCFS's past saturation. Simulated (8 seeds): past saturation mean 0.86x,
+    # p99 1.06x, longest queue 0.91x, throughput 1.00x; near capacity (0.42-0.6 requests/s)
+    # longest queue 0.97-1.08x, against 1.11-1.27x without the waiting / running scaling.
     aging_steps: float = 150.0
     aging_steps_min: float = 10.0
     aging_backlog: float = 0.5
@@ -179,6 +169,11 @@ class SchedulingPolicy(ABC):
         return 0
 
 
+def tokens_left(seq: Schedulable) -> int:
+    """Output tokens the request may still generate (the policy plans for all of them)."""
+    return max(0, seq.params.max_tokens - seq.num_output_tokens)
+
+
 SCHEDULING_POLICIES: Registry[SchedulingPolicy] = Registry("scheduling policy")
 
 
@@ -239,7 +234,7 @@ class EntropyPolicy(SchedulingPolicy):
         c = self.config
         if c.aging_backlog == 0:
             return c.aging_steps
-        left = sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in (*running, *waiting))
+        left = sum(map(tokens_left, (*running, *waiting)))
         slots = max(1, len(running))
         backlog = left / slots * min(1.0, len(waiting) / slots)
         return min(max(c.aging_backlog * backlog, c.aging_steps_min), c.aging_steps)
@@ -271,7 +266,7 @@ class EntropyPolicy(SchedulingPolicy):
         reserve = 0
         for s in seqs:
             now_blocks = -(-s.num_tokens // block_size)
-            later = s.num_tokens + min(look, max(0, s.params.max_tokens - s.num_output_tokens))
+            later = s.num_tokens + min(look, tokens_left(s))
             reserve += -(-later // block_size) - now_blocks
         return reserve
 
@@ -302,7 +297,7 @@ class EntropyPolicy(SchedulingPolicy):
         return cost / (cost + self.config.cost_scale)
 
     def memory_term(self, seq: Schedulable) -> float:
-        remaining = max(0, seq.params.max_tokens - seq.num_output_tokens)
+        remaining = tokens_left(seq)
         token_steps = remaining * (seq.num_tokens + remaining / 2)
         return token_steps / (token_steps + self.config.memory_scale)
 

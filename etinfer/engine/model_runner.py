@@ -191,7 +191,7 @@ class ModelRunner:
             )
             if self.pruning is not None:
                 self._plan_budgets(decode_blocks, decoding)
-                telemetry = PruningTelemetry.empty(self.config.num_layers, visible)
+                telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
             dense = build_decode_pattern(
                 decode_blocks,
                 visible,

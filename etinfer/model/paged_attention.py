@@ -90,16 +90,21 @@ class PruningTelemetry:
     """Per layer and decode sequence, what attention kept; filled in as layers run."""
 
     in_context: torch.Tensor  # [seqs, kv_heads, blocks] blocks in context (and window)
+    log_tokens: torch.Tensor  # [seqs, blocks] log of each block's tokens in context
     kept: torch.Tensor  # [layers, seqs] (block, KV head) pairs attended to
     total: torch.Tensor  # [layers, seqs] (block, KV head) pairs in context
     # [layers, seqs] upper bound of the softmax mass the dropped blocks carried (max over heads)
     dropped_mass: torch.Tensor
 
     @classmethod
-    def empty(cls, layers: int, in_context: torch.Tensor) -> PruningTelemetry:
-        """Before the step; ``in_context`` is what dense attention reads (built once per step)."""
+    def empty(cls, layers: int, blocks: DecodeBlocks, in_context: torch.Tensor) -> PruningTelemetry:
+        """Before the step; ``in_context`` is what dense attention reads. What every layer's
+        record shares is built here, once per step."""
+        positions = torch.arange(blocks.block_tables.shape[1], device=in_context.device)
+        tokens = blocks.context_lens[:, None] - positions * blocks.block_size
+        log_tokens = tokens.clamp(0, blocks.block_size).log()
         total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
-        return cls(in_context, torch.zeros_like(total), total, torch.zeros_like(total))
+        return cls(in_context, log_tokens, torch.zeros_like(total), total, torch.zeros_like(total))
 
 
 @dataclass
@@ -336,12 +341,12 @@ class PagedAttention:
             include_last_offset=True,
         )
         if meta.telemetry is not None:
-            self._record(layer, blocks, selection, visible, row_max, denominators, meta.telemetry)
+            self._record(layer, selection, visible, row_max, denominators, meta.telemetry)
         if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
             self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
         return out.div_(denominators[:, None]).view(q.shape)
 
-    def _record(self, layer, blocks, selection, visible, row_max, denominators, telemetry) -> None:
+    def _record(self, layer, selection, visible, row_max, denominators, telemetry) -> None:
         """Blocks kept, and an upper bound of the attention mass the dropped blocks carried.
 
         With ``D`` the dropped blocks' true softmax numerator sum and ``K`` the kept one (exact),
@@ -354,13 +359,10 @@ class PagedAttention:
             return
         telemetry.kept[layer] = visible.sum((1, 2))
         dropped = telemetry.in_context & ~visible  # [seqs, kv_heads, blocks]
-        positions = torch.arange(blocks.block_tables.shape[1], device=visible.device)
-        tokens = blocks.context_lens[:, None] - positions * blocks.block_size
-        log_tokens = tokens.clamp(0, blocks.block_size).log()  # [seqs, blocks]
         seqs, kv_heads, group, _ = selection.bounds.shape
         # One fresh tensor, updated in place: the terms are small but there are many layers.
         relative = selection.bounds * self.scale
-        relative += log_tokens[:, None, None, :]
+        relative += telemetry.log_tokens[:, None, None, :]
         relative -= row_max.view(seqs, kv_heads, group, 1)
         relative.masked_fill_(~dropped[:, :, None, :], -torch.inf)
         log_kept = denominators.log().view(seqs, kv_heads, group)
