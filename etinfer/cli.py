@@ -83,12 +83,14 @@ def generate(args: argparse.Namespace) -> int:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     if len(prompts) == 1:
         start = time.perf_counter()
-        shown = 0
-        out = None
-        for out in llm.stream(prompts[0], params):
-            print(out.text[shown:], end="", flush=True)
-            shown = len(out.text)
-        print("\n" + entropy_summary(out, time.perf_counter() - start))
+        whole = None
+        for delta in llm.stream(prompts[0], params, delta=True):
+            print(delta.text, end="", flush=True)
+            if whole is None:
+                whole = RequestOutput.accumulating(delta)
+            else:
+                whole.merge(delta)
+        print("\n" + entropy_summary(whole, time.perf_counter() - start))
         return 0
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)

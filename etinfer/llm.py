@@ -101,10 +101,13 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, *, delta: bool = False
     ) -> Iterator[RequestOutput]:
-        """Yield a growing output after each step that extends it, the last one finished."""
-        request_id = self._submit(prompt, params, stream=True)
+        """Yield an output after each step that extends the request, the last one finished: the
+        whole output so far (a snapshot, whose cost grows with its length), or with ``delta``
+        only what the step added (constant cost per step; ``RequestOutput.merge`` adds deltas
+        up)."""
+        request_id = self._submit(prompt, params, stream=True, delta=delta)
         buffer = self._outputs[request_id]
         try:
             while True:

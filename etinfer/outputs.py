@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -64,6 +65,36 @@ class RequestOutput:
     # upper bound of the attention mass it dropped.
     blocks_kept: list[float] | None = None
     dropped_mass: list[float] | None = None
+    # A delta (streamed with delta=True) carries only what its step added: the per-token lists
+    # and the text cover the new tokens, everything else is the request's state now.
+    delta: bool = False
+
+    @classmethod
+    def accumulating(cls, first: RequestOutput) -> RequestOutput:
+        """A whole output to ``merge`` deltas into, starting from the first delta (whose lists
+        it takes over: they are the stream's, and nothing else holds them)."""
+        return dataclasses.replace(first, delta=False)
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Extend this output, in place, by a later delta of the same request (the accumulation
+        costs what the delta carries, not what this output already holds)."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.entropies += delta.entropies
+        self.tempered_entropies += delta.tempered_entropies
+        self.temperatures += delta.temperatures
+        if self.logprobs is not None:
+            self.logprobs += delta.logprobs
+        if delta.blocks_kept:
+            if self.blocks_kept is None:
+                self.blocks_kept, self.dropped_mass = [], []
+            self.blocks_kept += delta.blocks_kept
+            self.dropped_mass += delta.dropped_mass
+        self.finish_reason = delta.finish_reason
+        self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_preemptions = delta.num_preemptions
+        self.entropic_time = delta.entropic_time
 
     @property
     def collapse_rate(self) -> float:

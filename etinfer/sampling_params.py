@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from etinfer.control.entropy import ESTIMATORS
+from etinfer.control.temperature import ENTROPY_CONTROLS
 from etinfer.validation import check_choice, check_float, check_int
 
 # OpenAI's limit for top_logprobs; vLLM uses the same default cap.
 MAX_LOGPROBS = 20
-ENTROPY_CONTROLS = ("feedback", "lagged", "exact")
 # Feedback gain per nat of entropy error. The loop gain is this times the varentropy V at the
 # operating point; on SmolLM2-135M at 2 nats V is mostly 2-6 nats^2 (etinfer bench sampling),
 # so 0.25 keeps gain * V inside the stable range (0, 2) for nearly every step.
@@ -135,7 +134,8 @@ class SamplingParams:
 
     @property
     def controller(self) -> str:
-        """How this request's temperature is set each step."""
+        """The temperature law that sets this request's temperature each step (by its name in
+        ``etinfer.control.temperature.TEMPERATURE_LAWS``)."""
         if self.entropy_target is not None:
             return self.entropy_control
         if self.mirostat_tau is not None:
@@ -143,11 +143,3 @@ class SamplingParams:
         if self.edt_theta is not None:
             return "edt"
         return "fixed"
-
-    def initial_control_state(self) -> float | None:
-        """The controller's state before the first token: log T, or Mirostat's mu = 2 tau."""
-        if self.controller in ENTROPY_CONTROLS:
-            return math.log(min(max(self.temperature, self.temperature_min), self.temperature_max))
-        if self.controller == "mirostat":
-            return 2 * self.mirostat_tau
-        return None

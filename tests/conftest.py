@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,6 +27,45 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def loaded_model() -> LoadedModel:
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(loaded_model: LoadedModel) -> LoadedModel:
+    """Random weights of a two-layer model with the real tokenizer and vocabulary: for tests of
+    mechanics that need thousands of steps, never of what a model says."""
+    config = dataclasses.replace(
+        loaded_model.config,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    generator = torch.Generator().manual_seed(0)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.2
+
+    hidden, inner, kv = config.hidden_size, config.intermediate_size, 2 * 16
+    weights = {
+        "model.embed_tokens.weight": random(config.vocab_size, hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        weights |= {
+            prefix + "input_layernorm.weight": torch.ones(hidden),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+            prefix + "self_attn.q_proj.weight": random(hidden, hidden),
+            prefix + "self_attn.k_proj.weight": random(kv, hidden),
+            prefix + "self_attn.v_proj.weight": random(kv, hidden),
+            prefix + "self_attn.o_proj.weight": random(hidden, hidden),
+            prefix + "mlp.gate_proj.weight": random(inner, hidden),
+            prefix + "mlp.up_proj.weight": random(inner, hidden),
+            prefix + "mlp.down_proj.weight": random(hidden, inner),
+        }
+    return LoadedModel(loaded_model.path, config, weights, loaded_model.tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from etinfer.control.block_selection import BlockSelector, DecodeBlocks, DenseSelector, Selection
+from etinfer.control.block_selection import BlockSelector, DenseSelector
+from etinfer.model.block_layout import DecodeBlocks, Selection
+from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.kv_cache import KVCache
 from etinfer.model.paged_attention import (
     AttentionMetadata,
-    KVCache,
     PagedAttention,
     PrefillChunk,
-    build_decode_pattern,
     prefill_mask,
-    visible_blocks,
 )
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4

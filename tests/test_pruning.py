@@ -10,22 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etinfer.control.block_selection import (
-    BlockSummaries,
-    DecodeBlocks,
     EntropicSelector,
     PruningConfig,
     block_budget,
     key_bound_scores,
     plan_budget,
 )
-from etinfer.model.paged_attention import (
-    AttentionMetadata,
-    KVCache,
-    PagedAttention,
-    PruningTelemetry,
-    build_decode_pattern,
-    visible_blocks,
-)
+from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
+from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.kv_cache import KVCache
+from etinfer.model.paged_attention import AttentionMetadata, PagedAttention, PruningTelemetry
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 GROUP = HEADS // KV_HEADS

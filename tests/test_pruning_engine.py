@@ -68,12 +68,14 @@ def test_switching_pruning_needs_an_engine_built_with_it(llm):
 
 def test_telemetry_reports_a_dropped_mass_bound_per_token(make_llm, texts):
     pruned = make_llm(control=ControlConfig(pruning=PruningConfig(**EAGER)))
-    out = pruned.generate([texts[0][:CONTEXT]], GREEDY)[0]
+    steps = []
+    with pruned.engine.observing(steps.append):
+        out = pruned.generate([texts[0][:CONTEXT]], GREEDY)[0]
     # The first token comes from the prefill; each later one from a pruned decode step.
     assert len(out.blocks_kept) == len(out.dropped_mass) == len(out.token_ids) - 1
     assert all(0 < share < 1 for share in out.blocks_kept)
     assert all(0 <= mass <= 1 for mass in out.dropped_mass)
-    attention = pruned.engine.last_attention
+    attention = steps[-1].attention
     for kept, total in zip(attention.kept, attention.total, strict=True):
         assert all(k <= t for k, t in zip(kept, total, strict=True))
     assert attention.kept[0] == attention.total[0]  # the first layer stays dense

@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etinfer.control.entropy import entropy
-from etinfer.engine.sampler import Sampler, SamplingBatch, apply_filters
+from etinfer.control.temperature import temperature_law
+from etinfer.engine.sampler import Sampler
+from etinfer.engine.sampling_batch import SamplingBatch, apply_filters
 from etinfer.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -14,7 +16,7 @@ VOCAB = 50
 
 def batch(params, generators=None):
     generators = generators or [None] * len(params)
-    states = [p.initial_control_state() for p in params]
+    states = [temperature_law(p).initial_state(p) for p in params]
     return SamplingBatch.build(params, states, generators, VOCAB, torch.device("cpu"))
 
 
@@ -213,7 +215,11 @@ def test_a_near_certain_step_stays_finite_under_every_sampler(settings_):
     out = sampler()(
         z,
         SamplingBatch.build(
-            [params], [params.initial_control_state()], [None], VOCAB, torch.device("cpu")
+            [params],
+            [temperature_law(params).initial_state(params)],
+            [None],
+            VOCAB,
+            torch.device("cpu"),
         ),
     )
     assert out.token_ids == [3]

@@ -48,7 +48,7 @@ def test_token_budget_splits_long_prompts_into_chunks():
     scheduler.add(seq)
     chunks = []
     while seq.num_computed_tokens < 25:
-        batch = scheduler.schedule()
+        batch = scheduler.schedule(scheduler.control_record())
         chunks.append(batch.num_tokens[0])
         run_step(scheduler, batch)
     assert chunks == [10, 10, 5]
@@ -59,10 +59,10 @@ def test_decode_rows_come_first_and_budget_is_shared():
     scheduler = make_scheduler(budget=8)
     a = make_seq(3)
     scheduler.add(a)
-    run_step(scheduler, scheduler.schedule())  # a is now decoding
+    run_step(scheduler, scheduler.schedule(scheduler.control_record()))  # a is now decoding
     b = make_seq(20)
     scheduler.add(b)
-    batch = scheduler.schedule()
+    batch = scheduler.schedule(scheduler.control_record())
     assert batch.seqs == [a, b]
     assert batch.num_tokens == [1, 7]
     assert batch.num_decode == 1
@@ -73,7 +73,7 @@ def test_max_num_seqs_caps_running_sequences():
     seqs = [make_seq(2) for _ in range(3)]
     for seq in seqs:
         scheduler.add(seq)
-    batch = scheduler.schedule()
+    batch = scheduler.schedule(scheduler.control_record())
     assert batch.seqs == seqs[:2]
     assert scheduler.waiting == [seqs[2]]
 
@@ -84,10 +84,14 @@ def test_preemption_takes_the_newest_and_keeps_its_place():
     old, new = make_seq(8), make_seq(8, start_token=500)
     scheduler.add(old)
     scheduler.add(new)
-    run_step(scheduler, scheduler.schedule())  # both hold 2 full blocks, no room left
+    run_step(
+        scheduler, scheduler.schedule(scheduler.control_record())
+    )  # both hold 2 full blocks, no room left
     late = make_seq(3, start_token=900)
     scheduler.add(late)
-    batch = scheduler.schedule()  # old's 9th token needs a third block: the newest one goes
+    batch = scheduler.schedule(
+        scheduler.control_record()
+    )  # old's 9th token needs a third block: the newest one goes
     assert batch.preempted == [new]
     assert batch.seqs == [old]
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
@@ -101,8 +105,8 @@ def test_a_lone_sequence_that_outgrows_the_pool_preempts_itself():
     scheduler = make_scheduler(num_blocks=2, budget=64)
     seq = make_seq(8)
     scheduler.add(seq)
-    run_step(scheduler, scheduler.schedule())
-    batch = scheduler.schedule()
+    run_step(scheduler, scheduler.schedule(scheduler.control_record()))
+    batch = scheduler.schedule(scheduler.control_record())
     assert batch.seqs == [] and batch.preempted == [seq]
 
 
@@ -111,7 +115,7 @@ def test_waiting_requests_are_not_admitted_when_blocks_are_short():
     first, second = make_seq(8), make_seq(8, start_token=300)
     scheduler.add(first)
     scheduler.add(second)
-    batch = scheduler.schedule()
+    batch = scheduler.schedule(scheduler.control_record())
     assert batch.seqs == [first]  # first holds 3 blocks (9 slots for 8 tokens + 1)
     assert scheduler.waiting == [second]
 
@@ -121,11 +125,11 @@ def run_twice(prompt_len):
     scheduler = make_scheduler()
     first = make_seq(prompt_len)
     scheduler.add(first)
-    run_step(scheduler, scheduler.schedule())
+    run_step(scheduler, scheduler.schedule(scheduler.control_record()))
     scheduler.finish(first)
     again = make_seq(prompt_len)
     scheduler.add(again)
-    return scheduler, again, scheduler.schedule()
+    return scheduler, again, scheduler.schedule(scheduler.control_record())
 
 
 def test_prefix_cache_hit_skips_computed_blocks():
@@ -147,7 +151,7 @@ def test_finish_frees_blocks_from_either_queue():
     running, waiting = make_seq(5), make_seq(5)
     scheduler.add(running)
     scheduler.add(waiting)
-    scheduler.schedule()
+    scheduler.schedule(scheduler.control_record())
     scheduler.finish(waiting)
     scheduler.finish(running)
     assert not scheduler.has_unfinished()

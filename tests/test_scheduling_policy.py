@@ -12,6 +12,7 @@ from etinfer.bench import workload
 from etinfer.bench.scheduling_sim import StepCost, simulate
 from etinfer.bench.serving import summarize
 from etinfer.config import ControlConfig, EngineConfig
+from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import EntropyPolicy, FCFSPolicy, SchedulingConfig
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -64,6 +65,13 @@ def decoding(seq: Sequence, generated: int) -> Sequence:
     return seq
 
 
+def seen(policy, *seqs, step: int = 0):
+    """``policy`` at the start of step ``step`` with ``seqs`` waiting: the step's control record
+    carries their entropy as their profiles hold it now."""
+    policy.begin_step(ControlRecord.build(step, (), seqs))
+    return policy
+
+
 def only(term: str, clock: Clock | None = None, **overrides) -> EntropyPolicy:
     """A policy whose priority is one term (urgency cannot be off: it keeps a tiny weight)."""
     weights = {"alpha": 0.0, "beta": 0.0, "gamma": 0.0, "delta": 1e-9} | {term: 1.0}
@@ -79,7 +87,7 @@ def test_higher_expected_entropy_reduction_goes_first():
         settled.profile.update(h)
     for h in (3.0, 1.5, 3.0, 1.0):  # large ones
         unsettled.profile.update(h)
-    policy = only("alpha")
+    policy = seen(only("alpha"), settled, unsettled)
     assert policy.order([settled, unsettled]) == [unsettled, settled]
 
 
@@ -87,19 +95,37 @@ def test_a_new_sequence_starts_from_the_prior_and_measurements_replace_it():
     config = SchedulingConfig(entropy_prior=0.8, entropy_cap=2.0)
     policy = EntropyPolicy(config)
     seq = make_seq()
-    assert policy.entropy_term(seq) == pytest.approx(0.4)
+    assert seen(policy, seq).entropy_term(seq) == pytest.approx(0.4)
     seq.profile.update(1.0)  # a first entropy measures no reduction yet
-    assert policy.entropy_term(seq) == pytest.approx(0.4)
+    assert seen(policy, seq).entropy_term(seq) == pytest.approx(0.4)
     for _ in range(60):  # a steady reduction of 1.2 nats per step
         seq.profile.update(2.2)
         seq.profile.update(1.0)
-    assert policy.entropy_term(seq) == pytest.approx(1 / 3, abs=0.01)  # EMA of ...0, 1.2: 2/3
+    # EMA of ...0, 1.2: 2/3
+    assert seen(policy, seq).entropy_term(seq) == pytest.approx(1 / 3, abs=0.01)
+
+
+def test_the_policy_reads_entropy_from_the_record_not_the_sequence():
+    """What a step's laws decide follows the record built at its start: a measurement that
+    lands later in the step is read the next step."""
+    policy = only("alpha")
+    steady, dropping = make_seq(), make_seq()
+    for h in (3.0, 2.9, 2.8):
+        steady.profile.update(h)
+        dropping.profile.update(h)
+    seen(policy, steady, dropping)
+    for h in (0.5, 3.0, 0.5):
+        dropping.profile.update(h)  # large reductions, after the record was built
+    assert policy.entropy_term(dropping) == policy.entropy_term(steady)
+    seen(policy, steady, dropping)
+    assert policy.order([steady, dropping]) == [dropping, steady]
 
 
 def test_cheaper_next_step_goes_first():
     policy = only("beta")
     long_prompt, short_prompt = make_seq(prompt_len=900), make_seq(prompt_len=30)
     decode = decoding(make_seq(prompt_len=900), 5)
+    seen(policy, long_prompt, short_prompt, decode)
     assert policy.order([long_prompt, short_prompt, decode]) == [decode, short_prompt, long_prompt]
 
 
@@ -108,6 +134,7 @@ def test_pruning_discounts_the_attention_of_a_decode_step():
     dense, pruned = decoding(make_seq(4000), 3), decoding(make_seq(4000), 3)
     pruned.blocks_kept = [0.9, 0.25]  # the latest step counts
     assert policy.cost_term(pruned) < policy.cost_term(dense)
+    seen(policy, dense, pruned)
     assert policy.order([dense, pruned]) == [pruned, dense]
 
 
@@ -122,19 +149,21 @@ def test_less_remaining_memory_time_goes_first():
     fresh_short, fresh_long = make_seq(max_tokens=50), make_seq(max_tokens=500)
     small_context = decoding(make_seq(prompt_len=10, max_tokens=100), 50)
     big_context = decoding(make_seq(prompt_len=900, max_tokens=100), 50)
+    seen(policy, fresh_long, big_context, small_context, fresh_short, nearly_done)
     order = policy.order([fresh_long, big_context, small_context, fresh_short, nearly_done])
     assert order == [nearly_done, fresh_short, small_context, big_context, fresh_long]
 
 
 def test_longer_wait_lower_priority_value_and_tighter_slo_go_first():
     clock = Clock()
-    policy = only("delta", clock)
-    clock.now, policy.step = 10.0, 100  # ages count steps; SLOs count seconds
+    policy = only("delta", clock, aging_backlog=0.0)  # aging on a fixed horizon of 150 steps
+    clock.now = 10.0  # ages count steps; SLOs count seconds
     old, new = make_seq(arrival_step=10), make_seq(arrival_step=90)
-    assert policy.order([new, old]) == [old, new]
     urgent, relaxed = make_seq(arrival=5.0, slo=10.0), make_seq(arrival=5.0)
-    assert policy.order([relaxed, urgent]) == [urgent, relaxed]
     important, ordinary = make_seq(arrival_step=90, priority=-1), make_seq(arrival_step=10)
+    seen(policy, old, new, urgent, relaxed, important, ordinary, step=100)
+    assert policy.order([new, old]) == [old, new]
+    assert policy.order([relaxed, urgent]) == [urgent, relaxed]
     assert policy.order([ordinary, important]) == [important, ordinary]
 
 
@@ -168,9 +197,9 @@ def test_aging_horizon_follows_the_backlog_within_its_bounds():
 def test_a_shorter_horizon_ages_the_same_wait_faster():
     policy = only("delta", aging_backlog=1.0, aging_steps_min=10, aging_steps=1000)
     old = make_seq(arrival_step=0)
-    policy.begin_step(40, *running_and_waiting([200] * 4, 2))  # horizon 400
+    policy.begin_step(ControlRecord.build(40, *running_and_waiting([200] * 4, 2)))  # horizon 400
     deep = policy.urgency_term(old, 0.0)
-    policy.begin_step(40, *running_and_waiting([10] * 4, 2))  # horizon 20
+    policy.begin_step(ControlRecord.build(40, *running_and_waiting([10] * 4, 2)))  # horizon 20
     assert policy.step == 40 and policy.horizon == 20
     assert policy.urgency_term(old, 0.0) == pytest.approx((40 / 20) ** 3)
     assert deep == pytest.approx((40 / 400) ** 3)
@@ -189,6 +218,7 @@ def test_every_term_but_aging_is_bounded():
     huge = decoding(make_seq(prompt_len=8000, max_tokens=10**6), 1)
     huge.profile.update(50.0)
     huge.profile.update(0.0)
+    seen(policy, huge)
     for term in (policy.entropy_term, policy.cost_term, policy.memory_term):
         assert 0.0 <= term(huge) <= 1.0
 
@@ -198,6 +228,7 @@ def test_a_preempted_request_keeps_its_place():
     policy = EntropyPolicy(clock=clock)
     seq = decoding(make_seq(prompt_len=300, max_tokens=200), 40)
     clock.now = 3.0
+    seen(policy, seq)
     before = policy.priority(seq, clock.now)
     seq.num_computed_tokens = 0  # preempted: its KV is gone, its recompute still to come
     assert policy.priority(seq, clock.now) == pytest.approx(before)
@@ -243,6 +274,10 @@ def make_scheduler(policy, num_blocks=64, max_num_seqs=8, budget=64):
     return Scheduler(kv, policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
 
 
+def schedule(scheduler: Scheduler) -> ScheduledBatch:
+    return scheduler.schedule(scheduler.control_record())
+
+
 def run_step(scheduler: Scheduler, batch) -> None:
     """What the engine does after the model ran: computed tokens advance, a finished prompt
     gets a token, a sequence at max_tokens finishes."""
@@ -265,13 +300,13 @@ def test_scheduler_preempts_the_least_computed_work_and_counts_the_recompute():
     new = make_seq(prompt_len=16, max_tokens=2, arrival=1.0)
     scheduler.add(old)
     scheduler.add(new)
-    run_step(scheduler, scheduler.schedule())  # old holds 1 block, new 4: the pool is full
+    run_step(scheduler, schedule(scheduler))  # old holds 1 block, new 4: the pool is full
     assert FCFSPolicy().victim([old, new]) is new
-    batch = scheduler.schedule()
+    batch = schedule(scheduler)
     assert batch.preempted == [old] and batch.seqs == [new]
     assert old.status is SequenceStatus.WAITING and old.num_preemptions == 1
     run_step(scheduler, batch)  # new finishes and frees its blocks
-    batch = scheduler.schedule()
+    batch = schedule(scheduler)
     assert batch.seqs == [old] and batch.num_tokens == [5]  # its prompt again, and its token
     assert scheduler.num_recomputed_tokens == 4
 
@@ -285,11 +320,11 @@ def test_admission_keeps_blocks_for_the_running_sequences_to_grow_into():
         scheduler = make_scheduler(policy, num_blocks=8)
         running = make_seq(prompt_len=7, max_tokens=40)
         scheduler.add(running)
-        run_step(scheduler, scheduler.schedule())  # 8 tokens in 2 blocks
+        run_step(scheduler, schedule(scheduler))  # 8 tokens in 2 blocks
         assert policy.growth_reserve([running], BLOCK) == (4 if admitted is False else 0)
         waiting = make_seq(prompt_len=10)
         scheduler.add(waiting)
-        batch = scheduler.schedule()
+        batch = schedule(scheduler)
         assert (waiting in batch.seqs) is admitted
         assert not batch.preempted
 
@@ -299,10 +334,10 @@ def test_steps_since_admitted_counts_scheduled_steps_and_resets_on_admission():
     seq = make_seq(prompt_len=4, max_tokens=10)
     scheduler.add(seq)
     for _ in range(3):
-        run_step(scheduler, scheduler.schedule())
+        run_step(scheduler, schedule(scheduler))
     assert seq.steps_since_admitted == 3
     scheduler._preempt(seq, ScheduledBatch())
-    scheduler.schedule()
+    schedule(scheduler)
     assert seq.steps_since_admitted == 1
 
 
@@ -318,7 +353,7 @@ def adversarial_run(config: SchedulingConfig, steps: int) -> tuple[Sequence, int
     scheduler.add(victim)
     for _ in range(steps):
         scheduler.add(make_seq(prompt_len=4, max_tokens=3, priority=-1))
-        batch = scheduler.schedule()
+        batch = schedule(scheduler)
         if victim in batch.seqs:
             return victim, scheduler.num_steps
         run_step(scheduler, batch)

@@ -25,8 +25,8 @@ from etinfer.bench.pruning import attention_work
 from etinfer.bench.serving import RequestRecord, warm_up
 from etinfer.config import ControlConfig
 from etinfer.engine.llm_engine import LLMEngine
-from etinfer.engine.model_runner import AttentionStats, StepResult
-from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.engine.model_runner import AttentionStats
+from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig
 from etinfer.model.loader import LoadedModel
@@ -43,7 +43,7 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 class StepMeter:
-    """Counts what each step computes, by wrapping the engine's model runner.
+    """Counts what each step computes, as an observer of the engine's steps.
 
     Model FLOPs: two per weight for every token computed, the LM head for every sampled row, and
     attention: causal over each prefill chunk, and over the (block, KV head) pairs each decode
@@ -63,25 +63,22 @@ class StepMeter:
         self.pairs_read = 0.0  # (block, KV head) pairs decode attention read, all layers
         self.pairs_in_context = 0.0
         self.pool_used: list[float] = []
-        self._execute = engine.runner.execute
-        engine.runner.execute = self._measured  # an instance attribute shadows the method
+        engine.add_observer(self)
 
-    def _measured(self, batch: ScheduledBatch) -> StepResult:
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        self.pool_used.append(1 - self.engine.kv.pool.num_free_blocks / self.engine.num_blocks)
-        result = self._execute(batch)
+    def __call__(self, step: StepRecord) -> None:
+        self.pool_used.append(1 - step.free_blocks / self.engine.num_blocks)
         self.steps += 1
-        self.tokens += sum(batch.num_tokens)
+        tokens = sum(step.num_tokens)
+        self.tokens += tokens
         c = self.config
-        self.model_flops += self.matmul_flops * sum(batch.num_tokens)
-        self.model_flops += 2 * c.hidden_size * c.vocab_size * len(result.sampled)  # LM head
-        decode = batch.num_decode
+        self.model_flops += self.matmul_flops * tokens
+        self.model_flops += 2 * c.hidden_size * c.vocab_size * len(step.sampled)  # LM head
+        decode = step.num_decode
         for i in range(decode):
-            self._decode_row(i, starts[i] + 1, result.attention)
-        for start, n in zip(starts[decode:], batch.num_tokens[decode:], strict=True):
+            self._decode_row(i, step.starts[i] + 1, step.attention)
+        for start, n in zip(step.starts[decode:], step.num_tokens[decode:], strict=True):
             keys = n * start + n * (n + 1) // 2  # each query attends to itself and all before
             self.model_flops += keys * c.num_heads * c.head_dim * 4 * c.num_layers
-        return result
 
     def _decode_row(self, i: int, context_len: int, stats: AttentionStats | None) -> None:
         """Decode row ``i``: the pairs in its context and those it read, from the pruning

@@ -28,13 +28,12 @@ import pydoc_data.topics
 import random
 import re
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from etinfer.control.block_selection import BlockSelector, PruningConfig
-from etinfer.engine.sequence import Sequence
+from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.sampling_params import SamplingParams
@@ -72,11 +71,14 @@ def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int)
     The token predicted by the prefill is left out: it is dense under any pruning. The steps
     are mostly decode steps, so their median time is a decode step's."""
     rows: dict[tuple[str, int], torch.Tensor] = {}
+    seconds: list[float] = []
 
-    def record(seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for seq, row in zip(seqs, logits.log_softmax(-1), strict=True):
-            if seq.num_tokens > seq.num_prompt_tokens:
-                rows[(seq.request_id, seq.num_tokens)] = row
+    def record(step: StepRecord) -> None:
+        seconds.append(step.cpu_time)
+        logprobs = step.logits.log_softmax(-1)
+        for i, position, row in zip(step.sampled, step.sampled_positions, logprobs, strict=True):
+            if position > context:  # the prefill's prediction is dense under any pruning
+                rows[(step.request_ids[i], position)] = row
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
@@ -84,16 +86,11 @@ def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int)
         engine.add_request(text[:context], params, forced_token_ids=text[context : context + steps])
         for text in texts
     ]
-    engine.runner.logits_hook = record
-    kept, seconds = [], []
-    try:
+    kept = []
+    with engine.observing(record, logits=True):
         while engine.has_unfinished_requests():
-            start = time.process_time()
             outputs = engine.step()
-            seconds.append(time.process_time() - start)
             kept += [share for out in outputs for share in out.blocks_kept or ()]
-    finally:
-        engine.runner.logits_hook = None
     index = {request_id: i for i, request_id in enumerate(ids)}
     by_text = {(index[request_id], position): row for (request_id, position), row in rows.items()}
     return ForcedPass(by_text, kept, 1000 * statistics.median(seconds))

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from etinfer.control.block_selection import (
-    BlockSummaries,
-    DecodeBlocks,
-    EntropicSelector,
-    PruningConfig,
-)
-from etinfer.model.paged_attention import KVCache
+from etinfer.control.block_selection import EntropicSelector, PruningConfig
+from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
+from etinfer.model.kv_cache import KVCache
 
 
 class OracleSelector(EntropicSelector):

@@ -36,6 +36,7 @@ from etinfer.bench.speed import context_prompts, decode_budget
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
 from etinfer.engine.model_runner import AttentionStats
+from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig
 from etinfer.sampling_params import SamplingParams
@@ -82,13 +83,14 @@ WARMUP = 10  # untimed pruned steps before timing a configuration
 
 
 def paired_step_ms(
-    llm: LLM, batch: int, context: int, steps: int, configs: dict[str, PruningConfig], clock
+    llm: LLM, batch: int, context: int, steps: int, configs: dict[str, PruningConfig], clock: str
 ) -> dict[str, dict]:
     """Decode step time, dense against each pruning configuration, on one prefilled batch.
 
     Steps alternate between dense and pruned, so both see the same contexts and the same
     moment of a noisy machine. Each configuration first runs ``WARMUP`` pruned steps untimed:
-    its budgets start from dense and shrink at the rate limit.
+    its budgets start from dense and shrink at the rate limit. ``clock``: ``cpu`` times a step
+    by this process's CPU time, ``wall`` by wall-clock time.
     """
     engine = llm.engine
     engine.set_pruning(None)
@@ -104,10 +106,15 @@ def paired_step_ms(
     else:
         raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
 
-    def timed() -> float:
-        start = clock()
-        engine.step()
-        return (clock() - start) * 1000
+    records: list[StepRecord] = []
+
+    def timed() -> StepRecord:
+        with engine.observing(records.append):
+            engine.step()
+        return records.pop()
+
+    def ms(record: StepRecord) -> float:
+        return 1000 * (record.cpu_time if clock == "cpu" else record.wall_time)
 
     results = {}
     for name, config in configs.items():
@@ -117,10 +124,11 @@ def paired_step_ms(
         dense_ms, pruned_ms, stats = [], [], []
         for _ in range(steps):
             engine.set_pruning(None)
-            dense_ms.append(timed())
+            dense_ms.append(ms(timed()))
             engine.set_pruning(config)
-            pruned_ms.append(timed())
-            stats.append(engine.last_attention)
+            pruned = timed()
+            pruned_ms.append(ms(pruned))
+            stats.append(pruned.attention)
         results[name] = {
             "dense_ms": statistics.median(dense_ms),
             "ms": statistics.median(pruned_ms),
@@ -133,7 +141,7 @@ def paired_step_ms(
 
 
 def speed_rows(
-    llm: LLM, configs: dict[str, PruningConfig], batches, contexts, steps: int, clock
+    llm: LLM, configs: dict[str, PruningConfig], batches, contexts, steps: int, clock: str
 ) -> list[dict]:
     rows = []
     model, block_size = llm.engine.model_config, llm.engine.block_size
@@ -324,9 +332,8 @@ def run(args: argparse.Namespace) -> dict:
     parts = set(args.parts)
     if "speed" in parts:
         print("decode step time, dense against pruned", flush=True)
-        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         report["speed"] = speed_rows(
-            llm, subset(args.speed_configs), args.batches, args.contexts, args.steps, clock
+            llm, subset(args.speed_configs), args.batches, args.contexts, args.steps, args.clock
         )
         save()
     if "fidelity" in parts:

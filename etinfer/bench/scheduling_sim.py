@@ -109,7 +109,7 @@ def simulate(
         if not scheduler.has_unfinished():
             clock.now = requests[pending].arrival_s
             continue
-        batch = scheduler.schedule()
+        batch = scheduler.schedule(scheduler.control_record())
         clock.now += cost(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n

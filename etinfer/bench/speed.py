@@ -19,13 +19,13 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from etinfer.bench.prompts import TOPICS
+from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
 
@@ -96,33 +96,21 @@ def decode_budget(batch: int, context: int, steps: int, chunk: int) -> int:
     return -(-batch * context // chunk) + batch + steps + 2
 
 
-def ours_decode_step_ms(
-    llm: LLM,
-    batch: int,
-    context: int,
-    steps: int,
-    on_step: Callable[[], None] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Median time of ``steps`` steps in which all ``batch`` sequences decode; ``on_step`` runs
-    after each of them (to read the engine's telemetry). ``clock`` may be ``time.process_time``
-    to count only this process's CPU time (with one torch thread, the step's own work)."""
+def ours_decode_step_ms(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Median wall time of ``steps`` steps in which all ``batch`` sequences decode."""
     engine = llm.engine
     budget = decode_budget(batch, context, steps, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     request_ids = [engine.add_request(p, params) for p in context_prompts(llm, batch, context)]
     times = []
-    while len(times) < steps:
-        running = engine.scheduler.running
-        decoding = len(running) == batch and all(
-            s.num_computed_tokens >= s.num_prompt_tokens for s in running
-        )
-        start = clock()
-        engine.step()
-        if decoding:
-            times.append(clock() - start)
-            if on_step is not None:
-                on_step()
+
+    def decode_step(step: StepRecord) -> None:
+        if step.num_decode == batch and not step.prefill_tokens:
+            times.append(step.wall_time)
+
+    with engine.observing(decode_step):
+        while len(times) < steps:
+            engine.step()
     for request_id in request_ids:
         engine.abort_request(request_id)
     return statistics.median(times) * 1000

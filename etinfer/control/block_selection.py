@@ -1,9 +1,11 @@
 """Which KV-cache blocks each decoding sequence attends to (the paper's meso scale, section 3.2).
 
-A selector sees one layer's decode queries and the paged layout of their contexts and answers
-with a mask of kept blocks per sequence and KV head, or ``None`` for all of them. The attention
-backend turns the answer into the set of cache slots it reads, so keeping fewer blocks makes
-attention compute less, not just mask more.
+A selector acts at two depths. Once per step (``plan_budgets``) it reads each decoding
+sequence's predictive entropy from the step's control record and decides how many blocks it
+keeps. In every layer (``select``, the model's ``AttentionSelector`` hook) it sees the layer's
+decode queries and the paged layout and answers with a mask of kept blocks per sequence and KV
+head, or ``None`` for all of them. The attention backend turns the answer into the cache slots
+it reads, so keeping fewer blocks makes attention compute less, not just mask more.
 
 The entropic selector ranks blocks by a cheap contribution score and keeps a budget that follows
 the sequence's entropy regime (low entropy: fewer blocks). The paper's score is
@@ -17,7 +19,7 @@ meant to save, so two proxies are offered:
   ``refresh_interval`` steps.
 
 Guards (DESIGN.md section 2, the paper's sections 3.2, 3.3 and 5), the first four applied
-where the engine plans each sequence's budget (``plan_budget``):
+where each sequence's budget is planned (``plan_budget``):
 
 - the entropy floor ``H_prune = max(H_upper, H_floor)``, where ``H_upper`` is the upper side of
   the estimate;
@@ -32,11 +34,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
+from etinfer.model.block_layout import BlockSummaries, DecodeBlocks, Selection
 from etinfer.validation import check_choice, check_float, check_int
 
 SCORERS = ("bound", "mass")
@@ -74,10 +79,11 @@ class PruningConfig:
 
 
 def block_budget(
-    entropy: float, num_blocks: int, previous: int | None, config: PruningConfig
+    predictive_entropy_upper: float, num_blocks: int, previous: int | None, config: PruningConfig
 ) -> int:
-    """How many blocks a sequence keeps this step, from its conservative entropy estimate."""
-    h = max(entropy, config.entropy_floor)
+    """How many blocks a sequence keeps this step, from the upper side of its predictive
+    entropy estimate (conservative: an underestimate would prune harder)."""
+    h = max(predictive_entropy_upper, config.entropy_floor)
     span = config.entropy_high - config.entropy_floor
     weight = min(1.0, (h - config.entropy_floor) / span)
     fraction = config.budget_low + (config.budget_high - config.budget_low) * weight
@@ -90,7 +96,7 @@ def block_budget(
 
 
 def plan_budget(
-    entropy: float | None,
+    predictive_entropy_upper: float | None,
     context_len: int,
     previous: int | None,
     refresh: bool,
@@ -102,48 +108,24 @@ def plan_budget(
     else its entropy's budget. A dense step counts as the previous budget, so the rate limit
     also holds where pruning starts."""
     in_context = -(-context_len // block_size)
-    if entropy is None or context_len < config.min_context or refresh:
+    if predictive_entropy_upper is None or context_len < config.min_context or refresh:
         return in_context
-    return block_budget(entropy, in_context, in_context if previous is None else previous, config)
-
-
-@dataclass
-class DecodeBlocks:
-    """The paged layout of the sequences decoding this step."""
-
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids (padding past the end)
-    context_lens: torch.Tensor  # [num_seqs] tokens in context, the current one included
-    block_size: int
-    # [num_seqs] blocks each sequence keeps this step (its whole context where it attends
-    # densely), or None when every sequence attends densely; and the largest budget, known on
-    # the host so that the selector's top-k needs no device sync.
-    budgets: torch.Tensor | None = None
-    max_budget: int = 0
-
-
-@dataclass
-class BlockSummaries:
-    """What a layer's cache keeps per block for scoring, indexed by block id."""
-
-    # [kv_heads, num_blocks, 2, head_dim]: per channel the largest and the smallest key. Kept
-    # together so that one gather and one matmul score every block.
-    key_bounds: torch.Tensor
-    mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
-
-
-@dataclass
-class Selection:
-    """A selector's answer for one layer."""
-
-    mask: torch.Tensor  # [seqs, kv_heads, max_blocks] blocks to attend to
-    # [seqs, kv_heads, group, max_blocks] upper bounds of q.k per block and query head, when the
-    # selector computed them (the backend turns them into a dropped-mass certificate)
-    bounds: torch.Tensor | None = None
+    previous = in_context if previous is None else previous
+    return block_budget(predictive_entropy_upper, in_context, previous, config)
 
 
 class BlockSelector(ABC):
+    """A decode-pruning layer: block budgets once per step, the blocks themselves per layer."""
+
     needs_summaries = False  # the cache keeps key bounds and masses per block for it
     observes_mass = False  # attention records each attended block's mass for it
+
+    def plan_budgets(
+        self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
+    ) -> list[int] | None:
+        """Per-step hook: how many blocks each decoding sequence keeps this step, from its
+        entry in the record; None when none prunes."""
+        return None
 
     @abstractmethod
     def select(
@@ -153,8 +135,8 @@ class BlockSelector(ABC):
         blocks: DecodeBlocks,
         summaries: BlockSummaries | None,
     ) -> Selection | None:
-        """The blocks to attend to (a :class:`Selection` whose mask is [num_seqs,
-        num_kv_heads, max_blocks]), or None to attend to every block. ``query`` is [num_seqs,
+        """Per-layer hook (``AttentionSelector``): the blocks to attend to, a mask of [num_seqs,
+        num_kv_heads, max_blocks], or None to attend to every block. ``query`` is [num_seqs,
         num_heads, head_dim]."""
 
 
@@ -174,6 +156,32 @@ class EntropicSelector(BlockSelector):
     def __init__(self, config: PruningConfig | None = None) -> None:
         self.config = config or PruningConfig()
         self.observes_mass = self.config.scorer == "mass"
+
+    def plan_budgets(
+        self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
+    ) -> list[int]:
+        """Dense where the sequence has no estimate yet or is recomputing its prompt after a
+        preemption (a one-token chunk of a prompt is prefill, not decode); with the mass
+        scorer, a dense refresh every ``refresh_interval`` generated tokens."""
+        config, budgets = self.config, []
+        for seq in decoding:
+            context = seq.num_computed_tokens + 1
+            decoding_token = context == seq.num_tokens
+            entry = record[seq]
+            refresh = config.scorer == "mass" and (
+                (seq.num_output_tokens - 1) % config.refresh_interval == 0
+            )
+            budgets.append(
+                plan_budget(
+                    entry.predictive_entropy_upper if decoding_token else None,
+                    context,
+                    entry.block_budget,
+                    refresh,
+                    config,
+                    block_size,
+                )
+            )
+        return budgets
 
     def select(self, layer, query, blocks, summaries) -> Selection | None:
         if layer < self.config.dense_layers or blocks.budgets is None:

@@ -2,7 +2,8 @@
 
 A policy only orders: the scheduler owns the mechanics (token budget, KV blocks, preemption by
 recompute) and asks the policy for an order and, when blocks run out, for a victim. Policies see
-sequences through the small protocol below, so they can be tested without an engine.
+sequences through the ``Controlled`` protocol and their entropy through the step's control
+record, so they can be tested without an engine.
 """
 
 from __future__ import annotations
@@ -11,36 +12,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from etinfer.control.entropy_profile import EntropyProfile
+from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
 from etinfer.validation import check_float, check_int
-
-
-class HasMaxTokens(Protocol):
-    max_tokens: int
-
-
-class Schedulable(Protocol):
-    arrival_time: float  # time.perf_counter() seconds
-    arrival_step: int  # the scheduler's step count when it arrived
-    arrival_index: int  # breaks ties between equal arrival times
-    num_computed_tokens: int  # tokens whose keys and values are in the cache
-    num_prompt_tokens: int
-    num_preemptions: int
-    steps_since_admitted: int  # steps scheduled since it last entered the running set
-    priority: int  # lower value first, as in vLLM
-    slo: float | None  # seconds from arrival within which the request wants to finish
-    params: HasMaxTokens
-    profile: EntropyProfile
-    blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -62,24 +37,20 @@ class SchedulingConfig:
     cost_scale: float = 512.0  # token-equivalents of compute at which the cost term is 1/2
     # KV token-steps still to be held at which the memory term is 1/2. Small, so that the term
     # saturates for long requests: short ones overtake, while medium and long ones are told apart
-    # more by age. Simulated (8 seeds), 4,096 against 65,536: mean latency 0.858x FCFS against
-    # 0.866x past saturation, 0.879x against 0.894x under KV pressure, at the same p99.
+    # more by age (the measurements behind each default are in BENCHMARKS.md, scheduling).
     memory_scale: float = 4096.0
     # Aging is (age / horizon) ** aging_power, the age counted in scheduler steps, not seconds:
     # what a wait costs is relative to how fast the engine works, so one default fits a busy CPU
     # and a GPU alike. Convex, so a request that has waited long is overtaken by ever fewer later
     # arrivals, while fresh arrivals are ordered by the other terms.
-    # The horizon follows the backlog: `aging_backlog` times the decode steps the requests in
-    # the engine still need per running sequence (how long FCFS would make a new arrival wait,
-    # whatever the order), scaled by waiting / running while fewer wait than run (FCFS then
-    # admits as soon as that many slots free up), clipped to [aging_steps_min, aging_steps]. In
-    # a deep queue short requests overtake within the wait FCFS would impose anyway; as it
-    # drains the long waiters go first, which also keeps the batch full of long requests at the
-    # end. 0 keeps the horizon at `aging_steps`, which bounds it, so the starvation bound holds.
-    # A fixed horizon cannot serve both ends: on the real engine, 100 steps left the longest
-    # queue at 2.94x FCFS's past saturation. Simulated (8 seeds): past saturation mean 0.86x,
-    # p99 1.06x, longest queue 0.91x, throughput 1.00x; near capacity (0.42-0.6 requests/s)
-    # longest queue 0.97-1.08x, against 1.11-1.27x without the waiting / running scaling.
+    # The horizon follows the backlog, because no fixed horizon serves both a deep queue and a
+    # draining one: it is `aging_backlog` times the decode steps the requests in the engine still
+    # need per running sequence (how long FCFS would make a new arrival wait, whatever the
+    # order), scaled by waiting / running while fewer wait than run (FCFS then admits as soon as
+    # that many slots free up), clipped to [aging_steps_min, aging_steps]. In a deep queue short
+    # requests overtake within the wait FCFS would impose anyway; as it drains, the long waiters
+    # go first, which also keeps the batch full of long requests at the end. `aging_steps`
+    # bounds the horizon, so the starvation bound holds; aging_backlog = 0 keeps it there.
     aging_steps: float = 150.0
     aging_steps_min: float = 10.0
     aging_backlog: float = 0.5
@@ -89,15 +60,13 @@ class SchedulingConfig:
     priority_weight: float = 16.0
     slo_cap: float = 2.0  # urgency from an SLO stops growing at this multiple of the SLO
     max_preemptions: int = 2  # a request preempted this often is preempted only as a last resort
-    # Hysteresis: a sequence that (re)entered the running set fewer steps ago than this is
-    # preempted only if every other candidate is protected too; and while blocks run out at zero
-    # free, admission stops while the free blocks would not cover the running sequences' next
-    # `admission_lookahead` tokens. On the real engine under KV pressure (80 blocks, the same
-    # trace replayed twice, both policies side by side), 16 tokens halved the preemptions (24
-    # against FCFS's 50) and met every target: mean latency 0.78x, p99 0.90x, longest queue
-    # 0.91x, throughput 1.03x; 4 tokens preempted 42 times and left the longest queue at 1.24x
-    # and throughput at 0.97x. The simulator, which prices a preemption's recompute lower than
-    # the engine pays it, preferred 4 (longest queue 1.01x against 1.19x): the engine decides.
+    # Hysteresis, so that a preemption's recompute is not thrown away again at once: a sequence
+    # that (re)entered the running set fewer than `min_run_steps` steps ago is preempted only if
+    # every other candidate is protected too; and while blocks run out at zero free, admission
+    # stops while the free blocks would not cover the running sequences' next
+    # `admission_lookahead` tokens. 16 tokens, rather than fewer, because a preemption costs the
+    # real engine a whole recompute: on it, 16 halved the preemptions under KV pressure where 4
+    # did not (the simulator prices recompute lower and cannot tell them apart).
     min_run_steps: int = 8
     admission_lookahead: int = 16
 
@@ -147,29 +116,28 @@ class SchedulingPolicy(ABC):
         self.config = config or SchedulingConfig()
         self.chunk_tokens = chunk_tokens  # the scheduler's token budget: the largest chunk
         self.clock = clock  # the clock `arrival_time` was read from
-        self.step = 0  # the scheduler's step count (it advances it): the clock of aging
+        self.record = ControlRecord.build(0, (), ())  # the step's, once the scheduler begins one
+        self.step = 0  # the scheduler's step count: the clock of aging
 
-    def begin_step(
-        self, step: int, running: Sequence[Schedulable], waiting: Sequence[Schedulable]
-    ) -> None:
-        """Called by the scheduler before it orders anything in step ``step``."""
-        self.step = step
+    def begin_step(self, record: ControlRecord) -> None:
+        """Called by the scheduler before it orders anything in ``record.step``."""
+        self.record, self.step = record, record.step
 
     @abstractmethod
-    def order(self, seqs: Sequence[Schedulable]) -> list[Schedulable]:
+    def order(self, seqs: Sequence[Controlled]) -> list[Controlled]:
         """Highest priority first."""
 
-    def victim(self, candidates: Sequence[Schedulable]) -> Schedulable:
+    def victim(self, candidates: Sequence[Controlled]) -> Controlled:
         """The sequence to preempt when KV blocks run out: the lowest in the order."""
         return self.order(candidates)[-1]
 
-    def growth_reserve(self, seqs: Sequence[Schedulable], block_size: int) -> int:
+    def growth_reserve(self, seqs: Sequence[Controlled], block_size: int) -> int:
         """KV blocks to leave free for ``seqs`` to grow into when admitting a request; 0 admits
         while blocks last, as vLLM does."""
         return 0
 
 
-def tokens_left(seq: Schedulable) -> int:
+def tokens_left(seq: Controlled) -> int:
     """Output tokens the request may still generate (the policy plans for all of them)."""
     return max(0, seq.params.max_tokens - seq.num_output_tokens)
 
@@ -185,7 +153,7 @@ class FCFSPolicy(SchedulingPolicy):
     queue instead of behind requests that arrived after it.
     """
 
-    def order(self, seqs: Sequence[Schedulable]) -> list[Schedulable]:
+    def order(self, seqs: Sequence[Controlled]) -> list[Controlled]:
         return sorted(seqs, key=lambda s: (s.arrival_time, s.arrival_index))
 
 
@@ -220,15 +188,11 @@ class EntropyPolicy(SchedulingPolicy):
         super().__init__(*args, **kwargs)
         self.horizon = self.config.aging_steps  # of aging, in steps; follows the backlog
 
-    def begin_step(
-        self, step: int, running: Sequence[Schedulable], waiting: Sequence[Schedulable]
-    ) -> None:
-        super().begin_step(step, running, waiting)
-        self.horizon = self.aging_horizon(running, waiting)
+    def begin_step(self, record: ControlRecord) -> None:
+        super().begin_step(record)
+        self.horizon = self.aging_horizon(record.running, record.waiting)
 
-    def aging_horizon(
-        self, running: Sequence[Schedulable], waiting: Sequence[Schedulable]
-    ) -> float:
+    def aging_horizon(self, running: Sequence[Controlled], waiting: Sequence[Controlled]) -> float:
         """``aging_backlog`` times the decode steps left per running sequence, scaled by
         waiting / running while fewer wait than run, clipped."""
         c = self.config
@@ -239,11 +203,11 @@ class EntropyPolicy(SchedulingPolicy):
         backlog = left / slots * min(1.0, len(waiting) / slots)
         return min(max(c.aging_backlog * backlog, c.aging_steps_min), c.aging_steps)
 
-    def order(self, seqs: Sequence[Schedulable]) -> list[Schedulable]:
+    def order(self, seqs: Sequence[Controlled]) -> list[Controlled]:
         now = self.clock()
         return sorted(seqs, key=lambda s: (-self.priority(s, now), s.arrival_time, s.arrival_index))
 
-    def victim(self, candidates: Sequence[Schedulable]) -> Schedulable:
+    def victim(self, candidates: Sequence[Controlled]) -> Controlled:
         """The least computed work goes first (it is the cheapest to recompute), among requests
         not yet preempted ``max_preemptions`` times and not (re)admitted within
         ``min_run_steps`` steps; the least important ``priority`` class first; the newest last."""
@@ -260,7 +224,7 @@ class EntropyPolicy(SchedulingPolicy):
             ),
         )
 
-    def growth_reserve(self, seqs: Sequence[Schedulable], block_size: int) -> int:
+    def growth_reserve(self, seqs: Sequence[Controlled], block_size: int) -> int:
         """The blocks ``seqs`` fill in their next ``admission_lookahead`` tokens."""
         look = self.config.admission_lookahead
         reserve = 0
@@ -270,7 +234,7 @@ class EntropyPolicy(SchedulingPolicy):
             reserve += -(-later // block_size) - now_blocks
         return reserve
 
-    def priority(self, seq: Schedulable, now: float) -> float:
+    def priority(self, seq: Controlled, now: float) -> float:
         c = self.config
         return (
             c.alpha * self.entropy_term(seq)
@@ -279,13 +243,12 @@ class EntropyPolicy(SchedulingPolicy):
             + c.delta * self.urgency_term(seq, now)
         )
 
-    def entropy_term(self, seq: Schedulable) -> float:
-        config, profile = self.config, seq.profile
-        unmeasured = profile.decay ** max(0, profile.steps - 1)  # 1 until a reduction is seen
-        expected = profile.expected_reduction + unmeasured * config.entropy_prior
+    def entropy_term(self, seq: Controlled) -> float:
+        config, entry = self.config, self.record[seq]
+        expected = entry.expected_reduction + entry.prior_weight * config.entropy_prior
         return min(1.0, expected / config.entropy_cap)
 
-    def cost_term(self, seq: Schedulable) -> float:
+    def cost_term(self, seq: Controlled) -> float:
         scale = self.config.attention_scale
         prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
         if seq.num_output_tokens == 0 and prompt_left > 0:
@@ -296,12 +259,12 @@ class EntropyPolicy(SchedulingPolicy):
             cost = 1 + seq.num_tokens * kept / scale
         return cost / (cost + self.config.cost_scale)
 
-    def memory_term(self, seq: Schedulable) -> float:
+    def memory_term(self, seq: Controlled) -> float:
         remaining = tokens_left(seq)
         token_steps = remaining * (seq.num_tokens + remaining / 2)
         return token_steps / (token_steps + self.config.memory_scale)
 
-    def urgency_term(self, seq: Schedulable, now: float) -> float:
+    def urgency_term(self, seq: Controlled, now: float) -> float:
         c = self.config
         age = max(0, self.step - seq.arrival_step)
         urgency = (age / self.horizon) ** c.aging_power - seq.priority * c.priority_weight

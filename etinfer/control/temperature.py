@@ -1,5 +1,7 @@
 """Temperature laws (the paper's micro scale, section 3.3 and appendix A), and the reference
-samplers they are compared against. All are pure and batched: one row per sequence.
+samplers they are compared against. All are pure and batched: one row per sequence. Each law is
+registered by the name ``SamplingParams.controller`` gives (fixed, feedback, lagged, exact, edt,
+mirostat); the sampler keeps the mechanics and asks a request's law for its temperature.
 
 The state of the entropy controllers is the log-temperature ``u = log T``:
 
@@ -15,9 +17,16 @@ The state of the entropy controllers is the log-temperature ``u = log T``:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from etinfer.control.entropy import Distribution, TemperedEntropy, estimate_entropy
+from etinfer.control.registry import Registry
+
+if TYPE_CHECKING:
+    from etinfer.sampling_params import SamplingParams
 
 
 class EntropyCurve(Protocol):
@@ -121,3 +130,205 @@ def mirostat_update(
     """``mu <- mu - eta * (S - tau)`` with ``S`` the sampled token's surprise (bits) under the
     truncated, renormalised distribution it was drawn from."""
     return mu - eta * (-sampled_logp / math.log(2) - tau)
+
+
+# -- the laws, by name ---------------------------------------------------------------------------
+
+
+@dataclass
+class RowGroup:
+    """The rows of one step that follow one law, with their settings as device columns."""
+
+    law: TemperatureLaw
+    rows: torch.Tensor  # indices into the batch
+    columns: dict[str, torch.Tensor]
+    # (estimator, k) -> positions within ``rows`` whose entropy that estimator measures
+    estimators: dict[tuple[str, int], torch.Tensor]
+
+    def measure(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of ``softmax(logits)`` for the group's rows (``logits`` holds just them),
+        each by its request's estimator."""
+        measured = torch.empty(logits.shape[0], device=logits.device)
+        for (estimator, k), positions in self.estimators.items():
+            measured[positions] = estimate_entropy(logits[positions], estimator, k)
+        return measured
+
+
+Update = tuple[torch.Tensor | None, torch.Tensor | None]  # (temperatures, next states) of rows
+
+
+class TemperatureLaw:
+    """How a request's temperature is set each step (``SamplingParams.controller`` names it).
+
+    A law carries one float of state per sequence from step to step (log T, or Mirostat's mu).
+    It acts at up to three points of a step, each on its group's rows only: before sampling
+    (the temperature), after the temperature (a truncation, Mirostat) and after sampling (a
+    state update that needs the sampled distribution or token).
+    """
+
+    truncates = False  # it removes tokens from the distribution sampled
+
+    def settings(
+        self, params: list[SamplingParams], states: list[float | None]
+    ) -> dict[str, list[float]]:
+        """The columns this law reads: the requests' settings, and their states if needed."""
+        return {}
+
+    def initial_state(self, params: SamplingParams) -> float | None:
+        return None
+
+    def starting_temperature(self, params: SamplingParams, state: float | None) -> float:
+        """The temperature the step starts from, before ``before_sampling``."""
+        return params.temperature
+
+    def before_sampling(
+        self,
+        group: RowGroup,
+        logits: torch.Tensor,
+        model_entropy: torch.Tensor,
+        temperature: torch.Tensor,
+    ) -> Update:
+        """The group's temperatures for this step and their next states (None: unchanged)."""
+        return None, None
+
+    def truncation(self, group: RowGroup, scaled: torch.Tensor) -> torch.Tensor | None:
+        """A mask of the tokens to remove from the group's rows of ``scaled``, if any."""
+        return None
+
+    def after_sampling(
+        self,
+        group: RowGroup,
+        scaled: torch.Tensor,
+        sampled_from: Distribution,
+        tokens: torch.Tensor | None,
+        temperature: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The group's next states, where they follow from what was sampled."""
+        return None
+
+
+TEMPERATURE_LAWS: Registry[TemperatureLaw] = Registry("temperature law")
+ENTROPY_CONTROLS = ("feedback", "lagged", "exact")  # laws that regulate H to entropy_target
+
+
+def temperature_law(params: SamplingParams) -> TemperatureLaw:
+    return TEMPERATURE_LAWS.create(params.controller)
+
+
+@TEMPERATURE_LAWS.register("fixed")
+class FixedTemperature(TemperatureLaw):
+    """The request's temperature, every step."""
+
+
+class EntropyControl(TemperatureLaw):
+    """The state is ``u = log T``, kept inside the request's temperature bounds."""
+
+    def settings(self, params, states) -> dict[str, list[float]]:
+        return {
+            "target": [p.entropy_target for p in params],
+            "gain": [p.entropy_gain for p in params],
+            "u_min": [math.log(p.temperature_min) for p in params],
+            "u_max": [math.log(p.temperature_max) for p in params],
+            "max_step": [p.temperature_rate_limit for p in params],
+        }
+
+    def initial_state(self, params: SamplingParams) -> float:
+        return math.log(
+            min(max(params.temperature, params.temperature_min), params.temperature_max)
+        )
+
+    def starting_temperature(self, params: SamplingParams, state: float | None) -> float:
+        return math.exp(state)
+
+    @staticmethod
+    def step(group: RowGroup, u: torch.Tensor, measured: torch.Tensor) -> torch.Tensor:
+        c = group.columns
+        return feedback_step(
+            u, measured, c["target"], c["gain"], c["u_min"], c["u_max"], c["max_step"]
+        )
+
+
+@TEMPERATURE_LAWS.register("feedback")
+class FeedbackLaw(EntropyControl):
+    """``exp(u)``, ``u`` first corrected by the law from the entropy measured on this step's
+    logits at the carried-over temperature: the engine has the logits before it samples, so
+    the law's measurement and its action fall in the same step."""
+
+    def before_sampling(self, group, logits, model_entropy, temperature) -> Update:
+        rows = group.rows
+        u = temperature[rows].log()
+        u = self.step(group, u, group.measure(logits[rows] / temperature[rows, None]))
+        return u.exp(), u
+
+
+@TEMPERATURE_LAWS.register("lagged")
+class LaggedLaw(EntropyControl):
+    """The paper's literal ordering: ``exp(u)`` as carried over, ``u`` updated after sampling
+    from the entropy of the distribution sampled, acting from the next step."""
+
+    def after_sampling(self, group, scaled, sampled_from, tokens, temperature) -> torch.Tensor:
+        rows = group.rows
+        return self.step(group, temperature[rows].log(), group.measure(scaled[rows]))
+
+
+@TEMPERATURE_LAWS.register("exact")
+class ExactLaw(EntropyControl):
+    """Solved on this step's logits; the solution is the warm start of the next step's solve."""
+
+    def before_sampling(self, group, logits, model_entropy, temperature) -> Update:
+        rows, c = group.rows, group.columns
+        u = solve_log_temperature(
+            TemperedEntropy(logits[rows]),
+            c["target"],
+            c["u_min"],
+            c["u_max"],
+            temperature[rows].log(),
+        )
+        return u.exp(), u
+
+
+@TEMPERATURE_LAWS.register("edt")
+class EDTLaw(TemperatureLaw):
+    """EDT from this step's entropy, kept within the request's temperature bounds: the
+    published rule is unbounded, and on a near-certain step N^(theta / H) underflows to 0."""
+
+    def settings(self, params, states) -> dict[str, list[float]]:
+        return {
+            "theta": [p.edt_theta for p in params],
+            "base": [p.edt_base for p in params],
+            "t_min": [p.temperature_min for p in params],
+            "t_max": [p.temperature_max for p in params],
+        }
+
+    def before_sampling(self, group, logits, model_entropy, temperature) -> Update:
+        rows, c = group.rows, group.columns
+        edt = edt_temperature(model_entropy[rows], temperature[rows], c["theta"], c["base"])
+        return torch.minimum(torch.maximum(edt, c["t_min"]), c["t_max"]), None
+
+
+@TEMPERATURE_LAWS.register("mirostat")
+class MirostatLaw(TemperatureLaw):
+    """The request's temperature, then Mirostat v2's surprise truncation with state ``mu``."""
+
+    truncates = True
+
+    def settings(self, params, states) -> dict[str, list[float]]:
+        return {
+            "state": states,  # mu, bits
+            "tau": [p.mirostat_tau for p in params],
+            "eta": [p.mirostat_eta for p in params],
+        }
+
+    def initial_state(self, params: SamplingParams) -> float:
+        return 2 * params.mirostat_tau
+
+    def truncation(self, group: RowGroup, scaled: torch.Tensor) -> torch.Tensor:
+        return mirostat_mask(scaled[group.rows].log_softmax(-1), group.columns["state"])
+
+    def after_sampling(self, group, scaled, sampled_from, tokens, temperature) -> torch.Tensor:
+        rows, c = group.rows, group.columns
+        # clamp: a forced token may lie outside the truncated set
+        sampled = (
+            sampled_from.probs[rows].gather(1, tokens[rows, None])[:, 0].clamp(min=1e-30).log()
+        )
+        return mirostat_update(c["state"], sampled, c["tau"], c["eta"])

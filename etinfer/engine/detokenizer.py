@@ -22,6 +22,7 @@ class Detokenizer:
         # held back (as vLLM does), so a client never sees text that is later taken back.
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
+        self._sent = 0  # characters handed out by `new_text`
 
     def append(self, token_id: int) -> bool:
         """Add one generated token; True when the text now contains a stop string."""
@@ -42,6 +43,16 @@ class Detokenizer:
         return True
 
     def visible_text(self, finished: bool) -> str:
+        return self.text[: self._visible_end(finished)]
+
+    def new_text(self, finished: bool) -> str:
+        """The visible text not handed out by an earlier call (a stop string never cuts into
+        it: the holdback keeps any text that could start one)."""
+        end = max(self._sent, self._visible_end(finished))
+        text, self._sent = self.text[self._sent : end], end
+        return text
+
+    def _visible_end(self, finished: bool) -> int:
         if finished or not self._holdback:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._holdback)]
+            return len(self.text)
+        return max(0, len(self.text) - self._holdback)

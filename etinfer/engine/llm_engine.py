@@ -1,15 +1,27 @@
 """The engine: requests in, one scheduled and computed step at a time, outputs out.
 
+Each step runs the paper's loop (section 3.4): the engine records the entropy its sampler
+measured into one control record, asks each control law for its decision, applies them, and
+measures again::
+
+    record = scheduler.control_record()       # every live sequence's predictive entropy
+    batch = scheduler.schedule(record)          # the policy: which sequences advance
+    decisions = self._decide(record, batch)     # budgets, temperature states, the step's shape
+    result = runner.execute(batch, decisions)   # forward (a selector per layer), then sample
+    outputs = self._measure(batch, result)      # the entropy into each sequence's profile
+
 It knows token ids only; the tokenizer is used at the edges (encoding prompts, detokenizing
 outputs, stop strings).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import torch
@@ -17,15 +29,18 @@ import torch
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
+from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.control.scheduling import SCHEDULING_POLICIES
+from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
-from etinfer.engine.model_runner import AttentionStats, ModelRunner
+from etinfer.engine.model_runner import AttentionStats, ModelRunner, StepResult
+from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.sampler import SamplerOutput
-from etinfer.engine.scheduler import Scheduler
+from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence
+from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
-from etinfer.model.paged_attention import KVCache
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.validation import check_float, check_int
@@ -71,16 +86,20 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        pruning = config.control.pruning_config
-        selector = (
+        # The control layers: a scheduling policy (above), a block selector whose budgets are
+        # planned while `pruning` is set, a step shaper, and the temperature law each request
+        # picks (in the sampler).
+        self.pruning = config.control.pruning_config
+        self.selector: BlockSelector = (
             BLOCK_SELECTORS.create("dense")
-            if pruning is None
-            else BLOCK_SELECTORS.create("entropic", config=pruning)
+            if self.pruning is None
+            else BLOCK_SELECTORS.create("entropic", config=self.pruning)
         )
+        self.shaper = STEP_SHAPERS.create("plain")
         self.runner = ModelRunner(
             loaded.config,
             loaded.weights,
-            selector,
+            self.selector,
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -90,9 +109,9 @@ class LLMEngine:
             calibration_temperature=1.0
             if self.calibration is None
             else self.calibration.temperature,
-            pruning=pruning,
         )
-        self.last_attention = None  # what decode attention kept in the latest step, when pruning
+        self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
+        self.observers = Observers()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -157,20 +176,25 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         stream: bool = False,
+        delta: bool = False,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         forced_token_ids: list[int] | None = None,
         priority: int = 0,
         slo: float | None = None,
     ) -> str:
-        """Queue a request. With ``stream`` every step that extends it yields an output;
-        otherwise it yields one when it finishes. ``prompt_token_ids``, when given, are the
+        """Queue a request. With ``stream`` every step that extends it yields an output: the
+        whole output so far, or with ``delta`` only what the step added (constant work per
+        step, where a whole output costs its length); otherwise it yields one when it finishes.
+        ``prompt_token_ids``, when given, are the
         already-validated encoding of ``prompt`` (which is then kept only for the output).
         ``forced_token_ids`` are appended as if sampled, one per step, before sampling resumes:
         each runs as a decode step and counts towards ``max_tokens``. ``priority`` (lower first,
         as in vLLM) and ``slo`` (seconds from arrival to finish) are read by the entropy
         scheduling policy; FCFS ignores them."""
         self.check_scheduling(priority, slo)
+        if delta and not stream:
+            raise ValueError("delta outputs need stream=True")
         params = self._with_control(params or SamplingParams())
         if prompt_token_ids is None:
             text, ids = self.encode_prompt(prompt)
@@ -192,6 +216,7 @@ class LLMEngine:
             prompt=text,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             stream=stream,
+            delta=delta,
             forced_token_ids=forced_token_ids,
             priority=priority,
             slo=slo,
@@ -244,9 +269,36 @@ class LLMEngine:
     def set_pruning(
         self, config: PruningConfig | None, selector: BlockSelector | None = None
     ) -> None:
-        """Switch decode attention to pruning with ``config``, or to dense (None), from the next
-        step on; the engine must have been built with pruning on (see ``ModelRunner``)."""
-        self.runner.set_pruning(config, selector)
+        """Plan block budgets with ``config`` from the next step on, or attend densely (None);
+        ``selector`` picks the blocks within those budgets instead of the entropic selector
+        (benchmarks pass an oracle). The engine must have been built with pruning on: its
+        cache keeps the block summaries selectors score."""
+        if self.runner.cache.key_bounds is None:
+            raise ValueError(
+                "set_pruning needs an engine built with pruning on "
+                "(control=ControlConfig(pruning=...)): its cache keeps the key bounds"
+            )
+        self.pruning = config
+        if config is not None:
+            self.selector = selector or BLOCK_SELECTORS.create("entropic", config=config)
+            self.runner.set_selector(self.selector)
+
+    def add_observer(self, observer: StepObserver, *, logits: bool = False) -> None:
+        """Call ``observer`` with a ``StepRecord`` after every step; with ``logits`` the record
+        carries the step's logits."""
+        self.observers.add(observer, logits=logits)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        self.observers.remove(observer)
+
+    @contextlib.contextmanager
+    def observing(self, observer: StepObserver, *, logits: bool = False) -> Iterator[None]:
+        """``observer`` watches the steps run inside the ``with`` block."""
+        self.add_observer(observer, logits=logits)
+        try:
+            yield
+        finally:
+            self.remove_observer(observer)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -254,31 +306,82 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        started, started_cpu = time.perf_counter(), time.process_time()
+        record = self.scheduler.control_record()
+        batch = self.scheduler.schedule(record)
         if not batch.seqs:
             return []
-        result = self.runner.execute(batch)
+        decisions = self._decide(record, batch)
+        free_blocks = self.kv.pool.num_free_blocks
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        result = self._model(decisions.shape.model).execute(batch, decisions)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             self.kv.publish_full_blocks(seq)
-        self.last_attention = result.attention
+        outputs = self._measure(batch, result)
+        if self.observers:
+            self.observers.notify(
+                StepRecord(
+                    step=record.step,
+                    control=record,
+                    decisions=decisions,
+                    request_ids=tuple(seq.request_id for seq in batch.seqs),
+                    starts=tuple(starts),
+                    num_tokens=tuple(batch.num_tokens),
+                    num_decode=batch.num_decode,
+                    preempted=tuple(seq.request_id for seq in batch.preempted),
+                    sampled=tuple(batch.sampled),
+                    measured=result.output,
+                    attention=result.attention,
+                    free_blocks=free_blocks,
+                    wall_time=time.perf_counter() - started,
+                    cpu_time=time.process_time() - started_cpu,
+                    logits=result.logits if self.observers.want_logits else None,
+                )
+            )
+        return outputs
+
+    def _decide(self, record: ControlRecord, batch: ScheduledBatch) -> StepDecisions:
+        """Each law's decision for the scheduled batch, from the record alone."""
+        decoding = batch.seqs[: batch.num_decode]
+        budgets = None
+        if self.pruning is not None:
+            budgets = self.selector.plan_budgets(record, decoding, self.block_size)
+            for seq, budget in zip(decoding, budgets, strict=True):
+                seq.block_budget = budget  # the rate limit's reference next step
+        return StepDecisions(
+            shape=self.shaper.shape(record, batch.seqs),
+            block_budgets=budgets,
+            temperature_states=[record[batch.seqs[i]].temperature_state for i in batch.sampled],
+        )
+
+    def _model(self, name: str) -> ModelRunner:
+        if name not in self.models:
+            raise ValueError(
+                f"the step shaper chose model {name!r}; this engine has: {', '.join(self.models)}"
+            )
+        return self.models[name]
+
+    def _measure(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Apply what the step computed: tokens, the entropy signal, attention telemetry."""
         if result.attention is not None:
             self._record_attention(result.attention)
-        sampled, out = result.sampled, result.output
+        out = result.output
         if out is None:
             return []
+        sampled = [batch.seqs[i] for i in batch.sampled]
         now = time.perf_counter()
         logprobs = self._logprobs(sampled, out)
         outputs = []
-        for i, seq in enumerate(sampled):
-            self._append(seq, i, out, logprobs, now)
+        for row, seq in enumerate(sampled):
+            self._append(seq, row, out, logprobs, now)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
                 del self._requests[seq.request_id]
-                outputs.append(seq.output())
+                outputs.append(seq.step_output() if seq.stream else seq.output())
             elif seq.stream:
-                outputs.append(seq.output())
+                outputs.append(seq.step_output())
         return outputs
 
     @staticmethod
@@ -309,10 +412,9 @@ class LLMEngine:
         seq.entropies.append(out.entropies[row])
         seq.tempered_entropies.append(out.tempered_entropies[row])
         seq.temperatures.append(out.temperatures[row])
-        seq.profile.update(out.signals[row])
-        seq.pruning_entropy = out.signal_uppers[row]
+        seq.profile.update(out.predictive_entropy[row], out.predictive_entropy_upper[row])
         if not math.isnan(out.states[row]):
-            seq.control_state = out.states[row]
+            seq.temperature_state = out.states[row]
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[row])
         if seq.metrics.first_token_time is None:

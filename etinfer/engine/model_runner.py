@@ -2,33 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from etinfer.control.block_selection import (
-    BLOCK_SELECTORS,
-    BlockSelector,
-    DecodeBlocks,
-    PruningConfig,
-    plan_budget,
-)
-from etinfer.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from etinfer.control.record import StepDecisions
+from etinfer.engine.sampler import Sampler, SamplerOutput
+from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.model.block_layout import AttentionSelector, DecodeBlocks
 from etinfer.model.config import ModelConfig
+from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.paged_attention import (
     AttentionMetadata,
-    KVCache,
     PagedAttention,
     PrefillChunk,
     PruningTelemetry,
-    build_decode_pattern,
     prefill_mask,
-    visible_blocks,
 )
 
 
@@ -38,8 +32,6 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows whose logits are sampled: the last row of a finished prompt
-    sample_seqs: list[Sequence]
-    decode_seqs: list[Sequence]
 
 
 @dataclass
@@ -54,9 +46,9 @@ class AttentionStats:
 
 @dataclass
 class StepResult:
-    sampled: list[Sequence]
-    output: SamplerOutput | None
-    attention: AttentionStats | None  # only when pruning is on
+    output: SamplerOutput | None  # for the batch's sampled rows; None when it samples none
+    attention: AttentionStats | None  # only when block budgets were planned
+    logits: torch.Tensor | None  # [sampled rows, vocab], before any sampling transform
 
 
 class ModelRunner:
@@ -64,7 +56,7 @@ class ModelRunner:
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        selector: BlockSelector,
+        selector: AttentionSelector,
         *,
         max_model_len: int,
         num_blocks: int,
@@ -73,10 +65,11 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         calibration_temperature: float = 1.0,
-        pruning: PruningConfig | None = None,
+        block_summaries: bool = False,
     ) -> None:
+        """``block_summaries``: the cache keeps per-block key bounds and masses, which lets
+        any selector be installed later (``set_selector``), not only ``selector``."""
         self.config = config
-        self.pruning = pruning
         self.device = device
         self.block_size = block_size
         self.sliding_window = config.sliding_window
@@ -91,34 +84,26 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
-            summaries=selector.needs_summaries,
+            summaries=block_summaries or selector.needs_summaries,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
-        # Called with each step's sampled sequences and their logits [rows, vocab] (benchmarks
-        # and harnesses read the distributions through it).
-        self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
-    def set_pruning(
-        self, config: PruningConfig | None, selector: BlockSelector | None = None
-    ) -> None:
-        """Prune decode attention with ``config`` from the next step on, or attend densely
-        (None). Prefill is dense either way, so one prefilled context can be decoded both ways
-        (benchmarks compare them on one cache). The cache must keep block summaries, which it
-        does when the runner was built with pruning. ``selector`` chooses the blocks within
-        the config's budgets instead of the entropic selector (benchmarks pass an oracle)."""
-        if self.cache.key_bounds is None:
+    def set_selector(self, selector: AttentionSelector) -> None:
+        """Decode attention asks ``selector`` from the next step on. Prefill is dense either
+        way, so one prefilled context can be decoded under several (benchmarks compare them on
+        one cache)."""
+        if selector.needs_summaries and self.cache.key_bounds is None:
             raise ValueError(
-                "set_pruning needs an engine built with pruning on "
-                "(control=ControlConfig(pruning=...)): its cache keeps the key bounds"
+                "this selector scores blocks by their summaries, which the cache does not keep: "
+                "build the engine with pruning on (control=ControlConfig(pruning=...))"
             )
-        self.pruning = config
-        if config is not None:
-            self.attention.selector = selector or BLOCK_SELECTORS.create("entropic", config=config)
+        self.attention.selector = selector
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Compute the batch's tokens into the cache; sample where a sequence's known tokens end."""
-        inputs = self.prepare(batch)
+    def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:
+        """Compute the batch's tokens into the cache under the step's decisions; sample where a
+        sequence's known tokens end."""
+        inputs = self.prepare(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         telemetry = inputs.meta.telemetry
         stats = None
@@ -126,22 +111,20 @@ class ModelRunner:
             kept, total, dropped = torch.stack(
                 [telemetry.kept, telemetry.total, telemetry.dropped_mass]
             ).tolist()
-            stats = AttentionStats(inputs.decode_seqs, kept, total, dropped)
-        if not inputs.sample_seqs:
-            return StepResult([], None, stats)
+            stats = AttentionStats(batch.seqs[: batch.num_decode], kept, total, dropped)
+        if not batch.sampled:
+            return StepResult(None, stats, None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        seqs = inputs.sample_seqs
-        if self.logits_hook is not None:
-            self.logits_hook(seqs, logits)
+        seqs = [batch.seqs[i] for i in batch.sampled]
         sampling = SamplingBatch.build(
             [seq.params for seq in seqs],
-            [seq.control_state for seq in seqs],
+            decisions.temperature_states,
             [self._generator(seq) for seq in seqs],
             logits.shape[-1],
             self.device,
             forced=[seq.next_forced for seq in seqs],
         )
-        return StepResult(seqs, self.sampler(logits, sampling), stats)
+        return StepResult(self.sampler(logits, sampling), stats, logits)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
@@ -157,7 +140,8 @@ class ModelRunner:
         hidden = self.model.forward(ids, positions.to(self.device), self.cache, meta)
         return self.model.compute_logits(hidden)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, budgets: list[int] | None = None) -> StepInputs:
+        """The step's tensors; ``budgets``: blocks each decoding sequence keeps (None: all)."""
         seqs, counts = batch.seqs, batch.num_tokens
         bs = self.block_size
         starts = [seq.num_computed_tokens for seq in seqs]
@@ -189,8 +173,8 @@ class ModelRunner:
             visible = visible_blocks(
                 decode_blocks, self.config.num_kv_heads, None, self.sliding_window
             )
-            if self.pruning is not None:
-                self._plan_budgets(decode_blocks, decoding)
+            if budgets is not None:
+                self._set_budgets(decode_blocks, decoding, budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
             dense = build_decode_pattern(
                 decode_blocks,
@@ -209,8 +193,6 @@ class ModelRunner:
             mask = prefill_mask(start, n, self.sliding_window, self.device)
             prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask))
 
-        ends = [s + n for s, n in zip(starts, counts, strict=True)]
-        sampled = [i for i, seq in enumerate(seqs) if ends[i] == seq.num_tokens]
         fresh = None
         if self.cache.key_bounds is not None:
             fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
@@ -227,35 +209,14 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, device=self.device),
             positions=positions.to(self.device),
             meta=meta,
-            sample_rows=(chunk_start + counts_t - 1)[sampled].to(self.device),
-            sample_seqs=[seqs[i] for i in sampled],
-            decode_seqs=seqs[:num_decode],
+            sample_rows=(chunk_start + counts_t - 1)[batch.sampled].to(self.device),
         )
 
-    def _plan_budgets(self, blocks: DecodeBlocks, seqs: list[Sequence]) -> None:
-        """Each decoding sequence's block budget for this step, from its entropy (the upper side
-        of its last estimate). A one-token chunk of a prompt being recomputed after preemption
-        is prefill, not decode: dense."""
-        config = self.pruning
-        budgets, dense = [], True
-        for seq in seqs:
-            context = seq.num_computed_tokens + 1
-            decoding = context == seq.num_tokens
-            refresh = config.scorer == "mass" and (
-                (seq.num_output_tokens - 1) % config.refresh_interval == 0
-            )
-            budget = plan_budget(
-                seq.pruning_entropy if decoding else None,
-                context,
-                seq.block_budget,
-                refresh,
-                config,
-                self.block_size,
-            )
-            seq.block_budget = budget
-            budgets.append(budget)
-            dense &= budget >= -(-context // self.block_size)
-        if not dense:
+    def _set_budgets(self, blocks: DecodeBlocks, seqs: list[Sequence], budgets: list[int]) -> None:
+        """Hand the budgets to attention where some sequence keeps less than its context."""
+        size = self.block_size
+        in_context = [-(-(seq.num_computed_tokens + 1) // size) for seq in seqs]
+        if any(b < n for b, n in zip(budgets, in_context, strict=True)):
             blocks.budgets = torch.tensor(budgets, device=self.device)
             blocks.max_budget = max(budgets)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import SchedulingPolicy
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.sequence import Sequence, SequenceStatus
@@ -26,6 +27,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Rows whose tokens reach the end of their sequence's known tokens: the step samples the
+    # next token of each (a prompt chunk that does not end the prompt samples nothing).
+    sampled: list[int] = field(default_factory=list)
 
     @property
     def num_decode(self) -> int:
@@ -65,9 +69,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        self.num_steps += 1
-        self.policy.begin_step(self.num_steps, self.running, self.waiting)
+    def control_record(self) -> ControlRecord:
+        """The next step's control record, over the sequences this scheduler holds."""
+        return ControlRecord.build(self.num_steps + 1, self.running, self.waiting)
+
+    def schedule(self, record: ControlRecord) -> ScheduledBatch:
+        """This step's batch, in the order the policy draws from ``record``."""
+        self.num_steps = record.step
+        self.policy.begin_step(record)
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         pending = self.policy.order(self.running)
@@ -89,6 +98,11 @@ class Scheduler:
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_tokens[i] != 1)
         batch.seqs = [batch.seqs[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
+        batch.sampled = [
+            i
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:

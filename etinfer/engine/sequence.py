@@ -7,6 +7,7 @@ import enum
 import torch
 
 from etinfer.control.entropy_profile import EntropyProfile
+from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class Sequence:
         prompt: str | None,
         arrival_time: float,
         stream: bool,
+        delta: bool = False,
         forced_token_ids: list[int] | None = None,
         priority: int = 0,
         slo: float | None = None,
@@ -39,11 +41,14 @@ class Sequence:
         self.arrival_time = arrival_time
         self.arrival_step = 0  # the scheduler's step count when it was added
         self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)  # shared by every output: never changed
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.detokenizer = detokenizer
-        self.stream = stream
+        self.stream = stream  # an output after every step that extends it
+        self.delta = delta  # those outputs carry only what their step added
+        self._sent_tokens = self._sent_blocks = 0  # what earlier deltas carried
         # Tokens appended as if sampled, one per step, before sampling takes over (teacher
         # forcing: scoring text under decode, feeding a question as decode steps).
         self.forced = list(reversed(forced_token_ids or []))  # a stack: next one last
@@ -66,10 +71,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time)
         self.generator: torch.Generator | None = None  # set by the runner for seeded requests
+        # Control state carried from step to step (the engine writes it, the laws read it
+        # through the step's ControlRecord): the predictive entropy measured so far, the
+        # temperature law's state (log T, or Mirostat's mu) and the blocks kept last step.
         self.profile = EntropyProfile()
-        self.control_state = params.initial_control_state()  # log T, or Mirostat's mu
-        self.pruning_entropy: float | None = None  # upper side of the latest entropy estimate
-        self.block_budget: int | None = None  # blocks kept last step, for the rate limit
+        self.temperature_state = temperature_law(params).initial_state(params)
+        self.block_budget: int | None = None
         self.blocks_kept: list[float] = []  # per generated token, when pruning is on
         self.dropped_mass: list[float] = []
 
@@ -93,12 +100,41 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def output(self) -> RequestOutput:
-        """A snapshot: later steps do not change it."""
+    def step_output(self) -> RequestOutput:
+        """What a stream gets after a step: a delta, or the whole output so far."""
+        return self.next_delta() if self.delta else self.output()
+
+    def next_delta(self) -> RequestOutput:
+        """What this sequence produced since its previous delta. It copies only that, so a
+        stream costs the same per step however long it grows (the prompt ids are shared)."""
+        tokens, blocks = self._sent_tokens, self._sent_blocks
+        self._sent_tokens, self._sent_blocks = self.num_output_tokens, len(self.blocks_kept)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            prompt_token_ids=self.prompt_token_ids,
+            text=self.detokenizer.new_text(self.is_finished),
+            token_ids=self.token_ids[self.num_prompt_tokens + tokens :],
+            entropies=self.entropies[tokens:],
+            tempered_entropies=self.tempered_entropies[tokens:],
+            temperatures=self.temperatures[tokens:],
+            logprobs=None if self.logprobs is None else self.logprobs[tokens:],
+            finish_reason=self.finish_reason,
+            metrics=RequestMetrics(**vars(self.metrics)),
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+            entropic_time=self.profile.entropic_time,
+            blocks_kept=self.blocks_kept[blocks:] or None,
+            dropped_mass=self.dropped_mass[blocks:] or None,
+            delta=True,
+        )
+
+    def output(self) -> RequestOutput:
+        """The whole output so far, a snapshot: later steps do not change it."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
             text=self.detokenizer.visible_text(self.is_finished),
             token_ids=self.output_token_ids,
             entropies=list(self.entropies),

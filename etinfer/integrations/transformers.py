@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from etinfer.control.entropy import softmax_entropy
-from etinfer.engine.sampler import Sampler, SamplingBatch
+from etinfer.control.temperature import temperature_law
+from etinfer.engine.sampler import Sampler
+from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.sampling_params import SamplingParams
 
 try:
@@ -65,6 +67,6 @@ class EntropyTemperatureProcessor(LogitsProcessor):
         return scaled.to(scores.dtype)
 
     def _reset(self, rows: int) -> None:
-        self._states = [self.params.initial_control_state()] * rows
+        self._states = [temperature_law(self.params).initial_state(self.params)] * rows
         self.temperatures = [[] for _ in range(rows)]
         self.tempered_entropies = [[] for _ in range(rows)]

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from etinfer.model.config import ModelConfig
+from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import Linear
-from etinfer.model.paged_attention import AttentionMetadata, KVCache, PagedAttention
+from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.rotary import RotaryEmbedding
 
 

@@ -5,8 +5,9 @@ commands the event loop queued (add, abort), runs a step, and hands the outputs 
 ``call_soon_threadsafe``. The event loop never waits on a step: it keeps accepting requests,
 answering errors and streaming tokens while the model computes.
 
-Every engine request streams (an output per step), whatever the client asked for: outputs are
-snapshots, so a slow reader just sees the latest one, and per-token latencies can be measured.
+Every engine request streams deltas (what each step added), whatever the client asked for, so
+per-token latencies can be measured and no step's work grows with a request's length. The event
+loop adds each request's deltas up into one output, in place: a slow reader finds all of it.
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ class RequestGroup:
             if fresh:
                 yield fresh
 
-    def _update(self, index: int, output: RequestOutput) -> None:
-        self.outputs[index] = output
+    def _update(self, index: int, delta: RequestOutput) -> None:
+        whole = self.outputs[index]
+        if whole is None:
+            self.outputs[index] = RequestOutput.accumulating(delta)
+        else:
+            whole.merge(delta)
         self._fresh.add(index)
         self._event.set()
 
@@ -100,6 +105,7 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.metrics = metrics
+        engine.add_observer(metrics.observe_step)
         self.max_waiting_requests = max_waiting_requests
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -228,6 +234,7 @@ class EngineLoop:
                     request.params,
                     request_id=request.request_id,
                     stream=True,
+                    delta=True,
                     arrival_time=request.arrival_time,
                     prompt_token_ids=request.prompt_token_ids,
                     priority=request.priority,
@@ -250,7 +257,6 @@ class EngineLoop:
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),
             kv_usage=engine.kv.pool.usage,
-            num_preemptions=engine.scheduler.num_preemptions,
             prefix_cache_queries=engine.kv.prefix_cache_queries,
             prefix_cache_hits=engine.kv.prefix_cache_hits,
             num_applied=self._num_applied,

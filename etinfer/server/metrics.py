@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from etinfer.engine.observer import StepRecord
 from etinfer.outputs import RequestOutput
 
 # vLLM's buckets, so percentiles computed from either line up.
@@ -23,6 +24,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # Nats; a uniform distribution over SmolLM2's 49,152 tokens has 10.8.
 ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0,
                    11.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -33,8 +35,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # share of KV blocks held by requests (cached free ones excluded)
-    num_preemptions: int = 0  # cumulative, as are the two below
-    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_queries: int = 0  # prompt tokens looked up, so far (as is the one below)
     prefix_cache_hits: int = 0  # prompt tokens found
     num_applied: int = 0  # requests the engine thread has taken in so far
 
@@ -43,9 +44,7 @@ class EngineStats:
 class RequestProgress:
     """What has been counted of one engine request so far."""
 
-    tokens: int = 0
-    blocks_kept: int = 0
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # None until its first token
 
 
 class ServerMetrics:
@@ -100,6 +99,12 @@ class ServerMetrics:
             "entropic_time_nats",
             "Entropic time of finished requests: the sum of their irreversible entropy drops.",
         )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS
+        )
+        self.step_time = histogram(
+            "engine_step_seconds", "Wall time of one engine step.", ITL_BUCKETS
+        )
         self.blocks_kept = histogram(
             "blocks_kept_ratio",
             "With pruning on: share of the context's KV blocks each decode step attended to.",
@@ -123,37 +128,40 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting + num_pending)
         self.kv_usage.set(stats.kv_usage)
         last = self._last
-        self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self._last = stats
 
-    def record_output(self, progress: RequestProgress, out: RequestOutput, now: float) -> None:
-        """Count what ``out`` adds to what ``progress`` says was counted; ``now`` is when the
+    def observe_step(self, step: StepRecord) -> None:
+        """An engine observer (it runs on the engine's thread): what each step computed."""
+        self.iteration_tokens.observe(sum(step.num_tokens))
+        self.step_time.observe(step.wall_time)
+        self.num_preemptions.inc(len(step.preempted))
+        if step.measured is not None:
+            self.generation_tokens.inc(len(step.sampled))
+            for h in step.measured.entropies:
+                if math.isfinite(h):
+                    self.token_entropy.observe(h)
+
+    def record_output(self, progress: RequestProgress, delta: RequestOutput, now: float) -> None:
+        """Count one request's delta; ``progress`` says what came before, ``now`` is when the
         step that produced it ended (``time.perf_counter()``)."""
-        new = len(out.token_ids) - progress.tokens
-        if new > 0:
-            if progress.tokens == 0:
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                self.time_to_first_token.observe(out.metrics.time_to_first_token)
-                if out.metrics.queue_time is not None:
-                    self.queue_time.observe(out.metrics.queue_time)
+        new = len(delta.token_ids)
+        if new:
+            if progress.last_token_time is None:
+                self.prompt_tokens.inc(len(delta.prompt_token_ids))
+                self.time_to_first_token.observe(delta.metrics.time_to_first_token)
+                if delta.metrics.queue_time is not None:
+                    self.queue_time.observe(delta.metrics.queue_time)
             else:
                 gap = (now - progress.last_token_time) / new
                 for _ in range(new):
                     self.inter_token_latency.observe(gap)
-            for h in out.entropies[progress.tokens :]:
-                if math.isfinite(h):
-                    self.token_entropy.observe(h)
-            self.generation_tokens.inc(new)
-            progress.tokens = len(out.token_ids)
             progress.last_token_time = now
-        kept = out.blocks_kept or []
-        for ratio in kept[progress.blocks_kept :]:
+        for ratio in delta.blocks_kept or ():
             self.blocks_kept.observe(ratio)
-        progress.blocks_kept = len(kept)
-        if out.finished:
-            if out.metrics.total_time is not None:
-                self.e2e_latency.observe(out.metrics.total_time)
-            self.entropic_time.inc(out.entropic_time)
-            self._request_success.labels(self._model_name, out.finish_reason).inc()
+        if delta.finished:
+            if delta.metrics.total_time is not None:
+                self.e2e_latency.observe(delta.metrics.total_time)
+            self.entropic_time.inc(delta.entropic_time)
+            self._request_success.labels(self._model_name, delta.finish_reason).inc()

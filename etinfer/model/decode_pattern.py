@@ -1,0 +1,124 @@
+"""Which cache rows each decode query reads, as a CSR pattern built at block granularity.
+
+The step's query rows (sequence, head) and the cache rows ``kv_head * num_slots + slot`` they
+attend to form the pattern the decode kernels run on (``paged_attention.py``). Attending to fewer
+blocks is only a smaller pattern, so a selector that keeps fewer blocks makes attention compute
+less, not just mask more.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from etinfer.model.block_layout import DecodeBlocks
+
+
+@dataclass
+class DecodePattern:
+    """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern.
+
+    Every kept block is read whole; ``masked`` lists the entries outside the context (past the
+    current token in the last block, before the window in the first), whose scores are set to
+    -inf. They are few (under two blocks' worth per row), and reading them costs less than
+    making every row's length exact: that needs a compaction over all entries.
+    """
+
+    crow: torch.Tensor  # [rows + 1] int32
+    cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
+    row_ids: torch.Tensor  # [nnz] the row of each entry, for the row-wise max
+    row_lens: torch.Tensor  # [rows]
+    zeros: torch.Tensor  # [nnz] placeholder values; sampled_addmm needs some
+    masked: torch.Tensor  # [few] entries outside the context
+
+    @property
+    def nnz(self) -> int:
+        return self.cols.numel()
+
+    def rows_read(self) -> list[list[int]]:
+        """Per row, the cache rows it attends to (the masked entries left out); for inspection."""
+        inside = torch.ones(self.nnz, dtype=torch.bool, device=self.cols.device)
+        inside[self.masked] = False
+        bounds = self.crow.tolist()
+        return [self.cols[a:b][inside[a:b]].tolist() for a, b in itertools.pairwise(bounds)]
+
+
+def visible_blocks(
+    blocks: DecodeBlocks,
+    num_kv_heads: int,
+    block_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Which blocks each (sequence, KV head) attends to: [seqs, kv_heads, max_blocks].
+
+    Blocks in context (and in the sliding window), restricted to ``block_mask`` when given;
+    the block holding the current token is kept whatever the mask says, so no row is empty.
+    """
+    tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
+    positions = torch.arange(tables.shape[1], device=tables.device)
+    exists = positions * bs < lens[:, None]
+    if sliding_window is not None:
+        exists &= (positions + 1) * bs > lens[:, None] - sliding_window
+    visible = exists[:, None, :].expand(-1, num_kv_heads, -1)
+    if block_mask is not None:
+        current = positions == torch.div(lens - 1, bs, rounding_mode="floor")[:, None]
+        visible = visible & (block_mask | current[:, None, :])
+    return visible
+
+
+def build_decode_pattern(
+    blocks: DecodeBlocks,
+    visible: torch.Tensor,
+    queries_per_kv: int,
+    num_slots: int,
+    sliding_window: int | None = None,
+) -> DecodePattern:
+    """CSR pattern of decode rows against the cache rows of their ``visible`` blocks.
+
+    Built at block granularity: the kept (sequence, head, block) triples become runs of
+    ``block_size`` consecutive cache rows, so the work scales with what is kept, not with the
+    context, and every per-entry tensor is one broadcast of a per-block one. Rows follow the
+    query layout ``seq * num_heads + kv_head * queries_per_kv + j``; a row's blocks are in
+    order. Slots of a kept block outside the context are read and masked (see DecodePattern):
+    they belong to the sequence's own blocks, whose cache rows only ever hold finite keys and
+    values (or the zeros of untouched memory).
+    """
+    tables, lens, bs = blocks.block_tables, blocks.context_lens, blocks.block_size
+    seqs, kv_heads, _ = visible.shape
+    device = tables.device
+    seq, head, block = visible.nonzero(as_tuple=True)  # in (seq, head, block) order
+    start = (head * num_slots + tables[seq, block] * bs).int()  # the kernels' index type
+    # Tokens of each block inside the context: [skip, end) of its bs slots.
+    end = (lens[seq] - block * bs).clamp(max=bs)
+    skip = torch.zeros_like(end)
+    if sliding_window is not None:
+        skip = (lens[seq] - sliding_window - block * bs).clamp(0, bs)
+    # Repeat each (seq, head) run of blocks once per query head of the group: the runs of row r
+    # are those of its segment (seq, kv head), found by their index within the segment.
+    segment = seq * kv_heads + head
+    per_segment = torch.bincount(segment, minlength=seqs * kv_heads)
+    segment_start = torch.cumsum(per_segment, 0) - per_segment
+    rows = seqs * kv_heads * queries_per_kv
+    row_runs = per_segment.repeat_interleave(queries_per_kv)
+    run_row = torch.repeat_interleave(torch.arange(rows, device=device), row_runs)
+    run_in_row = (
+        torch.arange(run_row.numel(), device=device)
+        - (torch.cumsum(row_runs, 0) - row_runs)[run_row]
+    )
+    which = segment_start.repeat_interleave(queries_per_kv)[run_row] + run_in_row
+    offsets = torch.arange(bs, device=device, dtype=torch.int32)
+    cols = (start[which, None] + offsets).view(-1)
+    row_ids = run_row[:, None].expand(-1, bs).reshape(-1)
+    row_lens = row_runs * bs
+    crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    torch.cumsum(row_lens, 0, out=crow[1:])
+    # Entries outside the context: only in the few runs whose block is cut.
+    end, skip = end[which], skip[which]
+    (cut,) = ((end < bs) | (skip > 0)).nonzero(as_tuple=True)
+    outside = (offsets >= end[cut, None]) | (offsets < skip[cut, None])
+    masked = (cut[:, None] * bs + offsets)[outside]
+    return DecodePattern(
+        crow, cols, row_ids, row_lens, torch.zeros(cols.numel(), device=device), masked
+    )
