@@ -9,7 +9,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from etinfer.config import EngineConfig
-from etinfer.engine.llm_engine import LLMEngine, Prompt
+from etinfer.engine.llm_engine import LLMEngine
+from etinfer.engine.request_validator import Prompt
 from etinfer.model.loader import LoadedModel
 from etinfer.model.tokenizer import Message, Tokenizer
 from etinfer.outputs import RequestOutput
@@ -60,10 +61,10 @@ class LLM:
         params = self._params_per_prompt(params, len(prompts))
         priorities = self._per_prompt("priority", priority, len(prompts))
         slos = self._per_prompt("slo", slo, len(prompts))
-        encoded = [self.engine.encode_prompt(p)[1] for p in prompts]
+        encoded = [self.engine.validator.encode_prompt(p)[1] for p in prompts]
         for ids, p, rank, deadline in zip(encoded, params, priorities, slos, strict=True):
-            self.engine.check_request(ids, p)
-            self.engine.check_scheduling(rank, deadline)
+            self.engine.validator.check_request(ids, p)
+            self.engine.validator.check_scheduling(rank, deadline)
         request_ids: list[str] = []
         try:
             for prompt, ids, p, rank, deadline in zip(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
 
 from etinfer import LLM
+from etinfer.model.decode_pattern import DecodePattern
 from etinfer.model.loader import LoadedModel, default_model_path, load_model
 
 # Prompts of varied kinds and lengths; their greedy continuations do not end within 64 tokens
@@ -94,6 +96,14 @@ def hf_reference(loaded_model: LoadedModel):
     )
     model.eval()
     return model
+
+
+def rows_read(pattern: DecodePattern) -> list[list[int]]:
+    """Per query row of a decode pattern, the cache rows it attends to (masked entries out)."""
+    inside = torch.ones(pattern.nnz, dtype=torch.bool)
+    inside[pattern.masked] = False
+    bounds = pattern.crow.tolist()
+    return [pattern.cols[a:b][inside[a:b]].tolist() for a, b in itertools.pairwise(bounds)]
 
 
 def assert_pool_free(llm: LLM) -> None:

@@ -13,6 +13,7 @@ from etinfer.model.paged_attention import (
     PrefillChunk,
     prefill_mask,
 )
+from tests.conftest import rows_read
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 
@@ -156,7 +157,7 @@ def test_pattern_rows_list_each_heads_context_slots():
     num_slots = 4 * BLOCK
     visible = visible_blocks(blocks, KV_HEADS)
     pattern = build_decode_pattern(blocks, visible, HEADS // KV_HEADS, num_slots)
-    rows = pattern.rows_read()
+    rows = rows_read(pattern)
     assert [len(row) for row in rows] == [6] * HEADS + [2] * HEADS
     assert rows[0] == [12, 13, 14, 15, 4, 5]  # sequence 0, head 0 (KV head 0)
     assert rows[-1] == [num_slots + 8, num_slots + 9]  # sequence 1, the last head: KV head 1

@@ -20,6 +20,7 @@ from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention, PruningTelemetry
+from tests.conftest import rows_read
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 GROUP = HEADS // KV_HEADS
@@ -177,7 +178,7 @@ def test_block_pattern_equals_token_level_reference():
     for use_window in (None, window):
         visible = visible_blocks(blocks, KV_HEADS, mask, use_window)
         pattern = build_decode_pattern(blocks, visible, GROUP, cache.num_slots, use_window)
-        rows = pattern.rows_read()
+        rows = rows_read(pattern)
         for i, n in enumerate(lengths):
             for h in range(HEADS):
                 kv = h // GROUP

@@ -19,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Iterator
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -36,16 +34,14 @@ from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.model_runner import AttentionStats, ModelRunner, StepResult
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
+from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
-from etinfer.engine.sequence import Sequence
+from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
-from etinfer.validation import check_float, check_int
-
-Prompt = str | Seq[int]
 
 
 class LLMEngine:
@@ -75,6 +71,9 @@ class LLMEngine:
             // (loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize) * config.block_size),
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.validator = RequestValidator(
+            self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.kv
+        )
         policy = SCHEDULING_POLICIES.create(
             config.policy_name,
             config=config.control.scheduling_config,
@@ -129,46 +128,6 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """Validate a prompt and return (text or None, token ids)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt) if prompt else []
-            if not ids:
-                raise ValueError("prompt must not be empty (it encodes to no tokens)")
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab - 1}]")
-        return None, ids
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what could never finish: a prompt without room to generate, or a request the
-        whole KV pool cannot hold (it would be preempted forever)."""
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
-                f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
-            )
-        # The last generated token is never computed, so it needs no slot.
-        longest = min(n + params.max_tokens, self.max_model_len) - 1
-        needed = self.kv.blocks_needed(longest)
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks ({n} prompt tokens + max_tokens "
-                f"{params.max_tokens} - 1, {self.block_size} tokens per block) but "
-                f"num_kvcache_blocks is {self.num_blocks}; lower max_tokens or enlarge the pool"
-            )
-
-    @staticmethod
-    def check_scheduling(priority: int, slo: float | None) -> None:
-        check_int("priority", priority)
-        if slo is not None:
-            check_float("slo", slo, low=0.0, low_open=True)
-
     def add_request(
         self,
         prompt: Prompt,
@@ -192,17 +151,17 @@ class LLMEngine:
         each runs as a decode step and counts towards ``max_tokens``. ``priority`` (lower first,
         as in vLLM) and ``slo`` (seconds from arrival to finish) are read by the entropy
         scheduling policy; FCFS ignores them."""
-        self.check_scheduling(priority, slo)
+        self.validator.check_scheduling(priority, slo)
         if delta and not stream:
             raise ValueError("delta outputs need stream=True")
         params = self._with_control(params or SamplingParams())
         if prompt_token_ids is None:
-            text, ids = self.encode_prompt(prompt)
+            text, ids = self.validator.encode_prompt(prompt)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
-        self.check_request(ids, params)
-        if forced_token_ids is not None:
-            _, forced_token_ids = self.encode_prompt(forced_token_ids)  # validates the ids
+        self.validator.check_request(ids, params)
+        if forced_token_ids is not None:  # validated as token ids of a prompt would be
+            _, forced_token_ids = self.validator.encode_prompt(forced_token_ids)
         if request_id is None:
             request_id = self._new_request_id()
         elif request_id in self._requests:
@@ -252,7 +211,7 @@ class LLMEngine:
     def score(self, prompt: Prompt) -> torch.Tensor:
         """Logits [tokens, vocab] at every position of ``prompt`` in one prefill (teacher
         forcing): row i is the distribution of token i + 1. Runs between steps, on free blocks."""
-        _, ids = self.encode_prompt(prompt)
+        _, ids = self.validator.encode_prompt(prompt)
         if len(ids) > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}"
@@ -321,22 +280,15 @@ class LLMEngine:
         outputs = self._measure(batch, result)
         if self.observers:
             self.observers.notify(
-                StepRecord(
-                    step=record.step,
-                    control=record,
-                    decisions=decisions,
-                    request_ids=tuple(seq.request_id for seq in batch.seqs),
-                    starts=tuple(starts),
-                    num_tokens=tuple(batch.num_tokens),
-                    num_decode=batch.num_decode,
-                    preempted=tuple(seq.request_id for seq in batch.preempted),
-                    sampled=tuple(batch.sampled),
-                    measured=result.output,
-                    attention=result.attention,
+                StepRecord.of(
+                    record,
+                    decisions,
+                    batch,
+                    starts,
+                    result,
                     free_blocks=free_blocks,
-                    wall_time=time.perf_counter() - started,
-                    cpu_time=time.process_time() - started_cpu,
-                    logits=result.logits if self.observers.want_logits else None,
+                    since=(started, started_cpu),
+                    logits=self.observers.want_logits,
                 )
             )
         return outputs
@@ -372,9 +324,10 @@ class LLMEngine:
         sampled = [batch.seqs[i] for i in batch.sampled]
         now = time.perf_counter()
         logprobs = self._logprobs(sampled, out)
+        stop = StopRule(self.tokenizer.eos_token_ids, self.max_model_len)
         outputs = []
         for row, seq in enumerate(sampled):
-            self._append(seq, row, out, logprobs, now)
+            seq.append_sampled(out, row, None if logprobs is None else logprobs[row], now, stop)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
@@ -386,46 +339,15 @@ class LLMEngine:
 
     @staticmethod
     def _record_attention(stats: AttentionStats) -> None:
-        """Per decoding sequence: the share of its context's blocks attended to this step (over
-        all layers and KV heads) and the bound on the attention mass any layer dropped."""
         for i, seq in enumerate(stats.seqs):
-            if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens:
-                continue  # a one-token prefill or recompute chunk, not a generated token's step
-            kept = sum(layer[i] for layer in stats.kept)
-            total = sum(layer[i] for layer in stats.total)
-            seq.blocks_kept.append(kept / total if total else 1.0)
-            seq.dropped_mass.append(max(layer[i] for layer in stats.dropped_mass))
+            seq.record_attention(
+                sum(layer[i] for layer in stats.kept),
+                sum(layer[i] for layer in stats.total),
+                max(layer[i] for layer in stats.dropped_mass),
+            )
 
     def _logprobs(self, sampled: list[Sequence], out: SamplerOutput) -> list | None:
         if out.logprobs is None:
             return None
         counts = [seq.params.logprobs for seq in sampled]
         return out.logprobs.to_host(out.token_ids, counts, self.tokenizer.token_text)
-
-    def _append(
-        self, seq: Sequence, row: int, out: SamplerOutput, logprobs: list | None, now: float
-    ) -> None:
-        token = out.token_ids[row]
-        if seq.forced:
-            seq.forced.pop()  # the sampler already put it in place of a sampled token
-        seq.token_ids.append(token)
-        seq.entropies.append(out.entropies[row])
-        seq.tempered_entropies.append(out.tempered_entropies[row])
-        seq.temperatures.append(out.temperatures[row])
-        seq.profile.update(out.predictive_entropy[row], out.predictive_entropy_upper[row])
-        if not math.isnan(out.states[row]):
-            seq.temperature_state = out.states[row]
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs[row])
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        params = seq.params
-        hit_stop_string = seq.detokenizer.append(token)
-        if (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
-            or hit_stop_string
-        ):
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"

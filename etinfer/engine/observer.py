@@ -8,14 +8,16 @@ needs the step's logits says so when it registers; the others cost nothing extra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from etinfer.control.record import ControlRecord, StepDecisions
-from etinfer.engine.model_runner import AttentionStats
+from etinfer.engine.model_runner import AttentionStats, StepResult
 from etinfer.engine.sampler import SamplerOutput
+from etinfer.engine.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,38 @@ class StepRecord:
     wall_time: float  # seconds in the engine's step, this one
     cpu_time: float  # CPU seconds this process spent in it
     logits: torch.Tensor | None  # [sampled rows, vocab], for observers that asked for them
+
+    @classmethod
+    def of(
+        cls,
+        control: ControlRecord,
+        decisions: StepDecisions,
+        batch: ScheduledBatch,
+        starts: list[int],
+        result: StepResult,
+        *,
+        free_blocks: int,
+        since: tuple[float, float],
+        logits: bool,
+    ) -> StepRecord:
+        """The record of a step that began at ``since`` (perf_counter, process_time)."""
+        return cls(
+            step=control.step,
+            control=control,
+            decisions=decisions,
+            request_ids=tuple(seq.request_id for seq in batch.seqs),
+            starts=tuple(starts),
+            num_tokens=tuple(batch.num_tokens),
+            num_decode=batch.num_decode,
+            preempted=tuple(seq.request_id for seq in batch.preempted),
+            sampled=tuple(batch.sampled),
+            measured=result.output,
+            attention=result.attention,
+            free_blocks=free_blocks,
+            wall_time=time.perf_counter() - since[0],
+            cpu_time=time.process_time() - since[1],
+            logits=result.logits if logits else None,
+        )
 
     @property
     def prefill_tokens(self) -> int:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import enum
+import math
+from typing import NamedTuple
 
 import torch
 
 from etinfer.control.entropy_profile import EntropyProfile
 from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
+from etinfer.engine.sampler import SamplerOutput
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
+
+
+class StopRule(NamedTuple):
+    """What ends every request of an engine, besides its own sampling parameters."""
+
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
 
 
 class SequenceStatus(enum.Enum):
@@ -79,6 +89,49 @@ class Sequence:
         self.block_budget: int | None = None
         self.blocks_kept: list[float] = []  # per generated token, when pruning is on
         self.dropped_mass: list[float] = []
+
+    def append_sampled(
+        self,
+        out: SamplerOutput,
+        row: int,
+        logprobs: dict[int, Logprob] | None,
+        now: float,
+        stop: StopRule,
+    ) -> None:
+        """Take the token this step sampled for it (row ``row`` of ``out``), with what the
+        sampler measured (the entropy signal into the profile, the temperature law's state),
+        and finish if the token ends the request."""
+        token = out.token_ids[row]
+        if self.forced:
+            self.forced.pop()  # the sampler already put it in place of a sampled token
+        self.token_ids.append(token)
+        self.entropies.append(out.entropies[row])
+        self.tempered_entropies.append(out.tempered_entropies[row])
+        self.temperatures.append(out.temperatures[row])
+        self.profile.update(out.predictive_entropy[row], out.predictive_entropy_upper[row])
+        if not math.isnan(out.states[row]):
+            self.temperature_state = out.states[row]
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        params = self.params
+        if (
+            self.detokenizer.append(token)  # a stop string
+            or token in params.stop_token_ids
+            or (not params.ignore_eos and token in stop.eos_token_ids)
+        ):
+            self.finish_reason = "stop"
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= stop.max_model_len:
+            self.finish_reason = "length"
+
+    def record_attention(self, kept: float, total: float, dropped_mass: float) -> None:
+        """One decode step's attention: (block, KV head) pairs kept and in context over all
+        layers, and the bound on the attention mass any layer dropped."""
+        if self.num_output_tokens == 0 or self.num_computed_tokens < self.num_tokens:
+            return  # a one-token prefill or recompute chunk, not a generated token's step
+        self.blocks_kept.append(kept / total if total else 1.0)
+        self.dropped_mass.append(dropped_mass)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,6 @@ less, not just mask more.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +35,6 @@ class DecodePattern:
     @property
     def nnz(self) -> int:
         return self.cols.numel()
-
-    def rows_read(self) -> list[list[int]]:
-        """Per row, the cache rows it attends to (the masked entries left out); for inspection."""
-        inside = torch.ones(self.nnz, dtype=torch.bool, device=self.cols.device)
-        inside[self.masked] = False
-        bounds = self.crow.tolist()
-        return [self.cols[a:b][inside[a:b]].tolist() for a, b in itertools.pairwise(bounds)]
 
 
 def visible_blocks(

@@ -151,7 +151,7 @@ class OpenAIServing:
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         try:
-            return [self.engine.encode_prompt(p) for p in prompt]
+            return [self.engine.validator.encode_prompt(p) for p in prompt]
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
 
@@ -209,7 +209,7 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
             try:
-                self.engine.check_request(ids, prompt_params)
+                self.engine.validator.check_request(ids, prompt_params)
             except ValueError as e:
                 raise APIError(400, str(e), param=max_tokens_param) from e
             for i in range(request.n):

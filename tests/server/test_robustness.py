@@ -21,7 +21,7 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
 from etinfer.server import create_app
-from tests.test_server import (
+from tests.server.conftest import (
     API_KEY,
     AUTH,
     MAX_MODEL_LEN,
@@ -32,17 +32,6 @@ from tests.test_server import (
 )
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-@pytest.fixture(scope="module")
-def engine(loaded_model: LoadedModel) -> LLMEngine:
-    return make_engine(loaded_model)
-
-
-@pytest.fixture(scope="module")
-def server(engine: LLMEngine):
-    with ServerThread(create_app(engine, api_key=API_KEY)) as running:
-        yield running
 
 
 def assert_healthy(server: ServerThread, engine: LLMEngine) -> None:

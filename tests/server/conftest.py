@@ -1,0 +1,131 @@
+"""The server under test: a real uvicorn server on a free loopback port over the real default
+model, the official ``openai`` client, and helpers shared by the server's test modules. Each
+module gets its own engine and server (module-scoped fixtures)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx2
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from etinfer.config import EngineConfig
+from etinfer.engine.llm_engine import LLMEngine
+from etinfer.model.loader import LoadedModel
+from etinfer.server import create_app
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GREEDY_PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+# Generous bounds for waiting on a state change, on a shared 2-core machine: they only stop a
+# broken test from hanging, no assertion depends on them.
+SETTLE_S = 120.0
+
+
+class ServerThread:
+    """A real uvicorn server on a free loopback port, run in a thread of this process."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        # Bound here and handed to uvicorn, so no other process can take the port in between.
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_for(lambda: self.server.started, "the server to start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.socket.close()
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, summed over labels."""
+        values: dict[str, float] = {}
+        text = httpx2.get(f"{self.url}/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    def wait_idle(self) -> dict[str, float]:
+        """Wait until nothing runs, waits or holds a KV block; return the metrics then."""
+        result = {}
+
+        def idle() -> bool:
+            result.update(self.metrics())
+            return (
+                result["etinfer:num_requests_running"] == 0
+                and result["etinfer:num_requests_waiting"] == 0
+                and result["etinfer:kv_cache_usage_perc"] == 0
+            )
+
+        wait_for(idle, "the server to go idle")
+        return result
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def make_engine(loaded: LoadedModel, **kwargs) -> LLMEngine:
+    kwargs = {"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 1024, **kwargs}
+    return LLMEngine(EngineConfig(model=str(loaded.path), **kwargs), loaded)
+
+
+def assert_engine_drained(engine: LLMEngine) -> None:
+    """Only call while the server is idle: the engine thread is then blocked, waiting."""
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert all(count == 0 for count in engine.kv.pool.ref_counts)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model: LoadedModel) -> LLMEngine:
+    return make_engine(loaded_model)
+
+
+@pytest.fixture(scope="module")
+def server(engine: LLMEngine):
+    with ServerThread(create_app(engine, api_key=API_KEY)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    # No retries: a retried 5xx would hide exactly what these tests look for.
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def post(server: ServerThread, path: str, body: dict | bytes, **kwargs) -> httpx2.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {**AUTH, "Content-Type": "application/json"}
+    return httpx2.post(f"{server.url}{path}", content=content, headers=headers, **kwargs)
