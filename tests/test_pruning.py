@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etinfer.control.block_selection import (
+    DenseSelector,
     EntropicSelector,
     PruningConfig,
     block_budget,
@@ -202,18 +203,26 @@ def last_slots(tables: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     )
 
 
-def test_dropped_mass_bound_holds_and_certifies():
-    lengths = [64, 40]
-    cache, tables = filled_cache(lengths, seed=7)
-    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([5, 3]), 5)
-    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
-    telemetry = PruningTelemetry.empty(1, blocks, visible_blocks(blocks, KV_HEADS))
+def decode_inputs(lengths: list[int], budgets: list[int], seed: int):
+    """A filled cache and one decode step over it: the layout with ``budgets``, random queries,
+    the current tokens' slots, keys and values, and the dense pattern."""
+    cache, tables = filled_cache(lengths, seed=seed)
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), max(budgets))
+    generator = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(len(lengths), HEADS, DIM, generator=generator)
     last = last_slots(tables, lengths)
     keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
+    dense = build_decode_pattern(blocks, visible_blocks(blocks, KV_HEADS), GROUP, cache.num_slots)
+    return cache, tables, blocks, query, last, keys, values, dense
+
+
+def test_dropped_mass_bound_holds_and_certifies():
+    lengths = [64, 40]
+    cache, tables, blocks, query, last, keys, values, dense = decode_inputs(lengths, [5, 3], 7)
+    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
     visible = visible_blocks(blocks, KV_HEADS)
-    dense = build_decode_pattern(blocks, visible, GROUP, cache.num_slots)
+    telemetry = PruningTelemetry.empty(1, blocks, visible)
     meta = AttentionMetadata(last, 2, blocks, dense, [], None, telemetry)
     attention(0, query, keys, values, cache, meta)
     mask = attention.selector.select(0, query, blocks, cache.summaries(0)).mask
@@ -231,18 +240,10 @@ def test_dropped_mass_bound_holds_and_certifies():
 
 
 def test_keeping_every_block_equals_dense_exactly():
-    lengths = [64, 40]
-    cache, tables = filled_cache(lengths, seed=3)
+    cache, _, blocks, query, last, keys, values, dense = decode_inputs([64, 40], [16, 10], 3)
     everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor([16, 10]), 16)
-    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(2))
-    last = last_slots(tables, lengths)
-    keys, values = cache.keys[0][:, last].transpose(0, 1), cache.values[0][:, last].transpose(0, 1)
-    dense = build_decode_pattern(blocks, visible_blocks(blocks, KV_HEADS), GROUP, cache.num_slots)
     outs = []
     for selector in (EntropicSelector(everything), None):
-        from etinfer.control.block_selection import DenseSelector
-
         attention = PagedAttention(HEADS, KV_HEADS, DIM, selector or DenseSelector())
         outs.append(
             attention(0, query, keys, values, cache, AttentionMetadata(last, 2, blocks, dense, []))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from etinfer.control.block_selection import EntropicSelector, PruningConfig
-from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
 from etinfer.model.kv_cache import KVCache
 
 
@@ -22,14 +21,9 @@ class OracleSelector(EntropicSelector):
         super().__init__(config)
         self.cache = cache
 
-    def block_scores(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        blocks: DecodeBlocks,
-        summaries: BlockSummaries,
-        bounds: torch.Tensor,
-    ) -> torch.Tensor:
+    def block_scores(self, layer, query, blocks, summaries, bounds) -> torch.Tensor:
+        """Each block's exact attention mass this step, the most any head of its group gives
+        it: [seqs, kv_heads, max_blocks]."""
         seqs, heads, dim = query.shape
         tables, bs = blocks.block_tables, blocks.block_size
         kv_heads = self.cache.keys.shape[1]

@@ -33,7 +33,6 @@ where each sequence's budget is planned (``plan_budget``):
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ import torch
 
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
-from etinfer.model.block_layout import BlockSummaries, DecodeBlocks, Selection
+from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
 from etinfer.validation import check_choice, check_float, check_int
 
 SCORERS = ("bound", "mass")
@@ -114,11 +113,12 @@ def plan_budget(
     return block_budget(predictive_entropy_upper, in_context, previous, config)
 
 
-class BlockSelector(ABC):
-    """A decode-pruning layer: block budgets once per step, the blocks themselves per layer."""
+class BlockSelector(AttentionSelector):
+    """A decode-pruning layer: block budgets once per step (``plan_budgets``), the blocks
+    themselves in every layer (``select``, the model's per-layer hook)."""
 
-    needs_summaries = False  # the cache keeps key bounds and masses per block for it
-    observes_mass = False  # attention records each attended block's mass for it
+    needs_summaries = False
+    observes_mass = False
 
     def plan_budgets(
         self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
@@ -126,18 +126,6 @@ class BlockSelector(ABC):
         """Per-step hook: how many blocks each decoding sequence keeps this step, from its
         entry in the record; None when none prunes."""
         return None
-
-    @abstractmethod
-    def select(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        blocks: DecodeBlocks,
-        summaries: BlockSummaries | None,
-    ) -> Selection | None:
-        """Per-layer hook (``AttentionSelector``): the blocks to attend to, a mask of [num_seqs,
-        num_kv_heads, max_blocks], or None to attend to every block. ``query`` is [num_seqs,
-        num_heads, head_dim]."""
 
 
 BLOCK_SELECTORS: Registry[BlockSelector] = Registry("block selector")

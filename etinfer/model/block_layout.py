@@ -7,6 +7,7 @@ hook it calls; the control layer (``etinfer.control.block_selection``) implement
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,7 @@ class AttentionSelector(Protocol):
     needs_summaries: bool  # the cache keeps key bounds and masses per block for it
     observes_mass: bool  # attention records each attended block's mass for it
 
+    @abstractmethod
     def select(
         self,
         layer: int,

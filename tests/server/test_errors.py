@@ -11,6 +11,7 @@ import pytest
 
 from etinfer.config import ControlConfig
 from etinfer.control.scheduling import SchedulingConfig
+from etinfer.engine.observer import StepRecord
 from etinfer.model.loader import LoadedModel
 from etinfer.server import create_app
 from tests.server.conftest import (
@@ -162,13 +163,11 @@ def test_priority_and_slo_reach_the_scheduler(loaded_model: LoadedModel) -> None
     control = ControlConfig(scheduling=SchedulingConfig(aging_steps=1e6, aging_backlog=0.0))
     engine = make_engine(loaded_model, max_num_seqs=1, control=control)
     seen: dict[str, tuple[int, float | None]] = {}
-    add_request = engine.add_request
 
-    def spy(*args, **kwargs) -> str:
-        seen[kwargs["request_id"]] = (kwargs["priority"], kwargs["slo"])
-        return add_request(*args, **kwargs)
+    def scheduled(step: StepRecord) -> None:  # what the scheduling policy saw of each request
+        seen.update({seq.request_id: (seq.priority, seq.slo) for seq in step.control.seqs})
 
-    engine.add_request = spy
+    engine.add_observer(scheduled)
     finished: list[str] = []
 
     def send(name: str, max_tokens: int, extra: dict, n: int) -> None:
