@@ -145,12 +145,11 @@ class LLMEngine:
         """Queue a request. With ``stream`` every step that extends it yields an output: the
         whole output so far, or with ``delta`` only what the step added (constant work per
         step, where a whole output costs its length); otherwise it yields one when it finishes.
-        ``prompt_token_ids``, when given, are the
-        already-validated encoding of ``prompt`` (which is then kept only for the output).
-        ``forced_token_ids`` are appended as if sampled, one per step, before sampling resumes:
-        each runs as a decode step and counts towards ``max_tokens``. ``priority`` (lower first,
-        as in vLLM) and ``slo`` (seconds from arrival to finish) are read by the entropy
-        scheduling policy; FCFS ignores them."""
+        ``prompt_token_ids``, when given, are the already-validated encoding of ``prompt``
+        (which is then kept only for the output). ``forced_token_ids`` are appended as if
+        sampled, one per step, before sampling resumes: each runs as a decode step and counts
+        towards ``max_tokens``. ``priority`` (lower first, as in vLLM) and ``slo`` (seconds
+        from arrival to finish) are read by the entropy scheduling policy; FCFS ignores them."""
         self.validator.check_scheduling(priority, slo)
         if delta and not stream:
             raise ValueError("delta outputs need stream=True")

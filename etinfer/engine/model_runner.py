@@ -65,10 +65,9 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         calibration_temperature: float = 1.0,
-        block_summaries: bool = False,
     ) -> None:
-        """``block_summaries``: the cache keeps per-block key bounds and masses, which lets
-        any selector be installed later (``set_selector``), not only ``selector``."""
+        """The cache keeps per-block summaries if ``selector`` scores blocks: then any other
+        selector can be installed later (``set_selector``)."""
         self.config = config
         self.device = device
         self.block_size = block_size
@@ -84,7 +83,7 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
-            summaries=block_summaries or selector.needs_summaries,
+            summaries=selector.needs_summaries,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
 
