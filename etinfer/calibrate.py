@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from etinfer import options
 from etinfer.control.calibration import (
     Calibration,
     expected_calibration_error,
@@ -79,7 +80,7 @@ def calibrate(
 def run(args: argparse.Namespace) -> int:
     from etinfer.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
+    engine = LLMEngine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
     result = calibrate(engine, args.fit_tokens, args.eval_tokens, args.window)
     result.save(args.output)
     print(
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_command(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("calibrate", help="fit the post-hoc temperature on held-out text")
-    parser.add_argument("--model")
-    parser.add_argument("--device", default="auto")
+    # Calibration measures the model itself: no control layers, no earlier calibration.
+    options.add_engine_options(parser, exclude=("control", "calibration"))
     parser.add_argument("--output", default="calibration.json")
     parser.add_argument("--fit-tokens", type=int, default=4096)
     parser.add_argument("--eval-tokens", type=int, default=4096)

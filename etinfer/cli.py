@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from etinfer import options
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
@@ -38,27 +39,6 @@ def entropy_summary(out: RequestOutput, elapsed: float) -> str:
     return "\n".join(lines)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="a .gguf file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-    }
-
-
 def generate(args: argparse.Namespace) -> int:
     from etinfer.llm import LLM
 
@@ -78,7 +58,7 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **options.engine_kwargs(args))
     if args.chat:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     if len(prompts) == 1:
@@ -108,18 +88,11 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from etinfer.config import ControlConfig, EngineConfig
+    from etinfer.config import EngineConfig
     from etinfer.engine.llm_engine import LLMEngine
     from etinfer.server import serve as run_server
 
-    control = {
-        "baseline": ControlConfig(),
-        "sampling": ControlConfig(sampling=True),
-        "pruning": ControlConfig(pruning=True),
-        "scheduling": ControlConfig(scheduling=True),
-        "full": ControlConfig.full(),
-    }[args.control]
-    engine = LLMEngine(EngineConfig(model=args.model, control=control, **_engine_kwargs(args)))
+    engine = LLMEngine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
     run_server(
         engine,
         host=args.host,
@@ -148,14 +121,8 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         default=256,
         help="requests queued beyond this are refused with 503",
     )
-    parser.add_argument(
-        "--control",
-        choices=["baseline", "sampling", "pruning", "scheduling", "full"],
-        default="baseline",
-        help="entropy control layers to switch on",
-    )
     parser.add_argument("--log-level", default="info")
-    _add_engine_args(parser)
+    options.add_engine_options(parser)
     parser.set_defaults(func=serve)
 
 
@@ -172,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
-    _add_engine_args(gen)
+    gen.add_argument("--seed", type=int, help="of sampling (the engine's own seed stays 0)")
+    options.add_engine_options(gen, exclude=("seed",))
     gen.set_defaults(func=generate)
 
     _add_serve_command(commands)

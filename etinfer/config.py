@@ -69,22 +69,49 @@ class EngineConfig:
     the pool lazily, so an unused part costs address space, not memory; on CUDA it is reserved.
     """
 
-    model: str | None = None  # path to a .gguf file or a Hugging Face folder; None: the default
-    dtype: str = "auto"  # of the weights; "auto" is float32 (the checked path, CPU and CUDA)
-    device: str = "auto"  # cuda when available, else cpu
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kvcache_blocks: int | None = None
-    kv_cache_gib: float = 4.0
-    max_num_seqs: int = 64
+    model: str | None = field(
+        default=None,
+        metadata={"help": "a .gguf file or Hugging Face folder (default: SmolLM2-135M-Instruct)"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "of the weights: auto (float32), float32, bfloat16, float16"},
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (cuda when available), cpu, cuda[:N]"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest sequence (default: the model's context length)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kvcache_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV cache blocks in the pool (default: as many as fit in kv_cache_gib)"},
+    )
+    kv_cache_gib: float = field(
+        default=4.0, metadata={"help": "KV pool size in GiB when num_kvcache_blocks is not set"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences one step may run"})
     # One chunk of prefill per step is bounded by this; on two CPU cores 1,024 tokens take about
     # a third of a second, which is the stall a running stream sees when a long prompt arrives.
-    max_num_batched_tokens: int = 1024
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    calibration: str | None = None  # a file from `etinfer calibrate`: rescales the control signal
-    control: ControlConfig = field(default_factory=ControlConfig)
+    max_num_batched_tokens: int = field(
+        default=1024, metadata={"help": "tokens one step may compute (bounds a prefill chunk)"}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of prompts that share a prefix"}
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "by name: fcfs, entropy (the scheduling control layer wins)"},
+    )
+    seed: int = field(default=0, metadata={"help": "of sampling, for requests without a seed"})
+    calibration: str | None = field(
+        default=None,
+        metadata={"help": "a file from `etinfer calibrate`: rescales the control signal"},
+    )
+    control: ControlConfig = field(
+        default_factory=ControlConfig, metadata={"help": "entropy control layers to switch on"}
+    )
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from etinfer.cli import main, sparkline
+from etinfer import ControlConfig, options
+from etinfer.cli import build_parser, main, sparkline
+from etinfer.config import EngineConfig
 
 
 def etinfer(*args: str) -> subprocess.CompletedProcess:
@@ -46,3 +48,19 @@ def test_bad_arguments_exit_with_a_message(capsys):
 )
 def test_sparkline_scales_to_the_ceiling(values, expected):
     assert sparkline(values, max(values)) == expected
+
+
+def test_commands_share_the_engine_options():
+    parser = build_parser()
+    serve = parser.parse_args(
+        ["serve", "--control", "full", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+    )
+    assert EngineConfig(model=serve.model, **options.engine_kwargs(serve)) == EngineConfig(
+        control=ControlConfig.full(), max_num_seqs=8, enable_prefix_caching=False
+    )
+    generate = parser.parse_args(["generate", "--seed", "5", "--dtype", "float16", "hi"])
+    assert generate.seed == 5 and "seed" not in options.engine_kwargs(generate)  # sampling's
+    assert options.engine_kwargs(generate)["dtype"] == "float16"
+    assert parser.parse_args(["bench", "serving"]).max_num_seqs == 16
+    ablation = parser.parse_args(["bench", "ablation", "--output", "out", "--kv-blocks", "7"])
+    assert ablation.num_kvcache_blocks == 7 and ablation.threads == 1

@@ -1,5 +1,5 @@
-"""The serving workload generator, trace replay, metrics, the HTTP driver (against a stub server)
-and one end-to-end run of ``etinfer bench serving`` on the real model."""
+"""The serving workload generator, trace replay, metrics, the server driver (against a stub
+server) and one end-to-end run of ``etinfer bench serving`` on the real model."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 from etinfer.bench import serving, workload
-from etinfer.bench.serving import METRICS, RequestRecord, drive_http, summarize
+from etinfer.bench.driver import Request, RequestRecord, drive_server
+from etinfer.bench.serving import METRICS, summarize
 from etinfer.bench.serving_sweep import saturated_capacity
 from etinfer.bench.workload import TextPrompts, WorkloadRequest
 from etinfer.control.scheduling import SchedulingConfig
+from etinfer.sampling_params import SamplingParams
 
 
 def lengths(requests, field):
@@ -142,41 +144,61 @@ def test_scheduling_overrides_reach_the_entropy_policy_only():
         serving.engine_kwargs(args)
 
 
-class StubCompletions(BaseHTTPRequestHandler):
-    """Streams one text chunk per requested token, then usage, as an OpenAI server does."""
+class StubServer(BaseHTTPRequestHandler):
+    """Streams one chunk of text per requested token, then usage, as an OpenAI server does, for
+    completions and chat completions."""
 
-    bodies: ClassVar[list[dict]] = []
+    bodies: ClassVar[dict[str, dict]] = {}
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.bodies.append(body)
+        self.bodies[self.path] = body
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for _ in range(body["max_tokens"]):
-            self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
-        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        chat = self.path.endswith("/chat/completions")
+        choice = {"index": 0, **({"delta": {"content": "x"}} if chat else {"text": "x"})}
+        n = body["max_tokens"]
+        for chunk in [{"choices": [choice]}] * n + [{"choices": [], "usage": _usage(n)}]:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args) -> None:
         pass
 
 
-def test_http_driver_streams_completions_from_a_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StubCompletions)
+def _usage(n: int) -> dict:
+    return {"completion_tokens": n, "prompt_tokens": 1, "total_tokens": n + 1}
+
+
+def test_server_driver_streams_completions_and_chat_from_a_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    requests = [
+        Request(0.0, [1, 2, 3], params),
+        Request(0.05, "Hello.", SamplingParams(temperature=0, max_tokens=6, top_k=5)),
+    ]
+    url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        requests = [WorkloadRequest(0.0, 3, 4), WorkloadRequest(0.05, 2, 6)]
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        records, duration = drive_http(url, "m", requests, [[1, 2, 3], [4, 5]])
+        records, duration = drive_server(url, requests, model="m")
+        with pytest.raises(ValueError, match="forced tokens"):
+            drive_server(url, [Request(0.0, [1], params, forced=[2])], model="m")
     finally:
         server.shutdown()
     assert [r.output_tokens for r in records] == [4, 6]
     assert all(r.ok and 0 < r.ttft <= r.e2e for r in records)
+    assert [len(r.itl) for r in records] == [3, 5]
     assert duration >= 0.05
-    sent = sorted(StubCompletions.bodies, key=lambda b: b["max_tokens"])
-    assert [b["prompt"] for b in sent] == [[1, 2, 3], [4, 5]]
-    assert all(b["ignore_eos"] and b["stream"] for b in sent)
+    completion, chat = (
+        StubServer.bodies["/v1/completions"],
+        StubServer.bodies["/v1/chat/completions"],
+    )
+    assert completion["prompt"] == [1, 2, 3] and completion["ignore_eos"] is True
+    assert completion["temperature"] == 1.0 and completion["max_tokens"] == 4
+    assert completion["stream"] and completion["stream_options"] == {"include_usage": True}
+    assert chat["messages"] == [{"role": "user", "content": "Hello."}]
+    assert chat["temperature"] == 0 and chat["top_k"] == 5 and "ignore_eos" not in chat
 
 
 def test_bench_serving_end_to_end(tmp_path):

@@ -9,10 +9,11 @@ control layer alone, and all three. Each run gets a fresh engine, so no run inhe
 prefix cache or random state. Repeats run the configurations in a rotated order, so a slow
 spell of this shared machine does not always land on the same configuration.
 
-The engine runs in this process, as in ``bench serving``: a request is added once its arrival time
-has passed on the run's clock, and the engine steps while it has work (``bench/ablation_runner.py``,
-which also meters each step's work); ``bench/ablation_metrics.py`` turns runs into figures and
-``bench/ablation_report.py`` into tables and plots.
+The engine runs in this process, driven as in ``bench serving`` (``bench/driver.py``): a request
+is added once its arrival time has passed on the run's clock, and the engine steps while it has
+work. ``bench/ablation_runner.py`` runs one configuration and meters each step's work;
+``bench/ablation_metrics.py`` turns runs into figures and ``bench/ablation_report.py`` into
+tables and plots.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from etinfer import options
 from etinfer.bench import ablation_metrics, ablation_report, ablation_workload
-from etinfer.bench.ablation_runner import CLOCKS, Run, run_once
+from etinfer.bench.ablation_runner import Run, run_once
 from etinfer.bench.ablation_workload import AblationRequest
+from etinfer.bench.driver import CLOCKS
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
 from etinfer.model.loader import LoadedModel, load_model
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     # each other whenever another process holds a core (a quick run took 5.7 minutes with two,
     # 53 s with one, at a load average of 5), and one thread makes the CPU time of a step its
     # own work, which is what eta divides by.
-    torch.set_num_threads(args.threads)
+    options.set_threads(args)
     loaded = loaded or load_model(args.model)
     mode = "quick" if args.quick else "full"
     sizes = ablation_workload.QUICK if args.quick else ablation_workload.FULL
@@ -114,11 +117,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     repeats = args.repeats or (1 if args.quick else 2)
     pruning = PruningConfig(min_context=QUICK_MIN_CONTEXT) if args.quick else PruningConfig()
     requests = ablation_workload.build(loaded.tokenizer, args.workload, sizes, args.seed)
-    engine_kwargs = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_kvcache_blocks": args.kv_blocks or KV_BLOCKS[mode],
-    }
+    engine_kwargs = options.engine_kwargs(args)
+    engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
     started = time.strftime("%Y-%m-%d %H:%M")
     controls = control_configs(pruning)
     runs = run_all(loaded, requests, controls, repeats, engine_kwargs, args.clock)
@@ -147,12 +147,8 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     parts += ["--quick"] if args.quick else []
     parts += [f"--repeats {repeats}", f"--seed {args.seed}", f"--threads {args.threads}"]
     parts += [f"--clock {args.clock}"]
-    for flag, value in (
-        ("--rate", args.rate),
-        ("--kv-blocks", args.kv_blocks),
-    ):
-        parts += [] if value is None else [f"{flag} {value}"]
-    return " ".join([*parts, f"--output {args.output}"])
+    parts += [] if args.rate is None else [f"--rate {args.rate}"]
+    return " ".join([*parts, *options.engine_flags(args), f"--output {args.output}"])
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -165,11 +161,16 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, help="default: 2, or 1 with --quick")
     parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--kv-blocks", type=int, help="KV pool size (default: the mode's own)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    # Each configuration sets the control layers; the scheduling layer replaces the baseline's
+    # FCFS; --seed seeds the workload.
+    options.add_engine_options(
+        parser,
+        exclude=("control", "scheduling_policy", "seed"),
+        defaults={"max_num_seqs": 16},
+        aliases={"num_kvcache_blocks": "--kv-blocks"},
+        helps={"num_kvcache_blocks": "KV pool size (default: the mode's own)"},
+    )
+    options.add_threads_option(parser, default=1)
     parser.add_argument(
         "--clock",
         choices=CLOCKS,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from etinfer.bench import quality
 from etinfer.bench.ablation_workload import AblationRequest, answer_tokens
 from etinfer.bench.serving import summarize
+from etinfer.bench.stats import mean
 from etinfer.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -78,10 +79,6 @@ def rouge_l(candidate: Sequence, reference: Sequence) -> float:
         return 0.0
     precision, recall = lcs / len(candidate), lcs / len(reference)
     return 2 * precision * recall / (precision + recall)
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
 
 
 def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer) -> dict:
@@ -141,7 +138,7 @@ def _task_quality(requests: list[AblationRequest], answers: list, tokenizer: Tok
         for r, a in zip(requests, answers, strict=True)
         if r.reference is not None
     ]
-    return {"passkey_accuracy": _mean([float(h) for h in hits]), "rouge_l_human": _mean(human)}
+    return {"passkey_accuracy": mean([float(h) for h in hits]), "rouge_l_human": mean(human)}
 
 
 def _sampled_figures(outs: list, answers: list[list[int]]) -> dict:
@@ -178,7 +175,7 @@ def add_baseline_comparisons(records: list[dict]) -> None:
 
 def _answers_rouge(record: dict, base: dict) -> float | None:
     pairs = [(a, base["greedy_answers"][i]) for i, a in record["greedy_answers"].items()]
-    return _mean([rouge_l(words(a), words(b)) for a, b in pairs])
+    return mean([rouge_l(words(a), words(b)) for a, b in pairs])
 
 
 def spread(values: list[float]) -> dict:
@@ -281,7 +278,7 @@ def baseline_self_rouge(records: list[dict]) -> float | None:
     """ROUGE-L of the baseline's greedy answers in later repeats against the first: the noise
     floor of ``rouge_l_baseline`` (batches differ from run to run, and so can near-ties)."""
     base = sorted((r for r in records if r["config"] == "baseline"), key=lambda r: r["repeat"])
-    return _mean([_answers_rouge(r, base[0]) for r in base[1:]])
+    return mean([_answers_rouge(r, base[0]) for r in base[1:]])
 
 
 def trace(requests: list[AblationRequest], runs: list[Run], config: str = "full") -> dict | None:

@@ -1,28 +1,18 @@
-"""One configuration's pass over the ablation workload: the driver, its clock, and a meter of
-the work each step does.
-
-**The clock.** Requests arrive at their arrival times on the run's clock, and latencies are read
-on it. ``wall`` is real time, as in ``bench serving``. ``cpu`` (the default) advances by the CPU
-time this process spends in each engine step and skips idle gaps: with one torch thread it is
-the time the run would take on this machine with nothing else running. On a shared machine
-another engineer's job can double wall-clock step times from one configuration's run to the
-next; on the ``cpu`` clock that noise mostly goes (what remains comes through shared caches and
-memory bandwidth), and wall-clock figures are reported alongside.
+"""One configuration's pass over the ablation workload: a fresh engine, the driver
+(``bench/driver.py``, which keeps the run's clock: CPU time in engine steps by default, or wall
+time), and a meter of the work each step does.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
 from etinfer.bench.ablation_workload import AblationRequest
-from etinfer.bench.pruning import attention_work
-from etinfer.bench.serving import RequestRecord, warm_up
+from etinfer.bench.driver import EngineRun, drive_engine, warm_up
+from etinfer.bench.pruning_speed import attention_work
 from etinfer.config import ControlConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.engine.model_runner import AttentionStats
@@ -30,9 +20,6 @@ from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig
 from etinfer.model.loader import LoadedModel
-from etinfer.outputs import RequestOutput
-
-CLOCKS = ("cpu", "wall")
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -112,90 +99,17 @@ class StepMeter:
         }
 
 
-@dataclass
-class Timeline:
-    """Each step's end on the wall clock, and its start and end on the run's clock: an instant
-    the engine stamped during a step (``time.perf_counter()``) reads as that step's start or end
-    on the run's clock."""
-
-    wall_ends: list[float] = field(default_factory=list)
-    starts: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)
-
-    def add(self, wall_end: float, start: float, end: float) -> None:
-        self.wall_ends.append(wall_end)
-        self.starts.append(start)
-        self.ends.append(end)
-
-    def step_of(self, instant: float) -> int:
-        return bisect.bisect_left(self.wall_ends, instant)
-
-    def record(self, out: RequestOutput, arrival: float) -> RequestRecord:
-        """The request's TTFT, end-to-end and queue time on the run's clock."""
-        m = out.metrics
-        return RequestRecord(
-            len(out.token_ids),
-            self.ends[self.step_of(m.first_token_time)] - arrival,
-            self.ends[self.step_of(m.finished_time)] - arrival,
-            self.starts[self.step_of(m.first_scheduled_time)] - arrival,
-        )
-
-
-@dataclass
-class Run:
-    """One configuration's pass over the workload."""
+@dataclass(kw_only=True)
+class Run(EngineRun):
+    """One configuration's pass over the workload: what the driver measured (every request
+    served), the work, and the load on the machine."""
 
     config: str
     repeat: int
-    outputs: list[RequestOutput]  # in request order
-    records: list[RequestRecord]  # latencies on the run's clock, in request order
-    makespan: float  # first arrival to last completion on the run's clock, seconds
-    wall: float  # the same on the wall clock
-    cpu: float  # CPU seconds this process spent inside engine.step()
     work: dict[str, float]
     preemptions: int
     recomputed_tokens: int
     load: tuple[float, float]  # 1-minute load average before and after
-
-
-def drive(
-    engine: LLMEngine, requests: list[AblationRequest], clock: str, bar: tqdm
-) -> tuple[list[RequestOutput], Timeline, float, float]:
-    """Run the requests, each added once the run's clock passes its arrival time. Returns the
-    outputs in request order, the timeline, the makespan on the run's clock and the CPU time
-    spent stepping."""
-    outputs: dict[int, RequestOutput] = {}
-    timeline = Timeline()
-    arrivals = deque(enumerate(requests))
-    now = cpu = 0.0
-    wall_start = time.perf_counter()
-    while arrivals or engine.has_unfinished_requests():
-        while arrivals and arrivals[0][1].arrival_s <= now:
-            i, r = arrivals.popleft()
-            engine.add_request(
-                r.prompt,
-                r.params,
-                request_id=str(i),
-                prompt_token_ids=r.prompt,
-                forced_token_ids=r.forced or None,
-            )
-        if engine.has_unfinished_requests():
-            began, began_cpu = time.perf_counter(), time.process_time()
-            finished = engine.step()
-            step_cpu = time.process_time() - began_cpu
-            ended = time.perf_counter()
-            start = now if clock == "cpu" else began - wall_start
-            now = now + step_cpu if clock == "cpu" else ended - wall_start
-            timeline.add(ended, start, now)
-            cpu += step_cpu
-            outputs.update((int(out.request_id), out) for out in finished)
-            bar.update(len(finished))
-        elif clock == "wall":
-            time.sleep(max(0.0, wall_start + arrivals[0][1].arrival_s - time.perf_counter()))
-            now = time.perf_counter() - wall_start
-        else:
-            now = arrivals[0][1].arrival_s  # idle: nothing to spend CPU on until it arrives
-    return [outputs[i] for i in range(len(requests))], timeline, now, cpu
 
 
 def run_once(
@@ -213,21 +127,17 @@ def run_once(
     engine = LLM(loaded, control=control, **engine_kwargs).engine
     warm_up(engine)
     meter = StepMeter(engine)
-    wall_start = time.perf_counter()
-    outputs, timeline, makespan, cpu = drive(engine, requests, clock, bar)
-    wall = time.perf_counter() - wall_start
-    records = [timeline.record(o, r.arrival_s) for o, r in zip(outputs, requests, strict=True)]
+    driven = drive_engine(engine, requests, clock, bar)
+    refused = next((r.error for r in driven.records if r.error), None)
+    if refused:
+        raise ValueError(refused)
     scheduler = engine.scheduler
     return Run(
-        name,
-        repeat,
-        outputs,
-        records,
-        makespan,
-        wall,
-        cpu,
-        meter.totals(),
-        scheduler.num_preemptions,
-        scheduler.num_recomputed_tokens,
-        (before, os.getloadavg()[0]),
+        **vars(driven),
+        config=name,
+        repeat=repeat,
+        work=meter.totals(),
+        preemptions=scheduler.num_preemptions,
+        recomputed_tokens=scheduler.num_recomputed_tokens,
+        load=(before, os.getloadavg()[0]),
     )

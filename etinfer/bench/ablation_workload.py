@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from etinfer.bench.driver import Request
 from etinfer.bench.fidelity import DEPTHS, corpus_tokens, passkey_cases
 from etinfer.bench.prompts import instructions
 from etinfer.bench.workload import arrival_times
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.sampling_params import SamplingParams
 
-TASKS = ("retrieval", "continuation", "free", "instruction", "chat")
 REFERENCE_SOURCE = "CPython's pydoc_data.topics (the Python Language Reference)"
 SAMPLED_TEMPERATURE = 1.0  # the baseline's fixed temperature
 
@@ -87,13 +87,11 @@ QUICK = Sizes(
 )
 
 
-@dataclass(frozen=True)
-class AblationRequest:
+@dataclass(frozen=True, kw_only=True)
+class AblationRequest(Request):
+    """A request of the driver (its prompt: token ids), with its task and what scores it."""
+
     task: str
-    arrival_s: float  # seconds after the start of the run
-    prompt: list[int]
-    params: SamplingParams
-    forced: list[int] = dataclasses.field(default_factory=list)  # fed as decode steps first
     key: int | None = None  # retrieval: the pass key
     reference: list[int] | None = None  # continuation: the human-written text that follows
 
@@ -166,7 +164,7 @@ class _Makers:
         case = cases[self.retrievals % len(DEPTHS)]
         params = self._params("retrieval", True, extra=len(case.question))
         return AblationRequest(
-            "retrieval", 0.0, case.prompt, params, forced=case.question, key=case.key
+            0.0, case.prompt, params, forced=case.question, task="retrieval", key=case.key
         )
 
     def document(self) -> list[AblationRequest]:
@@ -179,12 +177,16 @@ class _Makers:
         reference = self.corpus[start + length : start + length + follow]
         return [
             AblationRequest(
-                "continuation", 0.0, prompt, self._params("continuation", True), reference=reference
+                0.0,
+                prompt,
+                self._params("continuation", True),
+                task="continuation",
+                reference=reference,
             ),
-            AblationRequest("free", 0.0, prompt, self._params("free", False)),
+            AblationRequest(0.0, prompt, self._params("free", False), task="free"),
         ]
 
     def instruction(self, task: str) -> AblationRequest:
         messages = [{"role": "user", "content": next(self.instructions)}]
         prompt = self.tokenizer.encode_chat(messages)
-        return AblationRequest(task, 0.0, prompt, self._params(task, task == "instruction"))
+        return AblationRequest(0.0, prompt, self._params(task, task == "instruction"), task=task)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from etinfer.bench.stats import percentile
 from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
@@ -145,12 +146,11 @@ def teacher_forced(
         agree.append(int(p_dense.argmax() == p_pruned.argmax()))
         nll_dense.append(-p_dense[truth].item())
         nll_pruned.append(-p_pruned[truth].item())
-    ordered = sorted(kl)
     return FidelityStats(
         steps=len(kl),
         kl_mean=statistics.fmean(kl),
-        kl_p99=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-        kl_max=ordered[-1],
+        kl_p99=percentile(kl, 99),
+        kl_max=max(kl),
         top1_agreement=statistics.fmean(agree),
         perplexity_dense=math.exp(statistics.fmean(nll_dense)),
         perplexity_pruned=math.exp(statistics.fmean(nll_pruned)),

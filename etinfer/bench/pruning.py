@@ -5,9 +5,8 @@
 Side by side in one run and on one engine (prefill is dense, so every comparison decodes the
 same prefilled cache both ways), dense attention and the entropic selector's configurations:
 
-- decode step time against context length at batch 1 and 8;
-- attention FLOPs and KV bytes read per generated token (from the engine's telemetry: the
-  (block, KV head) pairs each layer read);
+- decode step time against context length at batch 1 and 8, and attention FLOPs and KV bytes
+  read per generated token (``bench/pruning_speed.py``);
 - teacher-forced fidelity and passkey retrieval (``bench/fidelity.py``);
 - how many leading layers must stay dense;
 - a plot of blocks kept against entropy over one long generation.
@@ -17,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
+from etinfer import options
 from etinfer.bench.fidelity import (
     corpus_tokens,
     forced_log_probs,
@@ -32,13 +31,10 @@ from etinfer.bench.fidelity import (
     teacher_forced,
 )
 from etinfer.bench.oracle_selection import OracleSelector
-from etinfer.bench.speed import context_prompts, decode_budget
+from etinfer.bench.pruning_speed import speed_rows
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
-from etinfer.engine.model_runner import AttentionStats
-from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
-from etinfer.model.config import ModelConfig
 from etinfer.sampling_params import SamplingParams
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
@@ -49,120 +45,6 @@ CONFIGS = {
     "bound-fifth": PruningConfig(budget_low=0.2, budget_high=0.2),
     "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
 }
-
-
-def attention_work(pairs: float, config: ModelConfig, block_size: int) -> tuple[float, float]:
-    """FLOPs and KV bytes of decode attention over ``pairs`` (block, KV head) pairs in a token's
-    step, summed over layers: scores and weighted sum are two multiply-adds per element."""
-    tokens = pairs * block_size
-    flops = tokens * config.queries_per_kv * config.head_dim * 4
-    kv_bytes = tokens * config.head_dim * 4 * 2
-    return flops, kv_bytes
-
-
-def step_work(stats: list[AttentionStats], config: ModelConfig, block_size: int) -> dict:
-    """Per generated token, averaged over the measured steps and their sequences."""
-    kept = statistics.fmean(sum(map(sum, s.kept)) / len(s.seqs) for s in stats)
-    total = statistics.fmean(sum(map(sum, s.total)) / len(s.seqs) for s in stats)
-    flops, kv_bytes = attention_work(kept, config, block_size)
-    dense_flops, dense_bytes = attention_work(total, config, block_size)
-    # Scoring reads each block's key bounds (min and max) in the pruned layers.
-    bounds = total * config.head_dim * 4 * 2 / block_size
-    return {
-        "blocks_kept": kept / total,
-        "dense_flops": dense_flops,
-        "flops": flops,
-        "dense_kv_bytes": dense_bytes,
-        "kv_bytes": kv_bytes,
-        "bound_bytes": bounds,
-        "max_dropped_mass": max(max(map(max, s.dropped_mass)) for s in stats),
-    }
-
-
-WARMUP = 10  # untimed pruned steps before timing a configuration
-
-
-def paired_step_ms(
-    llm: LLM, batch: int, context: int, steps: int, configs: dict[str, PruningConfig], clock: str
-) -> dict[str, dict]:
-    """Decode step time, dense against each pruning configuration, on one prefilled batch.
-
-    Steps alternate between dense and pruned, so both see the same contexts and the same
-    moment of a noisy machine. Each configuration first runs ``WARMUP`` pruned steps untimed:
-    its budgets start from dense and shrink at the rate limit. ``clock``: ``cpu`` times a step
-    by this process's CPU time, ``wall`` by wall-clock time.
-    """
-    engine = llm.engine
-    engine.set_pruning(None)
-    rounds = len(configs) * (WARMUP + 2 * steps)
-    budget = decode_budget(batch, context, rounds, engine.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in context_prompts(llm, batch, context)]
-    for _ in range(budget):  # every step computes at least one prompt token of the batch
-        running = engine.scheduler.running
-        if len(running) == batch and all(s.num_output_tokens for s in running):
-            break
-        engine.step()
-    else:
-        raise RuntimeError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
-
-    records: list[StepRecord] = []
-
-    def timed() -> StepRecord:
-        with engine.observing(records.append):
-            engine.step()
-        return records.pop()
-
-    def ms(record: StepRecord) -> float:
-        return 1000 * (record.cpu_time if clock == "cpu" else record.wall_time)
-
-    results = {}
-    for name, config in configs.items():
-        engine.set_pruning(config)
-        for _ in range(WARMUP):
-            engine.step()
-        dense_ms, pruned_ms, stats = [], [], []
-        for _ in range(steps):
-            engine.set_pruning(None)
-            dense_ms.append(ms(timed()))
-            engine.set_pruning(config)
-            pruned = timed()
-            pruned_ms.append(ms(pruned))
-            stats.append(pruned.attention)
-        results[name] = {
-            "dense_ms": statistics.median(dense_ms),
-            "ms": statistics.median(pruned_ms),
-            "stats": stats,
-        }
-    for request_id in ids:
-        engine.abort_request(request_id)
-    engine.set_pruning(None)
-    return results
-
-
-def speed_rows(
-    llm: LLM, configs: dict[str, PruningConfig], batches, contexts, steps: int, clock: str
-) -> list[dict]:
-    rows = []
-    model, block_size = llm.engine.model_config, llm.engine.block_size
-    for batch in batches:
-        for context in contexts:
-            row: dict = {"batch": batch, "context": context}
-            for name, result in paired_step_ms(llm, batch, context, steps, configs, clock).items():
-                row[name] = {
-                    "ms": result["ms"],
-                    "dense_ms": result["dense_ms"],
-                    "ratio": result["ms"] / result["dense_ms"],
-                    **step_work(result["stats"], model, block_size),
-                }
-            rows.append(row)
-            parts = [
-                f"{name} {row[name]['ms']:.1f} ms against dense {row[name]['dense_ms']:.1f} ms "
-                f"({row[name]['ratio']:.2f}x, {100 * row[name]['blocks_kept']:.0f} % blocks)"
-                for name in configs
-            ]
-            print(f"  batch {batch} context {context:5d}: " + "; ".join(parts), flush=True)
-    return rows
 
 
 def fidelity_rows(
@@ -242,13 +124,15 @@ def passkey_rows(
     return rows
 
 
-def dense_layer_sweep(llm: LLM, corpus: list[int], context: int, steps: int, options) -> list[dict]:
+def dense_layer_sweep(
+    llm: LLM, corpus: list[int], context: int, steps: int, counts: tuple[int, ...]
+) -> list[dict]:
     """Teacher-forced KL with the first ``n`` layers dense, for each ``n``."""
     rows = []
     texts = [corpus[: context + steps]]
     llm.engine.set_pruning(None)
     dense = forced_log_probs(llm, texts, context, steps)
-    for n in options:
+    for n in counts:
         stats = teacher_forced(
             llm, texts, context, steps, replace(CONFIGS["bound"], dense_layers=n), dense
         )
@@ -297,20 +181,20 @@ def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, pa
 
 def engine(args: argparse.Namespace) -> LLM:
     """One engine for every comparison, built with pruning on so that its cache keeps the key
-    bounds; ``set_pruning`` switches it between dense and each configuration."""
+    bounds; ``set_pruning`` switches it between dense and each configuration. Its batch and pool
+    are sized for the largest batch and context asked."""
     longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
     return LLM(
         args.model,
         control=ControlConfig(pruning=CONFIGS["bound"]),
         max_num_seqs=max(max(args.batches), 16),
-        max_num_batched_tokens=2048,
-        num_kvcache_blocks=max(max(args.batches), 6) * (longest // 16 + 8) + 64,
+        num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
+        **options.engine_kwargs(args),
     )
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    options.set_threads(args)
     llm = engine(args)
     corpus = corpus_tokens(llm.tokenizer)
     out_dir = Path(args.output_dir)
@@ -375,7 +259,11 @@ PARTS = ("speed", "fidelity", "passkey", "layers", "trace")
 def add_commands(kinds: argparse._SubParsersAction) -> None:
     for name, parts in (("pruning", PARTS), ("fidelity", ("fidelity", "passkey"))):
         parser = kinds.add_parser(name, help="entropic pruning against dense: " + ", ".join(parts))
-        parser.add_argument("--model")
+        options.add_engine_options(
+            parser,
+            exclude=("control", "max_num_seqs", "num_kvcache_blocks", "kv_cache_gib"),
+            defaults={"max_num_batched_tokens": 2048},
+        )
         parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
         parser.add_argument(
             "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
@@ -388,7 +276,7 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             help="cpu: this process's CPU time per step, which a busy machine inflates far "
             "less than wall time (use with --threads 1)",
         )
-        parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+        options.add_threads_option(parser)
         parser.add_argument("--fidelity-batches", type=int, nargs="+", default=[1, 8])
         parser.add_argument("--fidelity-context", type=int, default=6144)
         parser.add_argument("--fidelity-steps", type=int, default=128)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from etinfer import options
 from etinfer.bench.prompts import instructions
 from etinfer.bench.quality import summarize
 from etinfer.bench.speed import ours_decode_step_ms
@@ -294,7 +295,7 @@ def markdown(report: dict) -> str:
 
 
 def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
-    llm = llm or LLM(args.model, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = llm or LLM(args.model, **options.engine_kwargs(args))
     prompts = [
         llm.tokenizer.encode_chat([{"role": "user", "content": p}])
         for p in instructions(args.num_prompts)
@@ -327,7 +328,10 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser(
         "sampling", help="samplers side by side: entropy, quality, estimators"
     )
-    parser.add_argument("--model")
+    # The samplers are per request (the control layers stay off); --seed seeds the sampling.
+    options.add_engine_options(
+        parser, exclude=("control", "seed"), defaults={"max_num_batched_tokens": 2048}
+    )
     parser.add_argument("--num-prompts", type=int, default=224)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

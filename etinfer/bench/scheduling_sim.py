@@ -22,13 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from etinfer.bench.serving import (
-    RequestRecord,
-    add_workload_args,
-    format_table,
-    load_workload,
-    summarize,
-)
+from etinfer import options
+from etinfer.bench.driver import RequestRecord
+from etinfer.bench.serving import add_workload_args, format_table, load_workload, summarize
 from etinfer.bench.workload import WorkloadRequest
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.engine.kv_cache_manager import KVCacheManager
@@ -149,7 +145,9 @@ def main(args: argparse.Namespace) -> int:
             policy,
             config=config,
             max_num_seqs=args.max_num_seqs,
-            num_blocks=args.num_kvcache_blocks or 100_000,
+            num_blocks=args.num_kvcache_blocks,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             cost=StepCost(speed=args.speed),
         )
         columns[policy] = summarize(
@@ -167,8 +165,11 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     policies = ("fcfs", "entropy")
     parser.add_argument("--policy", nargs="+", choices=policies, default=list(policies))
     add_workload_args(parser)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--num-kvcache-blocks", type=int)
+    options.add_engine_options(
+        parser,
+        only=("max_num_seqs", "num_kvcache_blocks", "block_size", "max_num_batched_tokens"),
+        defaults={"max_num_seqs": 16, "num_kvcache_blocks": 100_000},
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="of the machine, against ours")
     parser.add_argument("--scheduling-config", help="SchedulingConfig fields as JSON")
     parser.set_defaults(func=main)

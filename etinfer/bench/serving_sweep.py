@@ -36,12 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
+from etinfer import options
 from etinfer.bench import workload
-from etinfer.bench.serving import METRICS, add_engine_args, format_table
+from etinfer.bench.serving import METRICS, add_engine_options, format_table
 from etinfer.bench.workload import TextPrompts
 from etinfer.control.scheduling import SchedulingConfig
 
 READY_TIMEOUT_S = 600.0  # loading the model on a loaded machine
+KV_PRESSURE = "KV pressure"  # the setting with a pool of --kv-blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,7 @@ def make_setting(name: str, rate: float, kv_blocks, seed: int, args) -> Setting:
 
 def run_pair(setting: Setting, variants: tuple[Variant, Variant], args) -> list[dict]:
     """Both variants on the setting's workload, in two processes started together."""
+    engine_args = argparse.Namespace(**{**vars(args), "num_kvcache_blocks": setting.kv_blocks})
     with tempfile.TemporaryDirectory() as tmp:
         go = Path(tmp) / "go"
         runs = []
@@ -100,15 +103,9 @@ def run_pair(setting: Setting, variants: tuple[Variant, Variant], args) -> list[
                 sys.executable, "-m", "etinfer.cli", "bench", "serving",
                 "--policy", variant.policy, "--trace", str(setting.trace),
                 "--seed", str(args.seed), "--threads", "1",
-                "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--ready-file", f"{tmp}/ready{i}", "--go-file", str(go),
-                "--output", f"{tmp}/out{i}.json",
+                "--output", f"{tmp}/out{i}.json", *options.engine_flags(engine_args),
             ]  # fmt: skip
-            if setting.kv_blocks:
-                command += ["--num-kvcache-blocks", str(setting.kv_blocks)]
-            if args.model:
-                command += ["--model", args.model]
             if variant.overrides:
                 command += ["--scheduling-config", json.dumps(variant.overrides)]
             runs.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
@@ -136,7 +133,7 @@ def saturated_capacity(result: dict) -> float:
 
 def measure_capacity(args) -> float:
     args = argparse.Namespace(**{**vars(args), "num_requests": 3 * args.max_num_seqs})
-    setting = make_setting("capacity", math.inf, None, args.seed, args)
+    setting = make_setting("capacity", math.inf, args.num_kvcache_blocks, args.seed, args)
     results = run_pair(setting, (FCFS, FCFS), args)
     capacity = float(np.mean([saturated_capacity(r) for r in results]))
     print(f"capacity: {capacity:.3f} req/s (two FCFS engines side by side, saturated)")
@@ -207,15 +204,16 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity or measure_capacity(args)
+    pool = args.num_kvcache_blocks
     settings = [
-        make_setting(f"{m:g}x capacity", m * capacity, None, args.seed + i + 1, args)
+        make_setting(f"{m:g}x capacity", m * capacity, pool, args.seed + i + 1, args)
         for i, m in enumerate(args.rates)
     ]
     kv_seed = args.seed + len(args.rates) + 1
-    settings.append(make_setting("KV pressure", capacity, args.kv_blocks, kv_seed, args))
+    settings.append(make_setting(KV_PRESSURE, capacity, args.kv_blocks, kv_seed, args))
     if args.ablation is not None:
         busiest = f"{max(args.rates):g}x"
-        settings = [s for s in settings if s.name.startswith(busiest) or s.kv_blocks]
+        settings = [s for s in settings if s.name.startswith(busiest) or s.name == KV_PRESSURE]
         chosen = [v for k, v in ABLATIONS.items() if not args.ablation or k in args.ablation]
         pairs = [(ENTROPY, variant) for variant in chosen]
     else:
@@ -227,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "threads_per_engine": 1,
         "prompts": TextPrompts.SOURCE,
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "engine_options")},
         "capacity_req_s": capacity,
         "scheduling_config": dataclasses.asdict(SchedulingConfig()),
         "settings": results,
@@ -240,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("serving-sweep", help="FCFS against the entropy policy, side by side")
-    add_engine_args(parser)
+    add_engine_options(parser)  # --num-kvcache-blocks: the pool of all but the KV-pressure run
     parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument(
         "--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="times the capacity"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from etinfer import options
 from etinfer.bench.prompts import TOPICS
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
@@ -152,14 +153,14 @@ def load_transformers_model():
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    chunk, batch, context = 2048, max(args.context_batches), max(args.contexts)
+    chunk = args.max_num_batched_tokens
+    batch, context = max(args.context_batches), max(args.contexts)
     longest = context + decode_budget(batch, context, args.steps, chunk)
     llm = LLM(
         args.model,
         max_num_seqs=max(args.batch_sizes + args.context_batches),
-        max_num_batched_tokens=chunk,
-        enable_prefix_caching=False,  # the same prompts run repeatedly: measure compute, not cache
-        num_kvcache_blocks=batch * (longest // 16 + 1) + 64,
+        num_kvcache_blocks=batch * (longest // args.block_size + 1) + 64,
+        **options.engine_kwargs(args),
     )
     reference = None if args.skip_transformers else load_transformers_model()
     throughput = []
@@ -219,7 +220,13 @@ def print_row(row: ThroughputRow | StepRow) -> None:
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("speed", help="throughput and decode step time against transformers")
-    parser.add_argument("--model")
+    options.add_engine_options(
+        parser,
+        # Sized for the largest batch and context asked.
+        exclude=("control", "max_num_seqs", "num_kvcache_blocks", "kv_cache_gib"),
+        # The same prompts run repeatedly: measure compute, not the prefix cache.
+        defaults={"max_num_batched_tokens": 2048, "enable_prefix_caching": False},
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8000])
