@@ -8,6 +8,7 @@ import torch
 
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
+from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,6 +105,10 @@ class EngineConfig:
         default="fcfs",
         metadata={"help": "by name: fcfs, entropy (the scheduling control layer wins)"},
     )
+    step_shaper: str = field(
+        default="plain",
+        metadata={"help": "how each step is computed, by name: plain (one token a sequence)"},
+    )
     seed: int = field(default=0, metadata={"help": "of sampling, for requests without a seed"})
     calibration: str | None = field(
         default=None,
@@ -132,6 +137,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
         SCHEDULING_POLICIES.check(self.scheduling_policy)
+        STEP_SHAPERS.check(self.step_shaper)
         if not isinstance(self.control, ControlConfig):
             raise ValueError(f"control must be a ControlConfig, got {self.control!r}")
 

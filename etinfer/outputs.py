@@ -71,13 +71,25 @@ class RequestOutput:
 
     @classmethod
     def accumulating(cls, first: RequestOutput) -> RequestOutput:
-        """A whole output to ``merge`` deltas into, starting from the first delta (whose lists
-        it takes over: they are the stream's, and nothing else holds them)."""
-        return dataclasses.replace(first, delta=False)
+        """A whole output to ``merge`` deltas into, starting from the first delta (copied: the
+        caller may hold it)."""
+        return dataclasses.replace(
+            first,
+            token_ids=list(first.token_ids),
+            entropies=list(first.entropies),
+            tempered_entropies=list(first.tempered_entropies),
+            temperatures=list(first.temperatures),
+            logprobs=None if first.logprobs is None else list(first.logprobs),
+            blocks_kept=None if first.blocks_kept is None else list(first.blocks_kept),
+            dropped_mass=None if first.dropped_mass is None else list(first.dropped_mass),
+            delta=False,
+        )
 
     def merge(self, delta: RequestOutput) -> None:
-        """Extend this output, in place, by a later delta of the same request (the accumulation
-        costs what the delta carries, not what this output already holds)."""
+        """Extend this output, in place, by a later delta of the same request. The per-token
+        lists grow by what the delta carries; the text is concatenated, a copy of the text so
+        far (CPython cannot extend a string held by an attribute in place), which at a few
+        bytes per token stays far below the step that produced it."""
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.entropies += delta.entropies

@@ -23,7 +23,7 @@ from tests.conftest import PROMPTS, assert_pool_free
         (SCHEDULING_POLICIES, "scheduling policy", "fcfs, entropy"),
         (BLOCK_SELECTORS, "block selector", "dense, entropic"),
         (TEMPERATURE_LAWS, "temperature law", "fixed, feedback, lagged, exact, edt, mirostat"),
-        (STEP_SHAPERS, "step shaper", "plain"),
+        (STEP_SHAPERS, "step shaper", "plain"),  # (then the shapers these tests register)
     ],
 )
 def test_each_kind_of_law_is_picked_by_name_and_an_unknown_name_lists_the_known(
@@ -59,8 +59,9 @@ def test_block_budgets_follow_the_predictive_entropy_in_the_record():
     assert BLOCK_SELECTORS.create("dense").plan_budgets(record, [calm], 16) is None
 
 
-class Recorder(StepShaper):
-    """A step shaper that runs the plain step and remembers what it was asked."""
+@STEP_SHAPERS.register("recording")
+class Recording(StepShaper):
+    """Runs the plain step and remembers what it was asked."""
 
     def __init__(self) -> None:
         self.asked: list[tuple[int, int]] = []
@@ -70,24 +71,23 @@ class Recorder(StepShaper):
         return StepShape()
 
 
+@STEP_SHAPERS.register("elsewhere")
 class Elsewhere(StepShaper):
     def shape(self, record, seqs) -> StepShape:
         return StepShape("draft")
 
 
-def test_the_step_shaper_decides_every_step_from_the_record(make_llm, monkeypatch):
-    llm = make_llm()
-    shaper = Recorder()
-    monkeypatch.setattr(llm.engine, "shaper", shaper)
+def test_the_step_shaper_decides_every_step_from_the_record(make_llm):
+    llm = make_llm(step_shaper="recording")
     steps = []
     with llm.engine.observing(steps.append):
         llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert shaper.asked == [(s.step, len(s.request_ids)) for s in steps]
+    assert llm.engine.shaper.asked == [(s.step, len(s.request_ids)) for s in steps]
     assert all(s.decisions.shape == StepShape("target") for s in steps)
-    monkeypatch.setattr(llm.engine, "shaper", Elsewhere())
+    elsewhere = make_llm(step_shaper="elsewhere")
     with pytest.raises(ValueError, match="model 'draft'; this engine has: target"):
-        llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))
-    assert_pool_free(llm)
+        elsewhere.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+    assert_pool_free(elsewhere)
 
 
 def test_an_observer_sees_each_step_and_the_entropy_loop_closes(make_llm):
@@ -148,3 +148,17 @@ def test_an_observer_of_a_pruned_step_sees_the_blocks_read_and_the_budgets(make_
     assert decode.num_decode == 1 and len(decode.decisions.block_budgets) == 1
     kept, total = sum(map(sum, decode.attention.kept)), sum(map(sum, decode.attention.total))
     assert kept < total
+
+
+def test_an_observer_that_fails_is_logged_and_the_step_keeps_its_outputs(make_llm, caplog):
+    llm = make_llm()
+
+    def broken(step) -> None:
+        raise RuntimeError("a broken benchmark")
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    expected = llm.generate(PROMPTS[0], params)[0].token_ids
+    with llm.engine.observing(broken):
+        assert llm.generate(PROMPTS[0], params)[0].token_ids == expected
+    assert "step observer" in caplog.text and "a broken benchmark" in caplog.text
+    assert_pool_free(llm)

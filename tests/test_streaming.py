@@ -35,6 +35,7 @@ def test_a_delta_stream_carries_the_same_per_step_at_2000_tokens_as_at_20(tiny_m
     whole = RequestOutput.accumulating(deltas[0])
     for delta in deltas[1:]:
         whole.merge(delta)
+    assert len(deltas[0].token_ids) == 1  # the deltas handed out stay as they were
     reference = llm.generate(prompt, params)[0]
     assert whole.token_ids == reference.token_ids and whole.text == reference.text
     assert whole.entropies == reference.entropies and whole.finish_reason == "length"

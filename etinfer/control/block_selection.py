@@ -18,7 +18,7 @@ meant to save, so two proxies are offered:
   the paper does not define a computable value surprisal), refreshed by a dense step every
   ``refresh_interval`` steps.
 
-Guards (DESIGN.md section 2, the paper's sections 3.2, 3.3 and 5), the first four applied
+Guards (the paper's sections 3.2, 3.3 and 5), the first four applied
 where each sequence's budget is planned (``plan_budget``):
 
 - the entropy floor ``H_prune = max(H_upper, H_floor)``, where ``H_upper`` is the upper side of
@@ -116,9 +116,6 @@ def plan_budget(
 class BlockSelector(AttentionSelector):
     """A decode-pruning layer: block budgets once per step (``plan_budgets``), the blocks
     themselves in every layer (``select``, the model's per-layer hook)."""
-
-    needs_summaries = False
-    observes_mass = False
 
     def plan_budgets(
         self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int

@@ -10,7 +10,9 @@ The paper's loop (section 3.4), as the engine runs it:
    the temperature law (the state it starts the step from) and the step shaper (what runs).
 
 A law is thus two calls from the measurement: the engine records it, the law reads the record.
-The record is a snapshot, so an observer of the step sees what the laws saw.
+Each sequence's entry is a snapshot of its control state at the start of the step, so an observer
+of the step sees what the laws saw; the sequences themselves (positions, lengths, requests'
+settings) are the scheduler's, read as they are.
 
 Predictive entropy (how sure the model is of the next token) is the only entropy here. Attention
 entropy (how spread a head's reading of the context is) is a different quantity: the layers that
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from etinfer.control.entropy_profile import EntropyProfile
@@ -28,7 +31,8 @@ from etinfer.sampling_params import SamplingParams
 
 
 class Controlled(Protocol):
-    """A sequence as the control laws see it (the engine's ``Sequence`` is one)."""
+    """A sequence as the control laws see it beside its record entry (the engine's ``Sequence``
+    is one)."""
 
     arrival_time: float  # time.perf_counter() seconds
     arrival_step: int  # the scheduler's step count when it arrived
@@ -40,16 +44,21 @@ class Controlled(Protocol):
     priority: int  # lower value first, as in vLLM
     slo: float | None  # seconds from arrival within which the request wants to finish
     params: SamplingParams
-    blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
-    profile: EntropyProfile  # its predictive entropy so far
-    temperature_state: float | None  # the temperature law's state: log T, or Mirostat's mu
-    block_budget: int | None  # blocks decode attention kept last step
 
     @property
     def num_tokens(self) -> int: ...
 
     @property
     def num_output_tokens(self) -> int: ...
+
+
+class Recordable(Controlled, Protocol):
+    """A sequence and the control state the engine keeps on it, which the record snapshots."""
+
+    profile: EntropyProfile  # its predictive entropy so far
+    temperature_state: float | None  # the temperature law's state: log T, or Mirostat's mu
+    block_budget: int | None  # blocks decode attention kept last step
+    blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
 
 
 class SequenceControl(NamedTuple):
@@ -61,9 +70,10 @@ class SequenceControl(NamedTuple):
     prior_weight: float  # the weight the EMA has not yet given to measurements
     temperature_state: float | None
     block_budget: int | None
+    blocks_kept: float  # share of the context decode attention read last step (1: all)
 
     @classmethod
-    def of(cls, seq: Controlled) -> SequenceControl:
+    def of(cls, seq: Recordable) -> SequenceControl:
         profile = seq.profile
         return cls(
             profile.predictive_entropy,
@@ -72,6 +82,7 @@ class SequenceControl(NamedTuple):
             profile.prior_weight,
             seq.temperature_state,
             seq.block_budget,
+            seq.blocks_kept[-1] if seq.blocks_kept else 1.0,
         )
 
 
@@ -84,11 +95,11 @@ class ControlRecord:
 
     @classmethod
     def build(
-        cls, step: int, running: Iterable[Controlled], waiting: Iterable[Controlled]
+        cls, step: int, running: Iterable[Recordable], waiting: Iterable[Recordable]
     ) -> ControlRecord:
         running, waiting = tuple(running), tuple(waiting)
         seqs = {seq: SequenceControl.of(seq) for seq in (*running, *waiting)}
-        return cls(step, running, waiting, seqs)
+        return cls(step, running, waiting, MappingProxyType(seqs))
 
     def __getitem__(self, seq: Controlled) -> SequenceControl:
         return self.seqs[seq]

@@ -255,8 +255,7 @@ class EntropyPolicy(SchedulingPolicy):
             n = min(prompt_left, self.chunk_tokens)
             cost = n * (1 + (seq.num_computed_tokens + n / 2) / scale)
         else:
-            kept = seq.blocks_kept[-1] if seq.blocks_kept else 1.0
-            cost = 1 + seq.num_tokens * kept / scale
+            cost = 1 + seq.num_tokens * self.record[seq].blocks_kept / scale
         return cost / (cost + self.config.cost_scale)
 
     def memory_term(self, seq: Controlled) -> float:

@@ -3,9 +3,10 @@
 Per-step laws decide which sequences advance, their temperatures and block budgets; per-layer
 selectors decide what attention reads inside the forward pass. A step shaper decides the form of
 the step itself, after scheduling, from the same control record: which of the engine's models
-computes it (entropy-adaptive model switching, seed 004, hands confident stretches to a small
-model) and, with speculative decoding, how many drafted tokens the model verifies. The plain
-shaper runs every step on the model, one new token per decoding sequence.
+computes it (Entropy Adaptive Decoding hands confident stretches to a small model) and, with
+speculative decoding, how many drafted tokens the model verifies. The plain shaper runs every
+step on the model, one new token per decoding sequence; ``EngineConfig.step_shaper`` names the
+shaper an engine uses.
 """
 
 from __future__ import annotations

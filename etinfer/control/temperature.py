@@ -16,6 +16,7 @@ The state of the entropy controllers is the log-temperature ``u = log T``:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -212,7 +213,13 @@ ENTROPY_CONTROLS = ("feedback", "lagged", "exact")  # laws that regulate H to en
 
 
 def temperature_law(params: SamplingParams) -> TemperatureLaw:
-    return TEMPERATURE_LAWS.create(params.controller)
+    """The law ``params`` picks; laws hold no state, so each is made once."""
+    return _law(params.controller)
+
+
+@functools.cache
+def _law(name: str) -> TemperatureLaw:
+    return TEMPERATURE_LAWS.create(name)
 
 
 @TEMPERATURE_LAWS.register("fixed")

@@ -94,7 +94,7 @@ class LLMEngine:
             if self.pruning is None
             else BLOCK_SELECTORS.create("entropic", config=self.pruning)
         )
-        self.shaper = STEP_SHAPERS.create("plain")
+        self.shaper = STEP_SHAPERS.create(config.step_shaper)
         self.runner = ModelRunner(
             loaded.config,
             loaded.weights,
@@ -205,7 +205,7 @@ class LLMEngine:
         seq.finish_reason = "abort"
         seq.metrics.finished_time = time.perf_counter()
         self.scheduler.finish(seq)
-        return seq.output()
+        return seq.step_output() if seq.stream else seq.output()
 
     def score(self, prompt: Prompt) -> torch.Tensor:
         """Logits [tokens, vocab] at every position of ``prompt`` in one prefill (teacher
@@ -227,10 +227,10 @@ class LLMEngine:
     def set_pruning(
         self, config: PruningConfig | None, selector: BlockSelector | None = None
     ) -> None:
-        """Plan block budgets with ``config`` from the next step on, or attend densely (None);
-        ``selector`` picks the blocks within those budgets instead of the entropic selector
-        (benchmarks pass an oracle). The engine must have been built with pruning on: its
-        cache keeps the block summaries selectors score."""
+        """Prune decode attention from the next step on with the entropic selector for
+        ``config``, or with ``selector`` (built for ``config``: it plans the budgets and picks
+        the blocks; benchmarks pass an oracle); None attends densely. The engine must have been
+        built with pruning on: its cache keeps the block summaries selectors score."""
         if self.runner.cache.key_bounds is None:
             raise ValueError(
                 "set_pruning needs an engine built with pruning on "
@@ -298,6 +298,7 @@ class LLMEngine:
         budgets = None
         if self.pruning is not None:
             budgets = self.selector.plan_budgets(record, decoding, self.block_size)
+        if budgets is not None:
             for seq, budget in zip(decoding, budgets, strict=True):
                 seq.block_budget = budget  # the rate limit's reference next step
         return StepDecisions(

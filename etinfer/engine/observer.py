@@ -3,11 +3,14 @@
 Benchmarks, the ablation's work meter and the server's metrics all watch the engine the same
 way: they register a callable, and the engine calls it once per step with a :class:`StepRecord`
 (what the laws read and decided, the batch, the measurement, the time spent). An observer that
-needs the step's logits says so when it registers; the others cost nothing extra.
+needs the step's logits says so when it registers; the others cost nothing extra. An observer
+that raises is logged and skipped: the step has already happened, and watching it must not lose
+its outputs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,37 +80,37 @@ class StepRecord:
         return sum(self.num_tokens[self.num_decode :])
 
     @property
-    def decode_tokens(self) -> int:
-        return self.num_decode
-
-    @property
     def sampled_positions(self) -> list[int]:
         """Per sampled row, the position of the token it predicts: its sequence's length."""
         return [self.starts[i] + self.num_tokens[i] for i in self.sampled]
 
 
 StepObserver = Callable[[StepRecord], None]
+logger = logging.getLogger("etinfer.engine")
 
 
 class Observers:
     """The observers registered with one engine, and whether any wants logits."""
 
     def __init__(self) -> None:
-        self._logits: dict[StepObserver, bool] = {}
+        self._wants_logits: dict[StepObserver, bool] = {}
 
     def add(self, observer: StepObserver, *, logits: bool = False) -> None:
-        self._logits[observer] = logits
+        self._wants_logits[observer] = logits
 
     def remove(self, observer: StepObserver) -> None:
-        self._logits.pop(observer, None)
+        self._wants_logits.pop(observer, None)
 
     def __bool__(self) -> bool:
-        return bool(self._logits)
+        return bool(self._wants_logits)
 
     @property
     def want_logits(self) -> bool:
-        return any(self._logits.values())
+        return any(self._wants_logits.values())
 
     def notify(self, record: StepRecord) -> None:
-        for observer in list(self._logits):
-            observer(record)
+        for observer in list(self._wants_logits):
+            try:
+                observer(record)
+            except Exception:
+                logger.exception("step observer %r failed", observer)

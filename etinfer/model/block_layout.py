@@ -7,9 +7,8 @@ hook it calls; the control layer (``etinfer.control.block_selection``) implement
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -48,11 +47,11 @@ class Selection:
     bounds: torch.Tensor | None = None
 
 
-class AttentionSelector(Protocol):
+class AttentionSelector(ABC):
     """The per-layer hook: which blocks each decoding sequence's attention reads."""
 
-    needs_summaries: bool  # the cache keeps key bounds and masses per block for it
-    observes_mass: bool  # attention records each attended block's mass for it
+    needs_summaries = False  # the cache keeps key bounds and masses per block for it
+    observes_mass = False  # attention records each attended block's mass for it
 
     @abstractmethod
     def select(

@@ -19,12 +19,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
-from etinfer.server.metrics import EngineStats, RequestProgress, ServerMetrics
+from etinfer.server.metrics import EngineStats, ServerMetrics
 
 logger = logging.getLogger("etinfer.server")
 
@@ -93,7 +93,7 @@ class RequestGroup:
 class _Route:
     group: RequestGroup
     index: int
-    progress: RequestProgress = field(default_factory=RequestProgress)
+    last_token_time: float | None = None  # when its latest token reached the event loop
 
 
 _STOP = ("stop", None)
@@ -105,7 +105,6 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.metrics = metrics
-        engine.add_observer(metrics.observe_step)
         self.max_waiting_requests = max_waiting_requests
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -119,6 +118,7 @@ class EngineLoop:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.engine.add_observer(self.metrics.observe_step)
         self._thread = threading.Thread(target=self._run, name="etinfer-engine", daemon=True)
         self._thread.start()
 
@@ -128,6 +128,7 @@ class EngineLoop:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.remove_observer(self.metrics.observe_step)
         for route in self._routes.values():
             route.group._fail(EngineError("the server is shutting down"))
         self._routes.clear()
@@ -186,7 +187,7 @@ class EngineLoop:
                 self.abort(route.group)
                 route.group._fail(item)
                 continue
-            self.metrics.record_output(route.progress, item, now)
+            route.last_token_time = self.metrics.record_output(item, now, route.last_token_time)
             route.group._update(route.index, item)
             if item.finished:
                 del self._routes[request_id]

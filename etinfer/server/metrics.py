@@ -40,13 +40,6 @@ class EngineStats:
     num_applied: int = 0  # requests the engine thread has taken in so far
 
 
-@dataclass
-class RequestProgress:
-    """What has been counted of one engine request so far."""
-
-    last_token_time: float | None = None  # None until its first token
-
-
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -143,21 +136,24 @@ class ServerMetrics:
                 if math.isfinite(h):
                     self.token_entropy.observe(h)
 
-    def record_output(self, progress: RequestProgress, delta: RequestOutput, now: float) -> None:
-        """Count one request's delta; ``progress`` says what came before, ``now`` is when the
-        step that produced it ended (``time.perf_counter()``)."""
+    def record_output(
+        self, delta: RequestOutput, now: float, last_token_time: float | None
+    ) -> float | None:
+        """Count one request's delta, which reached the event loop at ``now`` (a step's end,
+        ``time.perf_counter()``); ``last_token_time`` is when its previous tokens did (None
+        before its first). Returns what the next call takes as ``last_token_time``."""
         new = len(delta.token_ids)
         if new:
-            if progress.last_token_time is None:
+            if last_token_time is None:
                 self.prompt_tokens.inc(len(delta.prompt_token_ids))
                 self.time_to_first_token.observe(delta.metrics.time_to_first_token)
                 if delta.metrics.queue_time is not None:
                     self.queue_time.observe(delta.metrics.queue_time)
             else:
-                gap = (now - progress.last_token_time) / new
+                gap = (now - last_token_time) / new
                 for _ in range(new):
                     self.inter_token_latency.observe(gap)
-            progress.last_token_time = now
+            last_token_time = now
         for ratio in delta.blocks_kept or ():
             self.blocks_kept.observe(ratio)
         if delta.finished:
@@ -165,3 +161,4 @@ class ServerMetrics:
                 self.e2e_latency.observe(delta.metrics.total_time)
             self.entropic_time.inc(delta.entropic_time)
             self._request_success.labels(self._model_name, delta.finish_reason).inc()
+        return last_token_time
