@@ -49,7 +49,8 @@ def tiny_model(loaded_model: LoadedModel) -> LoadedModel:
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * 0.2
 
-    hidden, inner, kv = config.hidden_size, config.intermediate_size, 2 * 16
+    hidden, inner = config.hidden_size, config.intermediate_size
+    kv = config.num_kv_heads * config.head_dim
     weights = {
         "model.embed_tokens.weight": random(config.vocab_size, hidden),
         "model.norm.weight": torch.ones(hidden),
