@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from etinfer.engine.stop_strings import compile_stop_strings
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.sampling_params import SamplingParams
 
@@ -16,11 +17,9 @@ class Detokenizer:
         self._stream = tokenizer.decode_stream(
             prompt_token_ids, skip_special_tokens=params.skip_special_tokens
         )
-        self._stop = params.stop
+        self._stops = compile_stop_strings(tuple(params.stop))
+        self._stop_state = 0  # where the text's tail stands in the stop strings' automaton
         self._include_stop = params.include_stop_str_in_output
-        # While streaming, text that could still turn out to be the start of a stop string is
-        # held back (as vLLM does), so a client never sees text that is later taken back.
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
         self._sent = 0  # characters handed out by `new_text`
 
@@ -31,15 +30,13 @@ class Detokenizer:
             return False
         previous = len(self.text)
         self.text += chunk
-        match = None
-        for stop in self._stop:
-            index = self.text.find(stop, max(0, previous - len(stop) + 1))
-            if index >= 0 and (match is None or index < match[0]):
-                match = (index, stop)
+        if self._stops is None:
+            return False
+        self._stop_state, match = self._stops.scan(chunk, self._stop_state)
         if match is None:
             return False
-        index, stop = match
-        self.text = self.text[: index + (len(stop) if self._include_stop else 0)]
+        end = previous + match.end
+        self.text = self.text[: end if self._include_stop else end - match.length]
         return True
 
     def visible_text(self, finished: bool) -> str:
@@ -53,6 +50,9 @@ class Detokenizer:
         return text
 
     def _visible_end(self, finished: bool) -> int:
-        if finished or not self._holdback:
+        # While streaming, the tail that could still be the start of a stop string is held back
+        # (as vLLM does), so a client never sees text that is later taken back; the automaton
+        # knows its exact length, where a fixed holdback would delay every chunk.
+        if finished or self._stops is None:
             return len(self.text)
-        return max(0, len(self.text) - self._holdback)
+        return len(self.text) - self._stops.depth[self._stop_state]
