@@ -119,7 +119,7 @@ def test_abort_mid_generation_frees_blocks(llm):
         ("", "prompt must not be empty"),
         ([], "prompt_token_ids must not be empty"),
         ([[5, 49152]], r"prompt_token_ids must be integers in \[0, 49151\]"),
-        ("word " * 9000, "max_model_len is 8192"),
+        ("word " * 9000, "maximum context length is 8192 tokens"),
     ],
 )
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, message):

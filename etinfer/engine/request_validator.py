@@ -13,6 +13,10 @@ from etinfer.validation import check_float, check_int
 Prompt = str | Sequence[int]
 
 
+class ContextLengthError(ValueError):
+    """A prompt longer than the context allows (what OpenAI calls context_length_exceeded)."""
+
+
 class RequestValidator:
     def __init__(
         self,
@@ -25,34 +29,53 @@ class RequestValidator:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv = kv
+        self.max_token_bytes = tokenizer.max_token_bytes
 
-    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """Validate a prompt and return (text or None, token ids)."""
+    def encode_prompt(
+        self, prompt: Prompt, *, max_tokens: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Validate a prompt of at most ``max_tokens`` tokens (by default what leaves room to
+        generate) and return (text or None, token ids). A text that cannot fit is refused from
+        its size, before tokenizing it."""
         if isinstance(prompt, str):
+            self.check_text_length(prompt, max_tokens)
             ids = self.tokenizer.encode(prompt) if prompt else []
             if not ids:
                 raise ValueError("prompt must not be empty (it encodes to no tokens)")
+            self.check_length(len(ids), max_tokens)
             return prompt, ids
-        ids = list(prompt)
-        if not ids:
+        if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
+        # The length first: a list far over the context is refused without reading it.
+        self.check_length(len(prompt), max_tokens)
+        ids = list(prompt)
         vocab = self.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab - 1}]")
         return None, ids
 
+    def check_text_length(self, text: str, max_tokens: int | None = None) -> None:
+        """Refuse, without tokenizing it, a text that is bound to exceed ``max_tokens`` tokens
+        (by default: what leaves room to generate): no token covers more of a text's bytes than
+        the tokenizer's longest entry. A no-op where the tokenizer gives no such bound."""
+        if self.max_token_bytes is None:
+            return
+        limit = self.max_model_len - 1 if max_tokens is None else max_tokens
+        # An ASCII string's length is its UTF-8 size, known without encoding it.
+        size = len(text) if text.isascii() else len(text.encode())
+        least = -(-size // self.max_token_bytes)
+        if least > limit:
+            raise self._too_long(
+                f"at least {least} tokens ({size} bytes; no token covers more than "
+                f"{self.max_token_bytes})"
+            )
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what could never finish: a prompt without room to generate, or a request the
         whole KV pool cannot hold (it would be preempted forever)."""
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
-                f"at most {self.max_model_len - 1} prompt tokens leave room to generate"
-            )
-        # The last generated token is never computed, so it needs no slot.
-        longest = min(n + params.max_tokens, self.max_model_len) - 1
-        needed = self.kv.blocks_needed(longest)
+        self.check_length(n)
+        needed = self.blocks_needed(n, params.max_tokens)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks ({n} prompt tokens + max_tokens "
@@ -60,6 +83,28 @@ class RequestValidator:
                 f"num_kvcache_blocks is {self.kv.pool.num_blocks}; lower max_tokens or enlarge "
                 "the pool"
             )
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks of one sequence at its longest (the last generated token is never
+        computed, so it needs no slot)."""
+        longest = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
+        return self.kv.blocks_needed(longest)
+
+    def check_length(self, num_tokens: int, max_tokens: int | None = None) -> None:
+        """Refuse a prompt of more than ``max_tokens`` tokens (by default: what leaves room to
+        generate)."""
+        limit = self.max_model_len - 1 if max_tokens is None else max_tokens
+        if num_tokens > limit:
+            room = f" (at most {limit}, to leave room to generate)"
+            raise self._too_long(
+                f"{num_tokens} tokens" + (room if limit < self.max_model_len else "")
+            )
+
+    def _too_long(self, prompt: str) -> ContextLengthError:
+        return ContextLengthError(
+            f"This model's maximum context length is {self.max_model_len} tokens "
+            f"(max_model_len), but the prompt has {prompt}"
+        )
 
     @staticmethod
     def check_scheduling(priority: int, slo: float | None) -> None:

@@ -8,7 +8,8 @@ rendered the way transformers renders it (a sandboxed Jinja environment with ``t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from functools import cached_property
 
@@ -42,10 +43,34 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt
+        # tokenized on a worker thread leaves the server's event loop running.
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of input text one token can cover, where that bounds how few tokens
+        a text can encode to (at least its UTF-8 bytes divided by this); None where it does not.
+
+        It holds for byte-level BPE without a normalizer (GPT-2, Llama 3, Qwen, SmolLM): each
+        character of a vocabulary entry stands for one byte of input, and an added token covers
+        exactly its own text. A normalizer could shrink the text first, and WordPiece-style
+        models map a whole unknown word to one token, so for those there is no bound."""
+        spec = json.loads(self.backend.to_str())
+        pieces = [spec.get("pre_tokenizer") or {}]
+        byte_level = any(p.get("type") == "ByteLevel" for p in _flatten(pieces))
+        if spec.get("normalizer") is not None or spec["model"]["type"] != "BPE" or not byte_level:
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        added = self.backend.get_added_tokens_decoder().values()
+        return max(
+            max(map(len, vocab), default=1),
+            max((len(token.content.encode()) for token in added), default=1),
+        )
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -102,3 +127,10 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def _flatten(pieces: list[dict]) -> Iterator[dict]:
+    """The components of a tokenizer.json pipeline, sequences opened."""
+    for piece in pieces:
+        yield piece
+        yield from _flatten(piece.get("pretokenizers") or [])
