@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
     )
     return 0
 
@@ -119,7 +120,13 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--max-waiting-requests",
         type=int,
         default=256,
-        help="requests queued beyond this are refused with 503",
+        help="requests queued beyond this are refused with 429",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="larger request bodies are refused with 413, unread (default: room for one prompt "
+        "that fills the context at the worst JSON escaping; 4 MiB for the default model)",
     )
     parser.add_argument("--log-level", default="info")
     options.add_engine_options(parser)

@@ -16,7 +16,10 @@ from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import default_model_path
 from etinfer.server.engine_loop import EngineLoop
 from etinfer.server.errors import APIError, install_handlers
+from etinfer.server.limits import BodySizeLimit, default_max_request_bytes
+from etinfer.server.memory import release_freed_memory
 from etinfer.server.metrics import ServerMetrics
+from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from etinfer.server.serving import OpenAIServing
 
@@ -58,28 +61,42 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible server over ``engine``, which it then owns: nothing else may call
-    the engine while the app runs."""
+    the engine while the app runs. ``max_request_bytes``: the largest body accepted (by
+    default room for one prompt that fills the context, see ``default_max_request_bytes``)."""
     if max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(
+            engine.max_model_len, engine.tokenizer.max_token_bytes
+        )
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
     model_name = model_name or default_model_name(engine)
     metrics = ServerMetrics(model_name)
     loop = EngineLoop(engine, metrics, max_waiting_requests=max_waiting_requests)
-    serving = OpenAIServing(loop, model_name)
+    encoder = PromptEncoder(engine.validator, engine.tokenizer, max_pending=max_waiting_requests)
+    serving = OpenAIServing(loop, encoder, model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        release_freed_memory()  # what reading the model left behind
         loop.start()
         try:
             yield
         finally:
+            encoder.close()
             await loop.stop()
 
     app = FastAPI(title="etinfer", lifespan=lifespan)
     app.state.loop = loop
     app.state.metrics = metrics
+    app.state.max_request_bytes = max_request_bytes
     install_handlers(app)
+    # The last added runs first: the key is checked before a body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 

@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -27,6 +26,8 @@ from etinfer.server.engine_loop import (
     RequestGroup,
 )
 from etinfer.server.errors import APIError, invalid_value
+from etinfer.server.limits import check_lists
+from etinfer.server.prompts import EncodedPrompt, PromptEncoder
 from etinfer.server.protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionRequest,
@@ -45,9 +46,10 @@ def _dumps(body: dict) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+    def __init__(self, loop: EngineLoop, encoder: PromptEncoder, model_name: str) -> None:
         self.loop = loop
         self.engine = loop.engine
+        self.encoder = encoder
         self.model_name = model_name
         self.created = int(time.time())
 
@@ -70,15 +72,15 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         self._check(request)
-        prompts = self._completion_prompts(request.prompt)
+        prompts = self.encoder.completion_prompts(request.prompt)
+        self._check_choices(len(prompts) * request.n)
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS
         params = self._params(request, max_tokens, request.logprobs, FIELDS)
+        encoded = await self.encoder.encode_completion(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = self._engine_requests(
-            request_id, prompts, params, request, arrival, prompt_param="prompt"
-        )
+        requests = self._engine_requests(request_id, encoded, params, request, arrival)
         return await self._answer(
             request, raw, request_id, requests, CompletionFormat(request.logprobs)
         )
@@ -86,6 +88,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         self._check(request)
+        self._check_choices(request.n)
         fields = dict(FIELDS, logprobs="top_logprobs")
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
@@ -101,14 +104,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens, logprobs, fields)
-        messages = [m.as_template_message() for m in request.messages]
-        try:
-            ids = self.engine.tokenizer.encode_chat(messages)
-        except (ValueError, jinja2.TemplateError) as e:
-            # The model's template refuses some conversations (say, roles out of order).
-            raise APIError(400, f"chat template: {e}", param="messages") from e
-        if not ids:
-            raise APIError(400, "messages encode to no tokens", param="messages")
+        ids = await self.encoder.encode_chat([m.as_template_message() for m in request.messages])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = self._engine_requests(
             request_id,
@@ -116,7 +112,6 @@ class OpenAIServing:
             params,
             request,
             arrival,
-            prompt_param="messages",
             max_tokens_param=fields["max_tokens"],
             to_context_end=max_tokens is None,
         )
@@ -142,18 +137,18 @@ class OpenAIServing:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
+        check_lists(request)
 
-    def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
-    ) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        try:
-            return [self.engine.validator.encode_prompt(p) for p in prompt]
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from e
+    def _check_choices(self, count: int) -> None:
+        """Before any prompt is tokenized: a request with more choices than the queue holds
+        could never be accepted."""
+        if count > self.loop.max_waiting_requests:
+            raise APIError(
+                400,
+                f"the request has {count} choices (prompts times n) but the server queues at "
+                f"most {self.loop.max_waiting_requests}",
+                param="n",
+            )
 
     @staticmethod
     def _params(
@@ -171,30 +166,25 @@ class OpenAIServing:
     def _engine_requests(
         self,
         request_id: str,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[EncodedPrompt],
         params: SamplingParams,
         request: GenerationRequest,
         arrival: float,
         *,
-        prompt_param: str,
         max_tokens_param: str = "max_tokens",
         to_context_end: bool = False,
     ) -> list[EngineRequest]:
-        """One engine request per choice (``request.n`` per prompt), each with the request's
+        """One engine request per choice (``request.n`` per prompt; each prompt fits the
+        context, as the encoder checked), each with the request's
         scheduling fields; ``to_context_end``: no max_tokens was given, so each prompt may
-        generate up to the end of the context."""
+        generate up to the end of the context. Together they must fit the KV pool: one request
+        may not claim more than the whole pool, preempting everyone else."""
+        validator = self.engine.validator
         limit = self.engine.max_model_len
         requests = []
+        blocks = 0
         for p, (text, ids) in enumerate(prompts):
             length = len(ids)
-            if length >= limit:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens, but the prompt "
-                    f"has {length} tokens",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
             prompt_params = params
             if to_context_end:
                 prompt_params = dataclasses.replace(params, max_tokens=limit - length)
@@ -209,9 +199,10 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
             try:
-                self.engine.validator.check_request(ids, prompt_params)
+                validator.check_request(ids, prompt_params)
             except ValueError as e:
                 raise APIError(400, str(e), param=max_tokens_param) from e
+            blocks += request.n * validator.blocks_needed(length, prompt_params.max_tokens)
             for i in range(request.n):
                 choice_params = prompt_params
                 if params.seed is not None and i:
@@ -230,6 +221,14 @@ class OpenAIServing:
                         slo=request.slo,
                     )
                 )
+        pool = self.engine.kv.pool.num_blocks
+        if blocks > pool:
+            raise APIError(
+                400,
+                f"the request's {len(requests)} choices need {blocks} KV blocks at their longest "
+                f"but the pool holds {pool}; lower n or {max_tokens_param}",
+                param="n" if request.n > 1 else max_tokens_param,
+            )
         return requests
 
     # -- running --------------------------------------------------------------------------
@@ -242,18 +241,11 @@ class OpenAIServing:
         requests: list[EngineRequest],
         fmt: CompletionFormat | ChatFormat,
     ) -> Response:
-        if len(requests) > self.loop.max_waiting_requests:
-            raise APIError(
-                400,
-                f"the request has {len(requests)} choices but the server queues at most "
-                f"{self.loop.max_waiting_requests}",
-                param="n",
-            )
         try:
             group = self.loop.submit(requests)
         except QueueFull as e:
-            # OpenAI's clients retry a 503 by themselves, after Retry-After.
-            raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
+            # Too many requests, as OpenAI answers: its clients retry after Retry-After.
+            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         header = {

@@ -59,13 +59,7 @@ class ServerThread:
         self.socket.close()
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics, summed over labels."""
-        values: dict[str, float] = {}
-        text = httpx2.get(f"{self.url}/metrics").text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-        return values
+        return scrape_metrics(self.url)
 
     def wait_idle(self) -> dict[str, float]:
         """Wait until nothing runs, waits or holds a KV block; return the metrics then."""
@@ -81,6 +75,15 @@ class ServerThread:
 
         wait_for(idle, "the server to go idle")
         return result
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of a server's /metrics, summed over labels."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
