@@ -8,6 +8,7 @@ import argparse
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench import (
         ablation,
+        abuse,
         pruning,
         sampling,
         scheduling_sim,
@@ -27,3 +28,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     scheduling_sim.add_command(kinds)
     server_load.add_command(kinds)
     ablation.add_command(kinds)
+    abuse.add_command(kinds)

@@ -18,26 +18,20 @@ interpreter (as in a real deployment; on a small machine they still share the co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import platform
 import random
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from etinfer import options
 from etinfer.bench.driver import Request, drive_server
+from etinfer.bench.local_server import local_server
 from etinfer.bench.prompts import instructions
 from etinfer.bench.stats import summary
 from etinfer.sampling_params import SamplingParams
-
-SERVER_START_S = 300.0  # reading the model and building the engine on a loaded machine
 
 
 @dataclass
@@ -88,44 +82,6 @@ def run_rate(url: str, rate: float, args: argparse.Namespace, rng: random.Random
     )
 
 
-@contextlib.contextmanager
-def local_server(args: argparse.Namespace) -> Iterator[str]:
-    """``etinfer serve`` in a subprocess on a free loopback port; yields its URL."""
-    import httpx2
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "etinfer.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *options.engine_flags(args),
-    ]
-    server = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"etinfer serve exited with {server.returncode}")
-            with contextlib.suppress(httpx2.TransportError):
-                if httpx2.get(f"{url}/health").status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("etinfer serve did not come up")
-            time.sleep(0.5)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
 def run_all(url: str, args: argparse.Namespace) -> list[RateResult]:
     rng = random.Random(args.seed)
     # One request first, so that first-call costs stay out of the figures.
@@ -174,8 +130,9 @@ def main(args: argparse.Namespace) -> int:
     if args.url:
         rows = run_all(args.url, args)
     else:
-        with local_server(args) as url:
-            rows = run_all(url, args)
+        flags = ["--log-level", "warning", *options.engine_flags(args)]
+        with local_server(flags) as server:
+            rows = run_all(server.url, args)
     print_table(rows)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
