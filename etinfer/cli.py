@@ -125,8 +125,9 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-request-bytes",
         type=int,
-        help="larger request bodies are refused with 413, unread (default: room for one prompt "
-        "that fills the context at the worst JSON escaping; 4 MiB for the default model)",
+        help="larger request bodies are refused with 413 before they are parsed (default: room "
+        "for one prompt that fills the context at the worst JSON escaping, plus 1 MiB; 5 MiB "
+        "for the default model)",
     )
     parser.add_argument("--log-level", default="info")
     options.add_engine_options(parser)

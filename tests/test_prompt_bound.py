@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
 
 from etinfer.engine.request_validator import ContextLengthError
 from etinfer.model.loader import LoadedModel
@@ -39,14 +39,40 @@ def test_the_bound_is_the_longest_token(loaded_model: LoadedModel):
     assert len(text.encode()) == 81 and len(tokenizer.encode(text)) == 1
 
 
-def test_tokenizers_without_a_bound_get_none():
+def byte_level_bpe(pre_tokenizer=None, **bpe) -> HFTokenizer:
+    """A tiny byte-level BPE: the 256 byte symbols, "ab" and a 3-space token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))} | {"ab": 256, "ĠĠĠ": 257}
+    merges = [("a", "b"), ("Ġ", "Ġ"), ("ĠĠ", "Ġ")]
+    tokenizer = HFTokenizer(models.BPE(vocab | {"ĠĠ": 258}, merges, **bpe))
+    tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tokenizer
+
+
+def test_a_byte_level_bpe_that_keeps_its_text_has_a_bound():
+    tokenizer = Tokenizer(byte_level_bpe(), eos_token_ids=[0])
+    assert tokenizer.max_token_bytes == 3
+    text = "ab   ab" * 50
+    assert len(tokenizer.encode(text)) >= len(text) / 3
+
+
+def test_tokenizers_that_can_drop_or_fuse_text_have_no_bound():
     word_level = HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert Tokenizer(word_level, eos_token_ids=[0]).max_token_bytes is None
-    normalized = HFTokenizer(models.BPE({"a": 0}, [], byte_fallback=True))
+    normalized = byte_level_bpe()
     normalized.normalizer = normalizers.NFKC()
-    normalized.pre_tokenizer = pre_tokenizers.ByteLevel()
-    assert Tokenizer(normalized, eos_token_ids=[0]).max_token_bytes is None
+    removing = byte_level_bpe(
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(" ", "removed"), pre_tokenizers.ByteLevel(use_regex=False)]
+        )
+    )
+    stripping = byte_level_bpe()
+    stripping.add_special_tokens([AddedToken("<s>", lstrip=True)])
+    fused = byte_level_bpe(unk_token="a", fuse_unk=True)
+    for backend in (word_level, normalized, removing, stripping, fused):
+        assert Tokenizer(backend, eos_token_ids=[0]).max_token_bytes is None
+    # What the stripping token does: a long run of spaces before it vanishes into it.
+    assert len(stripping.encode(" " * 10_000 + "<s>").ids) == 1
 
 
 def test_a_prompt_too_large_to_fit_is_refused_without_tokenizing(llm, monkeypatch):

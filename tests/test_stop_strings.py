@@ -54,12 +54,13 @@ def test_scan_finds_what_brute_force_finds_in_any_chunking(stops, text, cuts):
     assert first_match(text, stops) is None
 
 
-def test_a_hundred_thousand_stop_strings_match_like_one():
+def test_a_hundred_thousand_stop_strings_match_correctly():
     stops = tuple(f"<stop {i}>" for i in range(100_000))
     automaton = compile_stop_strings(stops)
     state, match = automaton.scan("text before <stop 99999> and after", 0)
     assert match == StopMatch(end=len("text before <stop 99999>"), length=len("<stop 99999>"))
-    # A partial match is held back whole, not the longest string's length minus one.
+    # The partial match is what is held back, not the longest string's length minus one.
+    # (What matching costs per token, 1.3 µs at 1 or 100,000 strings: `etinfer bench abuse`.)
     state, match = automaton.scan("so far <stop 12", 0)
     assert match is None and automaton.depth[state] == len("<stop 12")
 
@@ -73,3 +74,13 @@ def test_sequences_stop_on_the_string_that_completes_first(llm):
     params = SamplingParams(temperature=0, max_tokens=12, stop=[" 7, 8, 9", " 8,"])
     out = llm.generate(prompt, params)[0]
     assert out.finish_reason == "stop" and out.text == text[: text.index(" 8,")]
+
+
+def test_a_stream_shows_no_text_that_a_stop_string_takes_back(llm):
+    prompt = "Count: 1, 2, 3, 4, 5, 6,"
+    # " 7, 8, 9" is held back from " 7" on (it could begin the stop string), then cut off.
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[" 7, 8, 9", " 8,"])
+    whole = llm.generate(prompt, params)[0].text
+    deltas = [out.text for out in llm.stream(prompt, params, delta=True)]
+    assert "".join(deltas) == whole and " 7" not in "".join(deltas[:-1])
+    assert whole.endswith(" 7,")

@@ -7,6 +7,8 @@ adds another checkout (say, the commit before the request limits) to the same ru
 are compared side by side on the same machine and load.
 
     etinfer bench abuse --baseline-tree /work/base --output results/abuse.json
+
+It needs the test extra's clients (httpx2, psutil), imported when it runs.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import httpx2
-import psutil
 
 from etinfer import options
 from etinfer.bench.local_server import LocalServer, local_server
@@ -93,14 +92,28 @@ class TreeResult:
     stop_us_per_token: dict[str, float] = field(default_factory=dict)  # by number of strings
 
 
-def post(url: str, path: str, body: bytes) -> httpx2.Response:
+def post(url: str, path: str, body: bytes) -> int:
+    """The answer's status; 0 when the connection failed (a server that hangs up mid-body)."""
+    import httpx2
+
     headers = {"Content-Type": "application/json"}
-    return httpx2.post(f"{url}{path}", content=body, headers=headers, timeout=600)
+    try:
+        return httpx2.post(f"{url}{path}", content=body, headers=headers, timeout=600).status_code
+    except httpx2.TransportError:
+        return 0
+
+
+def rss_mib(server: LocalServer) -> float:
+    import psutil
+
+    return psutil.Process(server.process.pid).memory_info().rss / MiB
 
 
 def small_request_s(url: str) -> float:
     start = time.perf_counter()
-    post(url, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 1}').raise_for_status()
+    status = post(url, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 1}')
+    if status != 200:
+        raise RuntimeError(f"a small request failed with {status}")
     return time.perf_counter() - start
 
 
@@ -109,7 +122,7 @@ def run_case(server: LocalServer, name: str, path: str, body: bytes) -> CaseResu
 
     def abusive() -> None:
         start = time.perf_counter()
-        answer["status"] = post(server.url, path, body).status_code
+        answer["status"] = post(server.url, path, body)
         answer["s"] = time.perf_counter() - start
 
     sender = threading.Thread(target=abusive)
@@ -118,12 +131,14 @@ def run_case(server: LocalServer, name: str, path: str, body: bytes) -> CaseResu
     while sender.is_alive() or not small:
         small.append(small_request_s(server.url))
     sender.join()
-    rss = psutil.Process(server.process.pid).memory_info().rss / MiB
-    return CaseResult(name, int(answer["status"]), answer["s"], max(small), len(small), rss)
+    status = int(answer["status"])
+    return CaseResult(name, status, answer["s"], max(small), len(small), rss_mib(server))
 
 
 def run_burst(url: str, count: int) -> dict[str, float]:
     """``count`` one-line completions at once, /health polled meanwhile."""
+    import httpx2
+
     body = {"prompt": "Count:", "max_tokens": 16, "ignore_eos": True}
 
     async def run() -> tuple[list[int], list[float]]:
@@ -160,8 +175,7 @@ def run_tree(tree: str | None, args: argparse.Namespace) -> TreeResult:
     env = {"OMP_WAIT_POLICY": "PASSIVE"}  # the client shares the cores
     with local_server(flags, pythonpath=tree, env=env) as server:
         alone = statistics.median(small_request_s(server.url) for _ in range(5))
-        rss = psutil.Process(server.process.pid).memory_info().rss / MiB
-        result = TreeResult(tree or "this tree", alone, rss)
+        result = TreeResult(tree or "this tree", alone, rss_mib(server))
         for name, (path, body) in cases(args.cases).items():
             print(f"  {name} ...", flush=True)
             result.cases.append(run_case(server, name, path, body))

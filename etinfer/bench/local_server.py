@@ -13,8 +13,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx2
-
 SERVER_START_S = 300.0  # reading the model and building the engine on a loaded machine
 
 
@@ -30,6 +28,8 @@ def local_server(
 ) -> Iterator[LocalServer]:
     """Start ``etinfer serve`` with ``flags`` and wait until /health answers; stop it on exit.
     ``pythonpath`` puts another checkout of etinfer first (a side-by-side comparison)."""
+    import httpx2  # the test extra's client: only benchmarks and tests start servers
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -56,4 +56,8 @@ def local_server(
         yield LocalServer(url, server)
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

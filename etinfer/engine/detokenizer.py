@@ -37,6 +37,7 @@ class Detokenizer:
             return False
         end = previous + match.end
         self.text = self.text[: end if self._include_stop else end - match.length]
+        self._stop_state = 0  # the text is final: nothing more to hold back
         return True
 
     def visible_text(self, finished: bool) -> str:

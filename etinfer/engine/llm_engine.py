@@ -210,7 +210,7 @@ class LLMEngine:
     def score(self, prompt: Prompt) -> torch.Tensor:
         """Logits [tokens, vocab] at every position of ``prompt`` in one prefill (teacher
         forcing): row i is the distribution of token i + 1. Runs between steps, on free blocks."""
-        _, ids = self.validator.encode_prompt(prompt, max_tokens=self.max_model_len)
+        _, ids = self.validator.encode_prompt(prompt, max_prompt_tokens=self.max_model_len)
         needed = self.kv.blocks_needed(len(ids))
         if needed > self.kv.pool.num_free_blocks:
             raise ValueError(f"scoring {len(ids)} tokens needs {needed} free KV blocks")

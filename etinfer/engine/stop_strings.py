@@ -68,7 +68,9 @@ class StopStrings:
         return state, None
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)
 def compile_stop_strings(stops: tuple[str, ...]) -> StopStrings | None:
-    """The automaton for ``stops`` (None without any), made once per distinct set."""
+    """The automaton for ``stops`` (None without any), shared by the sequences that use the
+    same set; a few recent sets are kept (compiling one takes milliseconds, keeping a large
+    one, megabytes)."""
     return StopStrings(stops) if stops else None

@@ -12,10 +12,12 @@ import json
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from functools import cached_property
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
 from tokenizers.decoders import DecodeStream
 
 Message = dict[str, str]
@@ -56,17 +58,26 @@ class Tokenizer:
         """The most bytes of input text one token can cover, where that bounds how few tokens
         a text can encode to (at least its UTF-8 bytes divided by this); None where it does not.
 
-        It holds for byte-level BPE without a normalizer (GPT-2, Llama 3, Qwen, SmolLM): each
-        character of a vocabulary entry stands for one byte of input, and an added token covers
-        exactly its own text. A normalizer could shrink the text first, and WordPiece-style
-        models map a whole unknown word to one token, so for those there is no bound."""
-        spec = json.loads(self.backend.to_str())
-        pieces = [spec.get("pre_tokenizer") or {}]
-        byte_level = any(p.get("type") == "ByteLevel" for p in _flatten(pieces))
-        if spec.get("normalizer") is not None or spec["model"]["type"] != "BPE" or not byte_level:
+        It holds for byte-level BPE that keeps every byte of its input (GPT-2, Llama 3, Qwen,
+        SmolLM): each character of a vocabulary entry stands for one byte, and an added token
+        covers exactly its own text. A normalizer or a pre-tokenizer may drop text first, an
+        added token that strips whitespace swallows a run of any length, and fused unknown
+        characters (or WordPiece's unknown words) become one token: no bound for those."""
+        backend = self.backend
+        model = backend.model
+        if backend.normalizer is not None or backend.pre_tokenizer is None:
             return None
-        vocab = self.backend.get_vocab(with_added_tokens=False)
-        added = self.backend.get_added_tokens_decoder().values()
+        if not isinstance(model, models.BPE) or model.fuse_unk:
+            return None
+        # Only the pre-tokenizer's own settings, not the whole tokenizer.json (10 MB for a
+        # 128K vocabulary).
+        pieces = list(_flatten([json.loads(backend.pre_tokenizer.__getstate__())]))
+        if not any(p["type"] == "ByteLevel" for p in pieces) or not all(map(_keeps_text, pieces)):
+            return None
+        added = backend.get_added_tokens_decoder().values()
+        if any(token.lstrip or token.rstrip for token in added):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=False)
         return max(
             max(map(len, vocab), default=1),
             max((len(token.content.encode()) for token in added), default=1),
@@ -129,8 +140,17 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
 
-def _flatten(pieces: list[dict]) -> Iterator[dict]:
-    """The components of a tokenizer.json pipeline, sequences opened."""
+# Pre-tokenizers that split text without dropping any of it (Split and Punctuation can be set
+# to remove what they match).
+_TEXT_KEEPING = frozenset({"ByteLevel", "Sequence", "Split", "Punctuation", "Digits"})
+
+
+def _flatten(pieces: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The components of a pre-tokenizer's settings, sequences opened."""
     for piece in pieces:
         yield piece
         yield from _flatten(piece.get("pretokenizers") or [])
+
+
+def _keeps_text(piece: dict[str, Any]) -> bool:
+    return piece["type"] in _TEXT_KEEPING and piece.get("behavior") != "Removed"

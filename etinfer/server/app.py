@@ -93,7 +93,6 @@ def create_app(
     app = FastAPI(title="etinfer", lifespan=lifespan)
     app.state.loop = loop
     app.state.metrics = metrics
-    app.state.max_request_bytes = max_request_bytes
     install_handlers(app)
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)

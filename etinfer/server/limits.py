@@ -7,6 +7,8 @@ wait by sending much: parsing, tokenizing and stop matching all stay within thes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from etinfer.server.errors import APIError
@@ -15,6 +17,8 @@ from etinfer.server.protocol import ChatCompletionRequest, GenerationRequest
 MiB = 1 << 20
 # The worst JSON escaping of one byte of text: a control character written as \u00XX.
 JSON_BYTES_PER_TEXT_BYTE = 6
+# Room for the fields beside the prompt (sampling options, stop strings, a chat's roles).
+OTHER_FIELDS_BYTES = MiB
 # A token's bytes where the tokenizer gives no bound (byte-level BPE vocabularies top out
 # between 64 and 128).
 FALLBACK_TOKEN_BYTES = 128
@@ -29,14 +33,15 @@ MAX_STOP_TOKEN_IDS = 64
 
 
 def default_max_request_bytes(max_model_len: int, max_token_bytes: int | None) -> int:
-    """Room for one prompt that fills the context, at the worst JSON escaping, in whole MiB
-    (4 MiB for the default model: 8,192 tokens of at most 81 bytes)."""
-    size = max_model_len * (max_token_bytes or FALLBACK_TOKEN_BYTES) * JSON_BYTES_PER_TEXT_BYTE
-    return -(-size // MiB) * MiB
+    """Room for one prompt that fills the context, at the worst JSON escaping, and 1 MiB for
+    the other fields, in whole MiB (5 MiB for the default model: 8,192 tokens of at most 81
+    bytes)."""
+    prompt = max_model_len * (max_token_bytes or FALLBACK_TOKEN_BYTES) * JSON_BYTES_PER_TEXT_BYTE
+    return -(-(prompt + OTHER_FIELDS_BYTES) // MiB) * MiB
 
 
 def too_large(limit: int, size: int | None = None) -> APIError:
-    given = f"has {size} bytes" if size is not None else "is larger"
+    given = f"has {size} bytes" if size is not None else f"is larger than {limit} bytes"
     return APIError(
         413,
         f"The request body {given}; this server accepts at most {limit} bytes "
@@ -47,8 +52,9 @@ def too_large(limit: int, size: int | None = None) -> APIError:
 
 class BodySizeLimit:
     """Reads a request's body, up to ``max_bytes``, before the app parses it; a larger one is
-    answered 413 at once (by its Content-Length, when it declares one). Plain ASGI, like the
-    API key check, so streaming responses still see their client's disconnect.
+    answered 413 at once: unread when its Content-Length says so, else once the limit is
+    passed. Plain ASGI, like the API key check, so streaming responses still see their
+    client's disconnect.
 
     What the client still sends after the 413 is read and dropped by uvicorn, so the client
     gets the answer instead of a reset connection."""
@@ -65,7 +71,8 @@ class BodySizeLimit:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await too_large(self.max_bytes, int(declared)).response()(scope, receive, send)
             return
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -112,7 +119,7 @@ def check_lists(request: GenerationRequest) -> None:
         _check_array("messages", request.messages, MAX_MESSAGES)
 
 
-def _check_array(name: str, items: list, limit: int) -> None:
+def _check_array(name: str, items: Sequence[object], limit: int) -> None:
     if len(items) > limit:
         raise APIError(
             400,

@@ -4,15 +4,16 @@ What is free comes first: a text whose size alone shows it cannot fit the contex
 untokenized (``RequestValidator.check_text_length``). The rest is tokenized on worker threads:
 the tokenizer releases the GIL while it works, so health checks, metrics, streams and other
 requests keep flowing while a long prompt is encoded. Short and long texts have a worker each,
-so a short prompt never waits behind long ones, and long ones queue at most ``max_pending``
-deep (past that, 429).
+so a short prompt never waits behind long ones, and each lane queues at most ``max_pending``
+requests (past that, 429).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TypeVar
 
 import jinja2
@@ -25,10 +26,21 @@ from etinfer.server.memory import release_freed_memory
 T = TypeVar("T")
 EncodedPrompt = tuple[str | None, list[int]]
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
-# A text longer than this goes to the long lane: tokenizing it takes milliseconds (a text the
-# size bound lets through at 8K tokens, up to 0.3 s), and tens of MB for a moment, which the
-# worker then hands back to the system.
-LONG_TEXT_CHARS = 1 << 16
+# A request with more text than this goes to the long lane. Tokenizing it takes milliseconds
+# (up to 0.3 s for the largest text the size bound lets through at 8K tokens) and, for a
+# moment, up to tens of MB, which the worker hands back to the system afterwards; a short lane
+# request costs at most a few milliseconds, so a queue of them drains quickly.
+LONG_TEXT_CHARS = 8192
+
+
+class _Lane:
+    """One worker thread and the requests queued for it."""
+
+    def __init__(self, name: str, *, long: bool) -> None:
+        self.name = name
+        self.long = long
+        self.pending = 0  # requests in or waiting for the worker (event loop only)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"etinfer-tokenize-{name}")
 
 
 class PromptEncoder:
@@ -37,14 +49,13 @@ class PromptEncoder:
     ) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
-        self.max_pending = max_pending
-        self.pending = 0  # long requests in or waiting for their worker (event loop only)
-        self._short = ThreadPoolExecutor(1, thread_name_prefix="etinfer-tokenize-short")
-        self._long = ThreadPoolExecutor(1, thread_name_prefix="etinfer-tokenize-long")
+        self.max_pending = max_pending  # per lane
+        self._short = _Lane("short", long=False)
+        self._long = _Lane("long", long=True)
 
     def close(self) -> None:
-        for pool in (self._short, self._long):
-            pool.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._short, self._long):
+            lane.pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def completion_prompts(prompt: CompletionPrompt) -> list[str] | list[list[int]]:
@@ -57,10 +68,11 @@ class PromptEncoder:
 
     async def encode_completion(self, prompts: list[str] | list[list[int]]) -> list[EncodedPrompt]:
         texts = [p for p in prompts if isinstance(p, str)]
+        with _refusals("prompt"):
+            for text in texts:  # here, before any is queued: O(1) for ASCII text
+                self.validator.check_text_length(text)
 
         def encode() -> list[EncodedPrompt]:
-            for text in texts:  # every text's size is checked before any is tokenized
-                self.validator.check_text_length(text)
             return [self.validator.encode_prompt(p) for p in prompts]
 
         return await self._run(encode, "prompt", sum(map(len, texts)))
@@ -72,6 +84,7 @@ class PromptEncoder:
             except (ValueError, jinja2.TemplateError) as e:
                 # The model's template refuses some conversations (say, roles out of order).
                 raise APIError(400, f"chat template: {e}", param="messages") from e
+            # Checked once rendered: a template may add text, or leave some out.
             self.validator.check_text_length(text)
             # The template writes BOS itself where the model wants one.
             ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -84,30 +97,37 @@ class PromptEncoder:
         return await self._run(encode, "messages", size)
 
     async def _run(self, work: Callable[[], T], param: str, text_chars: int) -> T:
-        long = text_chars > LONG_TEXT_CHARS
-        if long and self.pending >= self.max_pending:
+        lane = self._long if text_chars > LONG_TEXT_CHARS else self._short
+        if lane.pending >= self.max_pending:
             raise APIError(
                 429,
-                f"the server is overloaded: {self.pending} long prompts are waiting to be "
-                f"tokenized (at most {self.max_pending}); retry later",
+                f"the server is overloaded: {lane.pending} requests are waiting to be "
+                f"tokenized in the {lane.name} lane (at most {self.max_pending}); retry later",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        self.pending += long
+        lane.pending += 1
 
         def run() -> T:
             try:
                 return work()
             finally:
-                if long:
+                if lane.long:
                     release_freed_memory()
 
         try:
-            pool = self._long if long else self._short
-            return await asyncio.get_running_loop().run_in_executor(pool, run)
-        except ContextLengthError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from e
+            with _refusals(param):
+                return await asyncio.get_running_loop().run_in_executor(lane.pool, run)
         finally:
-            self.pending -= long
+            lane.pending -= 1
+
+
+@contextmanager
+def _refusals(param: str) -> Iterator[None]:
+    """A prompt check's ValueError as the 400 that names ``param``."""
+    try:
+        yield
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e

@@ -223,10 +223,12 @@ class OpenAIServing:
                 )
         pool = self.engine.kv.pool.num_blocks
         if blocks > pool:
+            # Counted without prefix sharing: choices admitted in the same step share nothing.
             raise APIError(
                 400,
-                f"the request's {len(requests)} choices need {blocks} KV blocks at their longest "
-                f"but the pool holds {pool}; lower n or {max_tokens_param}",
+                f"the request's {len(requests)} choices ({len(prompts)} prompts x n={request.n}) "
+                f"need {blocks} KV blocks at their longest (prompt + {max_tokens_param}) but the "
+                f"pool holds {pool}; lower n or {max_tokens_param}, or send fewer prompts",
                 param="n" if request.n > 1 else max_tokens_param,
             )
         return requests

@@ -7,6 +7,7 @@ import asyncio
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx2
 import openai
@@ -14,11 +15,12 @@ import psutil
 import pytest
 
 from etinfer.bench.local_server import LocalServer, local_server
+from etinfer.server.limits import default_max_request_bytes
 from tests.server.conftest import scrape_metrics
 
 MAX_WAITING = 8
 KV_BLOCKS = 1024  # 16K tokens: two sequences at the full context
-DEFAULT_BODY_LIMIT = 4 * 2**20  # 8,192 tokens x 81 bytes x 6 (JSON escaping), in MiB
+DEFAULT_BODY_LIMIT = default_max_request_bytes(8192, 81)  # 5 MiB
 # What the abuse below may leave resident, on top of where the server was (measured: it ends
 # below where it started, since the freed memory goes back to the system).
 RSS_BOUND = 64 * 2**20
@@ -28,7 +30,7 @@ STALL_BOUND_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def served() -> LocalServer:
+def served() -> Iterator[LocalServer]:
     flags = ["--log-level", "warning", "--num-kvcache-blocks", str(KV_BLOCKS),
              "--max-num-seqs", "2", "--max-waiting-requests", str(MAX_WAITING)]  # fmt: skip
     with local_server(flags, env={"OMP_WAIT_POLICY": "PASSIVE"}) as server:
@@ -161,9 +163,10 @@ def test_a_burst_past_the_queue_gets_429_and_keeps_every_accepted_request(served
             )
             health = []
             while not burst.done():
-                start = time.perf_counter()
-                assert (await http.get(f"{served.url}/health")).status_code == 200
-                health.append(time.perf_counter() - start)
+                for route in ("/health", "/metrics"):
+                    start = time.perf_counter()
+                    assert (await http.get(f"{served.url}{route}")).status_code == 200
+                    health.append(time.perf_counter() - start)
                 await asyncio.sleep(0.05)
             return await burst, health
 
