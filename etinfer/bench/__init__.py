@@ -9,6 +9,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench import (
         ablation,
         abuse,
+        kernels,
         pruning,
         sampling,
         scheduling_sim,
@@ -29,3 +30,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     server_load.add_command(kinds)
     ablation.add_command(kinds)
     abuse.add_command(kinds)
+    kernels.add_command(kinds)
