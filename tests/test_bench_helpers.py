@@ -130,3 +130,16 @@ def test_the_driver_runs_forced_tokens_and_chat_text_on_the_real_model(make_llm)
     assert run.outputs[1].prompt_token_ids == prompt
     alone = drive_engine(llm.engine, [chat], "cpu").outputs[0]
     assert alone.token_ids == llm.generate([prompt], params(6))[0].token_ids
+
+
+def test_the_kernel_candidates_compute_the_same_product():
+    """Every candidate of `bench kernels` multiplies the same shapes; the float ones agree."""
+    import torch
+
+    from etinfer.bench.kernels import candidates, step_shapes
+
+    assert step_shapes(None)[0] == (960, 576, 30) and step_shapes(None)[-1] == (49152, 576, 1)
+    torch.manual_seed(0)
+    outputs = {name: fn() for name, fn in candidates(64, 96, 3).items()}
+    assert all(out.shape == (3, 64) for out in outputs.values())
+    torch.testing.assert_close(outputs["f32 oneDNN packed"], outputs["f32 F.linear"])
