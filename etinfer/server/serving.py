@@ -174,11 +174,11 @@ class OpenAIServing:
         max_tokens_param: str = "max_tokens",
         to_context_end: bool = False,
     ) -> list[EngineRequest]:
-        """One engine request per choice (``request.n`` per prompt; each prompt fits the
-        context, as the encoder checked), each with the request's
-        scheduling fields; ``to_context_end``: no max_tokens was given, so each prompt may
-        generate up to the end of the context. Together they must fit the KV pool: one request
-        may not claim more than the whole pool, preempting everyone else."""
+        """One engine request per choice (``request.n`` per prompt), each with the request's
+        scheduling fields. Each prompt already fits the context (the encoder checked);
+        ``to_context_end``: no max_tokens was given, so each may generate up to its end.
+        Together the choices must fit the KV pool: one request may not claim more than the
+        whole pool, preempting everyone else."""
         validator = self.engine.validator
         limit = self.engine.max_model_len
         requests = []
