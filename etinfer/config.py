@@ -9,6 +9,7 @@ import torch
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
+from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +79,13 @@ class EngineConfig:
         default="auto",
         metadata={"help": "of the weights: auto (float32), float32, bfloat16, float16"},
     )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "of the weights: auto (a GGUF keeps its own: Q4_0/Q4_1 as int4, Q8_0 as "
+            "int8), none (float, dequantized at load), int8 (per row), int4 (groups of 32)"
+        },
+    )
     device: str = field(
         default="auto", metadata={"help": "auto (cuda when available), cpu, cuda[:N]"}
     )
@@ -120,6 +128,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
+        check_choice("quantization", self.quantization, QUANTIZATION_MODES)
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -73,8 +73,14 @@ def tiny_model(loaded_model: LoadedModel) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def llm(loaded_model: LoadedModel) -> LLM:
-    """The default engine over the real model (float32, CPU)."""
+    """The default engine over the real model: the file's own 4-bit weights, CPU."""
     return LLM(loaded_model, max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def float_llm(loaded_model: LoadedModel) -> LLM:
+    """The engine on weights dequantized to float32: token for token what transformers computes."""
+    return LLM(loaded_model, max_num_seqs=16, quantization="none")
 
 
 @pytest.fixture(scope="session")

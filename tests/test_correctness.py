@@ -1,9 +1,10 @@
-"""Greedy outputs of the real model: equal to transformers, and the same however batched."""
+"""Greedy outputs of the real model: equal to transformers on float weights, and the same however
+batched on the default (quantized) ones."""
 
 import pytest
 import torch
 
-from etinfer import SamplingParams
+from etinfer import LLM, SamplingParams
 from tests.conftest import PROMPTS, assert_pool_free
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -28,16 +29,16 @@ def reference_tokens(llm, hf_reference):
     return tokens
 
 
-def test_greedy_equals_transformers_token_for_token(llm, reference_tokens):
-    outs = llm.generate(PROMPTS, GREEDY_64)  # all eight in one batch
+def test_greedy_equals_transformers_token_for_token(float_llm, reference_tokens):
+    outs = float_llm.generate(PROMPTS, GREEDY_64)  # all eight in one batch
     for prompt, out, expected in zip(PROMPTS, outs, reference_tokens, strict=True):
         assert out.token_ids == expected, prompt
-    assert_pool_free(llm)
+    assert_pool_free(float_llm)
 
 
-def test_prompt_logits_match_transformers(llm, hf_reference):
-    ids = llm.tokenizer.encode(PROMPTS[3])
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+def test_prompt_logits_match_transformers(float_llm, hf_reference):
+    ids = float_llm.tokenizer.encode(PROMPTS[3])
+    out = float_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     with torch.no_grad():
         expected = hf_reference(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
     for token, entry in out.logprobs[0].items():
@@ -63,9 +64,25 @@ def test_same_tokens_in_a_mixed_batch(llm, alone):
     assert mixed[1] == alone
 
 
-def test_same_tokens_with_chunked_prefill(make_llm, alone):
-    small_chunks = make_llm(max_num_batched_tokens=5)
-    assert greedy(small_chunks, [PROMPTS[3], PROMPTS[1]])[0] == alone
+# Prefill attention (SDPA per chunk) is not bit for bit the same for a row whatever the chunking:
+# on float weights the difference is about 1e-7 and no token moves; the integer kernels round
+# activations to bfloat16, which can turn it into a different bfloat16 and, here, a different
+# token at position 11. The weight kernels themselves compute each row alone (test_quantization).
+CHUNKING_GAP = pytest.mark.xfail(
+    strict=True, reason="prefill attention is not chunk-invariant bit for bit (issue 15, open)"
+)
+ON_BOTH_WEIGHTS = pytest.mark.parametrize("quantization", ["none", "auto"])
+
+
+@pytest.fixture(scope="module")
+def alone_by_weights(llm, float_llm):
+    return {"auto": greedy(llm, [PROMPTS[3]])[0], "none": greedy(float_llm, [PROMPTS[3]])[0]}
+
+
+@pytest.mark.parametrize("quantization", ["none", pytest.param("auto", marks=CHUNKING_GAP)])
+def test_same_tokens_with_chunked_prefill(make_llm, alone_by_weights, quantization):
+    small_chunks = make_llm(max_num_batched_tokens=5, quantization=quantization)
+    assert greedy(small_chunks, [PROMPTS[3], PROMPTS[1]])[0] == alone_by_weights[quantization]
     assert_pool_free(small_chunks)
 
 
@@ -79,12 +96,23 @@ def test_same_tokens_after_a_prefix_cache_hit(llm, alone):
     assert out.token_ids == alone
 
 
-def test_same_tokens_after_forced_preemption(make_llm, alone):
+@ON_BOTH_WEIGHTS
+def test_same_tokens_after_forced_preemption(make_llm, alone_by_weights, quantization):
     # Eight blocks of 16 tokens hold fewer than two of these requests at full length.
-    tiny = make_llm(num_kvcache_blocks=8, enable_prefix_caching=False)
+    tiny = make_llm(num_kvcache_blocks=8, enable_prefix_caching=False, quantization=quantization)
     prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[7], PROMPTS[2]]
     outs = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert sum(o.num_preemptions for o in outs) > 0
     assert tiny.engine.scheduler.num_preemptions > 0
-    assert outs[0].token_ids == alone
+    assert outs[0].token_ids == alone_by_weights[quantization]
     assert_pool_free(tiny)
+
+
+def test_stale_memory_in_the_cache_never_reaches_an_output(tiny_model):
+    """Decode reads a kept block whole, masking the slots past the context; a NaN left there by
+    reused memory must not leak through the zero weight (it did, now and then, before)."""
+    llm = LLM(tiny_model, num_kvcache_blocks=32, enable_prefix_caching=False)
+    clean = greedy(llm, [PROMPTS[3], PROMPTS[0]], max_tokens=12)
+    llm.engine.runner.cache.keys.fill_(float("nan"))
+    llm.engine.runner.cache.values.fill_(float("nan"))
+    assert greedy(llm, [PROMPTS[3], PROMPTS[0]], max_tokens=12) == clean

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from etinfer import LLM, SamplingParams
+from etinfer.model.quantized import as_float
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,11 +95,15 @@ def test_bfloat16_weights_run_with_float32_attention(tmp_path):
     )
 
 
-def test_real_model_exported_as_folder_equals_the_gguf(tmp_path, llm, loaded_model, hf_reference):
+def test_real_model_exported_as_folder_equals_the_gguf(
+    tmp_path, float_llm, loaded_model, hf_reference
+):
+    llm = float_llm  # the folder holds the file's weights dequantized: float, as "none" runs them
     # transformers will not save a model it read from GGUF, so write the folder the way it would:
     # its config.json, safetensors weights, tokenizer.json and tokenizer_config.json.
     hf_reference.config.save_pretrained(tmp_path)
-    save_file(loaded_model.weights, tmp_path / "model.safetensors")
+    weights = {name: as_float(w) for name, w in loaded_model.weights.items()}
+    save_file(weights, tmp_path / "model.safetensors")
     llm.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
     tokenizer_config = {
         "eos_token": "<|im_end|>",

@@ -11,6 +11,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         abuse,
         kernels,
         pruning,
+        quantization,
         sampling,
         scheduling_sim,
         server_load,
@@ -31,3 +32,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ablation.add_command(kinds)
     abuse.add_command(kinds)
     kernels.add_command(kinds)
+    quantization.add_command(kinds)

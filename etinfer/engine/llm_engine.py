@@ -105,6 +105,7 @@ class LLMEngine:
             device=device,
             dtype=dtype,
             seed=config.seed,
+            quantization=config.quantization,
             calibration_temperature=1.0
             if self.calibration is None
             else self.calibration.temperature,

@@ -24,6 +24,7 @@ from etinfer.model.paged_attention import (
     PruningTelemetry,
     prefill_mask,
 )
+from etinfer.model.quantized import Weight
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         selector: AttentionSelector,
         *,
         max_model_len: int,
@@ -64,6 +65,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        quantization: str = "auto",
         calibration_temperature: float = 1.0,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks: then any other
@@ -75,7 +77,9 @@ class ModelRunner:
         self.attention = PagedAttention(
             config.num_heads, config.num_kv_heads, config.head_dim, selector, config.sliding_window
         )
-        self.model = LlamaModel(config, weights, self.attention, max_model_len, device, dtype)
+        self.model = LlamaModel(
+            config, weights, self.attention, max_model_len, device, dtype, quantization
+        )
         self.cache = KVCache(
             config.num_layers,
             num_blocks,
@@ -192,9 +196,7 @@ class ModelRunner:
             mask = prefill_mask(start, n, self.sliding_window, self.device)
             prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask))
 
-        fresh = None
-        if self.cache.key_bounds is not None:
-            fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
+        fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         meta = AttentionMetadata(
             slot_mapping.to(self.device),
             num_decode,

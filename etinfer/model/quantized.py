@@ -1,0 +1,205 @@
+"""Weights in integer form: a GGUF file's blocks as read, and the group-wise formats that the
+CPU's weight-only kernels take, with the exact mapping from one to the other.
+
+``quantization`` picks a format per weight matrix at load:
+
+- ``none``: float, dequantized by the ``gguf`` package exactly as before.
+- ``auto``: a GGUF keeps its own format. Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
+  ``Int8Weight`` (both group 32, as in the file); float tensors stay float. Other block types
+  have no kernel here: they are dequantized to float and the loader says so (a warning naming
+  each tensor and its type).
+- ``int4``: ``Int4Weight``, group 32, asymmetric, round to nearest (Q4_1's rule). 32 because it
+  is GGUF's block: a Q4_0/Q4_1 tensor maps onto it exactly, with no second rounding, and it is
+  the smallest group torch's kernel takes (the smaller the group, the smaller the error).
+- ``int8``: ``Int8Weight``, one scale per output row, symmetric, round to nearest. Per row
+  because torch's int8 kernel takes no other layout, and it is the fastest kernel on an AVX2-only
+  host; with 255 levels a row's range costs little precision (measured in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+GROUP_SIZE = 32
+_Q = GGMLQuantizationType
+# Block types that map onto a kernel's format exactly.
+NATIVE_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One GGUF weight matrix still in its blocks: row ``o`` of ``data`` holds the blocks of
+    output row ``o`` (a block never spans two rows), so rows can be reordered and stacked."""
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor  # uint8 [out, bytes per row]
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    def rows(self, index: torch.Tensor) -> GGUFBlocks:
+        return GGUFBlocks(self.qtype, self.data[index], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], by the ``gguf`` package (the reference every format is held to)."""
+        values = dequantize(self.data.numpy(), self.qtype).reshape(self.shape)
+        return torch.from_numpy(values.astype("float32", copy=False))
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block headers as float32 [out, blocks, fields] and the payload [out, blocks, *]."""
+        group, size = GGML_QUANT_SIZES[self.qtype]
+        header = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}[self.qtype]
+        raw = self.data.view(self.data.shape[0], self.in_features // group, size)
+        fields = raw[..., :header].contiguous().view(torch.float16).float()
+        return fields, raw[..., header:]
+
+
+Weight = torch.Tensor | GGUFBlocks
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """``w[o, k] = scale[o, g] * (codes[o, k] - 8) + zero[o, g]`` with ``g = k // group_size``
+    and codes in 0..15: the form torch's int4 CPU kernel dequantizes (it takes ``(scale, zero)``
+    per group). ``planes == 2`` is an 8-bit weight split into a high and a low plane of nibbles
+    side by side; the weight is their sum and the kernel sees the input twice."""
+
+    codes: torch.Tensor  # uint8 [out, planes * in]
+    scale: torch.Tensor  # float32 [out, planes * in / group_size]
+    zero: torch.Tensor  # float32, like scale
+    group_size: int = GROUP_SIZE
+    planes: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] // self.planes
+
+    @classmethod
+    def from_gguf(cls, weight: GGUFBlocks) -> Int4Weight:
+        """Q4_1 stores ``w = d q + m``: scale d, zero m + 8d. Q4_0 stores ``w = d (q - 8)``:
+        scale d, zero 0. Both are exact in float32, as the kernel computes them."""
+        fields, payload = weight.blocks()
+        d = fields[..., 0]
+        zero = fields[..., 1] + 8 * d if weight.qtype == _Q.Q4_1 else torch.zeros_like(d)
+        # Byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+        codes = torch.cat([payload & 0x0F, payload >> 4], dim=-1).reshape(weight.shape)
+        return cls(codes, d, zero)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, name: str) -> Int4Weight:
+        """Round to nearest over [min, max] of each group of 32 (Q4_1's rule, float32 scales)."""
+        out, inp = weight.shape
+        if inp % GROUP_SIZE:
+            raise ValueError(
+                f"{name}: int4 needs input widths divisible by the group size {GROUP_SIZE}, "
+                f"this weight's is {inp}"
+            )
+        groups = weight.float().reshape(out, inp // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        d = (high - low) / 15
+        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = ((groups - low[..., None]) * inverse[..., None]).round().clamp(0, 15)
+        return cls(codes.to(torch.uint8).reshape(out, inp), d, low + 8 * d)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 weights (of the rows ``rows`` only, when given), as the kernel computes them:
+        one fused multiply-add per weight."""
+        codes, scale, zero = self.codes, self.scale, self.zero
+        if rows is not None:
+            codes, scale, zero = codes[rows], scale[rows], zero[rows]
+        group = self.group_size
+        values = torch.addcmul(
+            zero.repeat_interleave(group, -1), codes.float() - 8, scale.repeat_interleave(group, -1)
+        )
+        return values.view(*values.shape[:-1], self.planes, -1).sum(-2)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """``w[o, k] = scale[o, k // group_size] * codes[o, k]``; one group per row when
+    ``group_size`` is the input width (the form of torch's int8 kernel)."""
+
+    codes: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float32 [out, in / group_size]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @classmethod
+    def from_gguf(cls, weight: GGUFBlocks) -> Int8Weight:
+        """Q8_0: ``w = d q`` per block of 32, q in -127..127."""
+        fields, payload = weight.blocks()
+        return cls(payload.view(torch.int8).reshape(weight.shape), fields[..., 0], GROUP_SIZE)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Symmetric, round to nearest, one scale per output row."""
+        weight = weight.float()
+        scale = weight.abs().amax(-1, keepdim=True) / 127
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = (weight * inverse).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes, scale, weight.shape[1])
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        codes, scale = self.codes, self.scale
+        if rows is not None:
+            codes, scale = codes[rows], scale[rows]
+        return codes.float() * scale.repeat_interleave(self.group_size, -1)
+
+    def as_int4_planes(self) -> Int4Weight:
+        """The same weights as two 4-bit planes, for the int4 kernel (torch's int8 kernel takes
+        one scale per row only). With ``u = q + 128 = 16 h + l``: the high plane has scale 16d
+        and zero 0, giving ``16 d (h - 8)``; the low plane scale d and zero 8d, giving ``d l``;
+        their sum is ``d q`` exactly."""
+        unsigned = (self.codes.to(torch.int16) + 128).to(torch.uint8)
+        codes = torch.cat([unsigned >> 4, unsigned & 0x0F], dim=-1)
+        scale = torch.cat([16 * self.scale, self.scale], dim=-1)
+        zero = torch.cat([torch.zeros_like(self.scale), 8 * self.scale], dim=-1)
+        return Int4Weight(codes, scale, zero, self.group_size, planes=2)
+
+
+Format = torch.Tensor | Int4Weight | Int8Weight
+
+
+def stack_rows(parts: list[Weight]) -> Weight:
+    """Weights of one input stacked by output rows (fused q/k/v, gate/up). Blocks of one type
+    stay blocks; a mixture becomes float."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, GGUFBlocks) and p.qtype == parts[0].qtype for p in parts):
+        data = torch.cat([p.data for p in parts])
+        return GGUFBlocks(parts[0].qtype, data, parts[0].in_features)
+    return torch.cat([as_float(p) for p in parts])
+
+
+def as_float(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, GGUFBlocks) else weight
+
+
+def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | None]:
+    """The format ``mode`` gives ``weight``, and why a block type was dequantized, if it was."""
+    if mode == "none":
+        return as_float(weight), None
+    if mode == "int8":
+        return Int8Weight.quantize(as_float(weight)), None
+    native = isinstance(weight, GGUFBlocks) and weight.qtype in NATIVE_TYPES
+    if mode == "int4":
+        if native and weight.qtype != _Q.Q8_0:
+            return Int4Weight.from_gguf(weight), None
+        return Int4Weight.quantize(as_float(weight), name), None
+    if not isinstance(weight, GGUFBlocks):
+        return weight, None
+    if weight.qtype == _Q.Q8_0:
+        return Int8Weight.from_gguf(weight), None
+    if native:
+        return Int4Weight.from_gguf(weight), None
+    return weight.dequantize(), f"{name} ({weight.qtype.name}: no kernel, dequantized to float)"
