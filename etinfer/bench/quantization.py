@@ -22,8 +22,16 @@ import time
 
 import torch
 
+from etinfer import LLM, SamplingParams
 from etinfer.bench.kernels import ISA_ENV, cpu_flags
-from etinfer.bench.speed import context_prompts, load_transformers_model, ours_decode_step_ms
+from etinfer.bench.speed import (
+    context_prompts,
+    load_transformers_model,
+    ours_decode_step_ms,
+    transformers_decode_step_ms,
+)
+from etinfer.calibrate import collect, corpus_windows
+from etinfer.model.loader import default_model_path
 from etinfer.model.quantized import QUANTIZATION_MODES
 
 DECODE_CONTEXT = 128  # tokens each decoding sequence holds: the short-chat regime
@@ -57,9 +65,6 @@ print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
 def measure_ours(mode: str, batches: list[int], prompt_len: int, fidelity_tokens: int) -> dict:
     import psutil
 
-    from etinfer import LLM
-    from etinfer.calibrate import collect, corpus_windows
-
     start = time.perf_counter()
     llm = LLM(
         quantization=mode,
@@ -73,8 +78,6 @@ def measure_ours(mode: str, batches: list[int], prompt_len: int, fidelity_tokens
     result["decode_tok_s"] = {
         str(b): 1000 * b / ours_decode_step_ms(llm, b, DECODE_CONTEXT, STEPS) for b in batches
     }
-    from etinfer import SamplingParams
-
     prompt = context_prompts(llm, 1, prompt_len)
     once = SamplingParams(temperature=0, max_tokens=1)
     llm.generate([prompt[0][:256]], once)  # warm-up
@@ -97,8 +100,6 @@ def measure_ours(mode: str, batches: list[int], prompt_len: int, fidelity_tokens
 
 def measure_transformers(batches: list[int], prompt_len: int) -> dict:
     import psutil
-
-    from etinfer.bench.speed import transformers_decode_step_ms
 
     start = time.perf_counter()
     model = load_transformers_model()
@@ -126,8 +127,6 @@ def child(args: argparse.Namespace) -> dict:
 
 def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
     if engine == "llama.cpp":
-        from etinfer.model.loader import default_model_path
-
         command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
         command += [str(args.prompt_len), str(args.threads), str(STEPS)]
     else:
