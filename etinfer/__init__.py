@@ -2,6 +2,7 @@
 
 from etinfer.config import ControlConfig, EngineConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.drafting import SpeculativeConfig
 from etinfer.llm import LLM
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
@@ -15,4 +16,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
 ]

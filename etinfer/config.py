@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.model.quantized import QUANTIZATION_MODES
@@ -125,6 +126,13 @@ class EngineConfig:
     control: ControlConfig = field(
         default_factory=ControlConfig, metadata={"help": "entropy control layers to switch on"}
     )
+    speculative: SpeculativeConfig | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: none, or METHOD[:TOKENS[:SCHEDULE]] (ngram:4, "
+            "ngram:4:fixed; schedules entropy, fixed, heuristic)"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -149,6 +157,10 @@ class EngineConfig:
         STEP_SHAPERS.check(self.step_shaper)
         if not isinstance(self.control, ControlConfig):
             raise ValueError(f"control must be a ControlConfig, got {self.control!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(
+                f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}"
+            )
 
     @property
     def policy_name(self) -> str:

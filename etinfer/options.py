@@ -4,7 +4,8 @@ Every field becomes ``--field-name``, with the field's default and the help its 
 so a field added to ``EngineConfig`` is a flag of every command that builds an engine, without
 further code. A command chooses which fields it exposes (a benchmark that sizes the engine itself
 leaves those out; one whose own ``--seed`` seeds its workload leaves out the engine's) and may
-change their defaults. ``control`` is exposed as the named presets of ``CONTROL_PRESETS``.
+change their defaults. ``control`` is exposed as the named presets of ``CONTROL_PRESETS``,
+``speculative`` in the short form ``SpeculativeConfig.parse`` reads.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import ControlConfig, EngineConfig, SpeculativeConfig
 
 CONTROL_PRESETS: dict[str, ControlConfig] = {
     "baseline": ControlConfig.baseline(),
@@ -71,6 +72,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if isinstance(value, bool):
             flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        elif isinstance(value, SpeculativeConfig):
+            flags += [_flag(name), value.as_flag()]
         elif value is not None:
             flags += [_flag(name), str(value)]
     return flags
@@ -113,6 +116,8 @@ def _parsing(name: str) -> dict[str, Any]:
     bool, a preset name for the control layers."""
     if name == "control":
         return {"choices": list(CONTROL_PRESETS)}
+    if name == "speculative":
+        return {"type": SpeculativeConfig.parse}
     kind = _TYPES[name]
     if isinstance(kind, types.UnionType):
         kinds = [k for k in typing.get_args(kind) if k is not types.NoneType]

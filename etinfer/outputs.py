@@ -65,6 +65,9 @@ class RequestOutput:
     # upper bound of the attention mass it dropped.
     blocks_kept: list[float] | None = None
     dropped_mass: list[float] | None = None
+    # Speculative decoding: tokens drafted for this request and those the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
     # and the text cover the new tokens, everything else is the request's state now.
     delta: bool = False
@@ -107,6 +110,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_preemptions = delta.num_preemptions
         self.entropic_time = delta.entropic_time
+        self.num_draft_tokens = delta.num_draft_tokens
+        self.num_accepted_tokens = delta.num_accepted_tokens
 
     @property
     def collapse_rate(self) -> float:

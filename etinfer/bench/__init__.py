@@ -17,6 +17,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         server_load,
         serving,
         serving_sweep,
+        speculative,
         speed,
     )
 
@@ -33,3 +34,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     abuse.add_command(kinds)
     kernels.add_command(kinds)
     quantization.add_command(kinds)
+    speculative.add_command(kinds)

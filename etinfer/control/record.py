@@ -59,6 +59,7 @@ class Recordable(Controlled, Protocol):
     temperature_state: float | None  # the temperature law's state: log T, or Mirostat's mu
     block_budget: int | None  # blocks decode attention kept last step
     blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
+    draft_length: int  # tokens speculative decoding's heuristic schedule would draft next
 
 
 class SequenceControl(NamedTuple):
@@ -71,6 +72,7 @@ class SequenceControl(NamedTuple):
     temperature_state: float | None
     block_budget: int | None
     blocks_kept: float  # share of the context decode attention read last step (1: all)
+    draft_length: int
 
     @classmethod
     def of(cls, seq: Recordable) -> SequenceControl:
@@ -83,6 +85,7 @@ class SequenceControl(NamedTuple):
             seq.temperature_state,
             seq.block_budget,
             seq.blocks_kept[-1] if seq.blocks_kept else 1.0,
+            seq.draft_length,
         )
 
 
@@ -113,6 +116,9 @@ class StepShape:
     """How a step is computed (see ``shaping.py``)."""
 
     model: str = TARGET_MODEL  # which of the engine's models computes the step
+    # Per scheduled sequence (decode rows first), how many drafted tokens it may propose for the
+    # model to verify; empty: none drafts (the engine trims them to its budgets).
+    draft_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,20 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def commit(self, seq: Sequence, start: int, num_computed: int) -> None:
+        """After a step computed ``num_computed`` tokens of ``seq`` from ``start`` and its
+        sampled tokens were appended: count those whose keys and values hold, give back the
+        blocks that held only rejected drafts (never published, so no prefix-cache entry names
+        them) and publish the blocks filled."""
+        # Every known token but the last is in the cache (drafts past the first rejection are
+        # not known tokens); a prompt chunk that ends before the prompt does has all its own.
+        seq.num_computed_tokens = min(start + num_computed, seq.num_tokens - 1)
+        needed = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > needed:
+            self.pool.free(reversed(seq.block_table[needed:]))
+            del seq.block_table[needed:]
+        self.publish_full_blocks(seq)
+
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that computing this step's tokens filled."""
         if not self.pool.enable_prefix_caching:

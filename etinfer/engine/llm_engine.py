@@ -7,8 +7,9 @@ measures again::
     record = scheduler.control_record()       # every live sequence's predictive entropy
     batch = scheduler.schedule(record)          # the policy: which sequences advance
     decisions = self._decide(record, batch)     # budgets, temperature states, the step's shape
-    result = runner.execute(batch, decisions)   # forward (a selector per layer), then sample
-    outputs = self._measure(batch, result)      # the entropy into each sequence's profile
+    speculator.draft(batch, decisions.shape)    # speculative decoding: drafts to verify
+    result = runner.execute(batch, decisions)   # forward (a selector per layer), logits
+    emitted = sample_verified(...)              # sample, verify; entropy into the profiles
 
 It knows token ids only; the tokenizer is used at the edges (encoding prompts, detokenizing
 outputs, stop strings).
@@ -27,17 +28,19 @@ import torch
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
+from etinfer.control.drafting import SpeculativeShaper
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
-from etinfer.engine.model_runner import AttentionStats, ModelRunner, StepResult
+from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
+from etinfer.engine.speculative import Speculator, sample_verified
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
@@ -94,7 +97,11 @@ class LLMEngine:
             if self.pruning is None
             else BLOCK_SELECTORS.create("entropic", config=self.pruning)
         )
-        self.shaper = STEP_SHAPERS.create(config.step_shaper)
+        self.shaper = (
+            SpeculativeShaper(config.speculative)
+            if config.speculative is not None
+            else STEP_SHAPERS.create(config.step_shaper)
+        )
         self.runner = ModelRunner(
             loaded.config,
             loaded.weights,
@@ -111,6 +118,14 @@ class LLMEngine:
             else self.calibration.temperature,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = Speculator(
+                config.speculative,
+                self.kv,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
         self.observers = Observers()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -267,13 +282,23 @@ class LLMEngine:
         if not batch.seqs:
             return []
         decisions = self._decide(record, batch)
+        if self.speculator is not None:
+            self.speculator.draft(batch, decisions.shape)
         free_blocks = self.kv.pool.num_free_blocks
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         result = self._model(decisions.shape.model).execute(batch, decisions)
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.kv.publish_full_blocks(seq)
-        outputs = self._measure(batch, result)
+        emitted = None
+        if result.logits is not None:
+            emitted = sample_verified(
+                batch, result.logits, decisions.temperature_states, self.runner.sample, self._take
+            )
+        for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
+            self.kv.commit(seq, start, n)
+        if self.speculator is not None and emitted is not None:
+            self.speculator.record(batch, emitted)
+        if result.attention is not None:
+            result.attention.record(batch, starts, emitted)
+        outputs = self._finish_sampled(batch)
         if self.observers:
             self.observers.notify(
                 StepRecord.of(
@@ -282,6 +307,7 @@ class LLMEngine:
                     batch,
                     starts,
                     result,
+                    emitted,
                     free_blocks=free_blocks,
                     since=(started, started_cpu),
                     logits=self.observers.want_logits,
@@ -311,20 +337,18 @@ class LLMEngine:
             )
         return self.models[name]
 
-    def _measure(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        """Apply what the step computed: tokens, the entropy signal, attention telemetry."""
-        if result.attention is not None:
-            self._record_attention(result.attention)
-        out = result.output
-        if out is None:
-            return []
-        sampled = [batch.seqs[i] for i in batch.sampled]
+    def _take(self, seqs: list[Sequence], out: SamplerOutput) -> None:
+        """Append one sampled token to each of ``seqs``, with what the sampler measured."""
         now = time.perf_counter()
-        logprobs = self._logprobs(sampled, out)
+        logprobs = self._logprobs(seqs, out)
         stop = StopRule(self.tokenizer.eos_token_ids, self.max_model_len)
-        outputs = []
-        for row, seq in enumerate(sampled):
+        for row, seq in enumerate(seqs):
             seq.append_sampled(out, row, None if logprobs is None else logprobs[row], now, stop)
+
+    def _finish_sampled(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq in (batch.seqs[i] for i in batch.sampled):
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
@@ -334,17 +358,8 @@ class LLMEngine:
                 outputs.append(seq.step_output())
         return outputs
 
-    @staticmethod
-    def _record_attention(stats: AttentionStats) -> None:
-        for i, seq in enumerate(stats.seqs):
-            seq.record_attention(
-                sum(layer[i] for layer in stats.kept),
-                sum(layer[i] for layer in stats.total),
-                max(layer[i] for layer in stats.dropped_mass),
-            )
-
-    def _logprobs(self, sampled: list[Sequence], out: SamplerOutput) -> list | None:
+    def _logprobs(self, seqs: list[Sequence], out: SamplerOutput) -> list | None:
         if out.logprobs is None:
             return None
-        counts = [seq.params.logprobs for seq in sampled]
+        counts = [seq.params.logprobs for seq in seqs]
         return out.logprobs.to_host(out.token_ids, counts, self.tokenizer.token_text)

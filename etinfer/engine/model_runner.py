@@ -12,6 +12,7 @@ from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.engine.speculative import Emitted
 from etinfer.model.block_layout import AttentionSelector, DecodeBlocks
 from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
@@ -32,24 +33,43 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # rows whose logits are sampled: the last row of a finished prompt
+    # Rows whose logits are sampled: per sampled sequence, its last known token's row and the
+    # rows of its drafts, in order.
+    sample_rows: torch.Tensor
 
 
 @dataclass
 class AttentionStats:
-    """What decode attention kept this step, per layer and per decoding sequence (host lists)."""
+    """What decode attention kept this step, per layer and decode row (host lists): a decoding
+    sequence has one row per token it verifies, ``columns`` counts them from 0."""
 
     seqs: list[Sequence]
-    kept: list[list[float]]  # [layers][seqs] (block, KV head) pairs attended to
-    total: list[list[float]]  # [layers][seqs] (block, KV head) pairs in context
-    dropped_mass: list[list[float]]  # [layers][seqs] upper bound of the attention mass dropped
+    columns: list[int]
+    kept: list[list[float]]  # [layers][rows] (block, KV head) pairs attended to
+    total: list[list[float]]  # [layers][rows] (block, KV head) pairs in context
+    dropped_mass: list[list[float]]  # [layers][rows] upper bound of the attention mass dropped
+
+    def record(self, batch: ScheduledBatch, starts: list[int], emitted: Emitted | None) -> None:
+        """Into each sequence, the rows that computed an output token (not a prompt's last)
+        and whose next token was emitted: one entry per generated token."""
+        counts = {} if emitted is None else dict(zip(batch.sampled, emitted.counts, strict=True))
+        index = {seq: i for i, seq in enumerate(batch.seqs)}
+        for row, (seq, column) in enumerate(zip(self.seqs, self.columns, strict=True)):
+            i = index[seq]
+            if starts[i] >= seq.num_prompt_tokens and column < counts.get(i, 0):
+                seq.record_attention(
+                    sum(layer[row] for layer in self.kept),
+                    sum(layer[row] for layer in self.total),
+                    max(layer[row] for layer in self.dropped_mass),
+                )
 
 
 @dataclass
 class StepResult:
-    output: SamplerOutput | None  # for the batch's sampled rows; None when it samples none
     attention: AttentionStats | None  # only when block budgets were planned
-    logits: torch.Tensor | None  # [sampled rows, vocab], before any sampling transform
+    # [sample rows, vocab] before any sampling transform (see StepInputs.sample_rows); None
+    # when the step samples nothing.
+    logits: torch.Tensor | None
 
 
 class ModelRunner:
@@ -104,8 +124,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:
-        """Compute the batch's tokens into the cache under the step's decisions; sample where a
-        sequence's known tokens end."""
+        """Compute the batch's tokens into the cache under the step's decisions; the logits
+        where a sequence's known tokens end and at each of its drafts."""
         inputs = self.prepare(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         telemetry = inputs.meta.telemetry
@@ -114,20 +134,29 @@ class ModelRunner:
             kept, total, dropped = torch.stack(
                 [telemetry.kept, telemetry.total, telemetry.dropped_mass]
             ).tolist()
-            stats = AttentionStats(batch.seqs[: batch.num_decode], kept, total, dropped)
+            decoding = range(batch.num_decode)
+            rows = [(batch.seqs[i], c) for i in decoding for c in range(batch.num_tokens[i])]
+            seqs, columns = map(list, zip(*rows, strict=True))
+            stats = AttentionStats(seqs, columns, kept, total, dropped)
         if not batch.sampled:
-            return StepResult(None, stats, None)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        seqs = [batch.seqs[i] for i in batch.sampled]
+            return StepResult(stats, None)
+        return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], states: list[float | None]
+    ) -> SamplerOutput:
+        """One token for each row of ``logits`` (one per sequence), each row's temperature law
+        starting from ``states``."""
         sampling = SamplingBatch.build(
             [seq.params for seq in seqs],
-            decisions.temperature_states,
+            states,
             [self._generator(seq) for seq in seqs],
             logits.shape[-1],
             self.device,
             forced=[seq.next_forced for seq in seqs],
         )
-        return StepResult(self.sampler(logits, sampling), stats, logits)
+        return self.sampler(logits, sampling)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
@@ -148,11 +177,7 @@ class ModelRunner:
         seqs, counts = batch.seqs, batch.num_tokens
         bs = self.block_size
         starts = [seq.num_computed_tokens for seq in seqs]
-        input_ids = list(
-            chain.from_iterable(
-                seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts, counts, strict=True)
-            )
-        )
+        input_ids = list(chain.from_iterable(batch.input_ids(i) for i in range(len(seqs))))
         width = max(len(seq.block_table) for seq in seqs)
         tables = torch.tensor(
             [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
@@ -163,21 +188,25 @@ class ModelRunner:
         positions = starts_t[row_seq] + torch.arange(len(input_ids)) - chunk_start[row_seq]
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
 
+        # Decode rows: one per token a decoding sequence computes (its last known token and its
+        # drafts), each attending to the context up to itself, so that a verified draft's row
+        # is computed exactly as the decode step of that token would compute it.
         num_decode = batch.num_decode
+        decode_rows = sum(counts[:num_decode])
         decode_blocks = dense = telemetry = None
         if num_decode:
-            decoding = seqs[:num_decode]
-            decode_width = max(len(seq.block_table) for seq in decoding)
+            decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
             decode_blocks = DecodeBlocks(
-                tables[:num_decode, :decode_width].to(self.device),
-                (starts_t[:num_decode] + 1).to(self.device),
+                tables[row_seq[:decode_rows], :decode_width].to(self.device),
+                (positions[:decode_rows] + 1).to(self.device),
                 bs,
             )
             visible = visible_blocks(
                 decode_blocks, self.config.num_kv_heads, None, self.sliding_window
             )
             if budgets is not None:
-                self._set_budgets(decode_blocks, decoding, budgets)
+                row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
+                self._set_budgets(decode_blocks, positions[:decode_rows] + 1, row_budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
             dense = build_decode_pattern(
                 decode_blocks,
@@ -199,27 +228,32 @@ class ModelRunner:
         fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         meta = AttentionMetadata(
             slot_mapping.to(self.device),
-            num_decode,
+            decode_rows,
             decode_blocks,
             dense,
             prefills,
             fresh,
             telemetry,
         )
+        sampled = torch.tensor(batch.sampled, dtype=torch.long)
+        verified = torch.tensor([len(batch.drafts[i]) + 1 for i in batch.sampled], dtype=torch.long)
+        ends = (chunk_start + counts_t)[sampled]
+        sample_rows = torch.repeat_interleave(ends, verified) - _ranks_from_end(verified)
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=self.device),
             positions=positions.to(self.device),
             meta=meta,
-            sample_rows=(chunk_start + counts_t - 1)[batch.sampled].to(self.device),
+            sample_rows=sample_rows.to(self.device),
         )
 
-    def _set_budgets(self, blocks: DecodeBlocks, seqs: list[Sequence], budgets: list[int]) -> None:
-        """Hand the budgets to attention where some sequence keeps less than its context."""
-        size = self.block_size
-        in_context = [-(-(seq.num_computed_tokens + 1) // size) for seq in seqs]
-        if any(b < n for b, n in zip(budgets, in_context, strict=True)):
-            blocks.budgets = torch.tensor(budgets, device=self.device)
-            blocks.max_budget = max(budgets)
+    def _set_budgets(
+        self, blocks: DecodeBlocks, context_lens: torch.Tensor, budgets: torch.Tensor
+    ) -> None:
+        """Hand the per-row budgets to attention where some row keeps less than its context."""
+        in_context = -(-context_lens // self.block_size)
+        if bool((budgets < in_context).any()):
+            blocks.budgets = budgets.to(self.device)
+            blocks.max_budget = int(budgets.max())
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -227,3 +261,11 @@ class ModelRunner:
         if seq.generator is None:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
         return seq.generator
+
+
+def _ranks_from_end(lengths: torch.Tensor) -> torch.Tensor:
+    """For runs of ``lengths``, each element's distance from past its run's end: n, ..., 1."""
+    offsets = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    return torch.repeat_interleave(lengths, lengths) - offsets

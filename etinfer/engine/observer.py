@@ -21,6 +21,7 @@ from etinfer.control.record import ControlRecord, StepDecisions
 from etinfer.engine.model_runner import AttentionStats, StepResult
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.engine.speculative import Emitted
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,22 @@ class StepRecord:
     request_ids: tuple[str, ...]  # the scheduled sequences, decode rows first
     starts: tuple[int, ...]  # tokens each had in the cache before the step
     num_tokens: tuple[int, ...]  # tokens each computed in the step
-    num_decode: int  # decode rows (one token each) lead the batch
+    num_decode: int  # decoding sequences (their last token, then any drafts) lead the batch
     preempted: tuple[str, ...]  # sequences preempted to make room, by request id
-    sampled: tuple[int, ...]  # rows whose next token was sampled (indices into request_ids)
-    # Per sampled row: its token, entropies (the model's, the predictive entropy the laws read
-    # next step, the tempered one) and temperature; None when the step sampled nothing.
+    # Per token the step emitted, its sequence (an index into request_ids): one per sampled
+    # sequence, or more where speculative decoding accepted drafts.
+    sampled: tuple[int, ...]
+    # Per emitted token: the token, entropies (the model's, the predictive entropy the laws
+    # read next step, the tempered one) and temperature; None when the step sampled nothing.
     measured: SamplerOutput | None
+    sampled_positions: tuple[int, ...]  # per emitted token, its position in its sequence
+    num_draft_tokens: int  # tokens drafted for the model to verify in this step
+    num_accepted_tokens: int  # of which the model accepted
     attention: AttentionStats | None  # blocks decode attention read, when budgets were planned
     free_blocks: int  # free KV blocks once the batch had its blocks, before computing
     wall_time: float  # seconds in the engine's step, this one
     cpu_time: float  # CPU seconds this process spent in it
-    logits: torch.Tensor | None  # [sampled rows, vocab], for observers that asked for them
+    logits: torch.Tensor | None  # [emitted tokens, vocab], for observers that asked for them
 
     @classmethod
     def of(
@@ -51,12 +57,23 @@ class StepRecord:
         batch: ScheduledBatch,
         starts: list[int],
         result: StepResult,
+        emitted: Emitted | None,
         *,
         free_blocks: int,
         since: tuple[float, float],
         logits: bool,
     ) -> StepRecord:
         """The record of a step that began at ``since`` (perf_counter, process_time)."""
+        sampled = () if emitted is None else tuple(emitted.batch_indices)
+        known = [n - len(d) for n, d in zip(batch.num_tokens, batch.drafts, strict=True)]
+        columns = [0] * len(batch.seqs)
+        positions = []
+        for i in sampled:  # the c-th token a sequence emits predicts position start + known + c
+            positions.append(starts[i] + known[i] + columns[i])
+            columns[i] += 1
+        step_logits = None
+        if logits and emitted is not None:
+            step_logits = result.logits[emitted.logits_rows]
         return cls(
             step=control.step,
             control=control,
@@ -66,23 +83,21 @@ class StepRecord:
             num_tokens=tuple(batch.num_tokens),
             num_decode=batch.num_decode,
             preempted=tuple(seq.request_id for seq in batch.preempted),
-            sampled=tuple(batch.sampled),
-            measured=result.output,
+            sampled=sampled,
+            measured=None if emitted is None else emitted.merged(),
+            sampled_positions=tuple(positions),
+            num_draft_tokens=sum(len(d) for d in batch.drafts),
+            num_accepted_tokens=0 if emitted is None else sum(emitted.accepted),
             attention=result.attention,
             free_blocks=free_blocks,
             wall_time=time.perf_counter() - since[0],
             cpu_time=time.process_time() - since[1],
-            logits=result.logits if logits else None,
+            logits=step_logits,
         )
 
     @property
     def prefill_tokens(self) -> int:
         return sum(self.num_tokens[self.num_decode :])
-
-    @property
-    def sampled_positions(self) -> list[int]:
-        """Per sampled row, the position of the token it predicts: its sequence's length."""
-        return [self.starts[i] + self.num_tokens[i] for i in self.sampled]
 
 
 StepObserver = Callable[[StepRecord], None]

@@ -22,18 +22,29 @@ from etinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """This step's work: sequences with one token (decode rows) first, then prefill chunks."""
+    """This step's work: decoding sequences first, then prefill chunks.
+
+    A decoding sequence computes its one known token not yet in the cache, followed by the
+    tokens drafted for it, if any (the engine adds those after scheduling): the model verifies
+    them in the same pass, each row attending as a decode row would."""
 
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # known tokens plus drafts
     preempted: list[Sequence] = field(default_factory=list)
-    # Rows whose tokens reach the end of their sequence's known tokens: the step samples the
-    # next token of each (a prompt chunk that does not end the prompt samples nothing).
+    # Sequences whose tokens reach the end of their known tokens: the step samples the next
+    # token of each (a prompt chunk that does not end the prompt samples nothing).
     sampled: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence, drafted tokens
 
     @property
     def num_decode(self) -> int:
-        return sum(1 for n in self.num_tokens if n == 1)
+        return sum(1 for n, d in zip(self.num_tokens, self.drafts, strict=True) if n - len(d) == 1)
+
+    def input_ids(self, index: int) -> list[int]:
+        """The tokens sequence ``index`` computes this step: known ones, then its drafts."""
+        seq, drafts = self.seqs[index], self.drafts[index]
+        start = seq.num_computed_tokens
+        return seq.token_ids[start : start + self.num_tokens[index] - len(drafts)] + drafts
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -98,6 +109,7 @@ class Scheduler:
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_tokens[i] != 1)
         batch.seqs = [batch.seqs[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
+        batch.drafts = [[] for _ in order]
         batch.sampled = [
             i
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True))

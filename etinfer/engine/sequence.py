@@ -89,6 +89,10 @@ class Sequence:
         self.block_budget: int | None = None
         self.blocks_kept: list[float] = []  # per generated token, when pruning is on
         self.dropped_mass: list[float] = []
+        # Speculative decoding: the heuristic schedule's next draft length, and the totals.
+        self.draft_length = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def append_sampled(
         self,
@@ -126,10 +130,8 @@ class Sequence:
             self.finish_reason = "length"
 
     def record_attention(self, kept: float, total: float, dropped_mass: float) -> None:
-        """One decode step's attention: (block, KV head) pairs kept and in context over all
-        layers, and the bound on the attention mass any layer dropped."""
-        if self.num_output_tokens == 0 or self.num_computed_tokens < self.num_tokens:
-            return  # a one-token prefill or recompute chunk, not a generated token's step
+        """One generated token's decode attention: (block, KV head) pairs kept and in context
+        over all layers, and the bound on the attention mass any layer dropped."""
         self.blocks_kept.append(kept / total if total else 1.0)
         self.dropped_mass.append(dropped_mass)
 
@@ -179,6 +181,8 @@ class Sequence:
             entropic_time=self.profile.entropic_time,
             blocks_kept=self.blocks_kept[blocks:] or None,
             dropped_mass=self.dropped_mass[blocks:] or None,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
             delta=True,
         )
 
@@ -201,4 +205,6 @@ class Sequence:
             entropic_time=self.profile.entropic_time,
             blocks_kept=list(self.blocks_kept) or None,
             dropped_mass=list(self.dropped_mass) or None,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -83,6 +83,13 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
+        # vLLM's names: acceptance rate = accepted / draft tokens.
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Tokens drafted for speculative verification."
+        )
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Drafted tokens the model accepted."
+        )
         self.token_entropy = histogram(
             "token_entropy_nats",
             "Entropy of the model's distribution (temperature 1) at each generated token.",
@@ -130,6 +137,8 @@ class ServerMetrics:
         self.iteration_tokens.observe(sum(step.num_tokens))
         self.step_time.observe(step.wall_time)
         self.num_preemptions.inc(len(step.preempted))
+        self.spec_draft_tokens.inc(step.num_draft_tokens)
+        self.spec_accepted_tokens.inc(step.num_accepted_tokens)
         if step.measured is not None:
             self.generation_tokens.inc(len(step.sampled))
             for h in step.measured.entropies:

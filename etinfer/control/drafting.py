@@ -1,0 +1,137 @@
+"""Speculative decoding's control law: how many drafted tokens each decoding sequence proposes.
+
+A drafter proposes tokens, the model verifies them all in one forward pass and keeps the longest
+prefix it would have produced itself, plus one token of its own; so a step is wasted in
+proportion to the drafts rejected. Where entropy enters is the length: a sequence whose latest
+predictive entropy is high is about to take a token the model itself is unsure of, and a
+drafter (which knows less) will rarely guess it, so it proposes nothing that step. Two
+references to compare it with:
+
+- ``fixed``: always ``num_draft_tokens`` (vLLM's default);
+- ``heuristic``: transformers' schedule for assisted generation: the length grows by 2 after a
+  step whose drafts were all accepted and shrinks by 1 otherwise.
+
+Above ``disable_batch_size`` decoding sequences no one drafts (vLLM's
+``speculative_disable_by_batch_size``): a large batch already fills the weight reads that
+verification would otherwise amortise, so every draft token costs nearly a token of compute.
+
+The law is pure: the engine asks it from the step's control record and applies its answer as the
+step's shape (``StepShape.draft_lengths``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from etinfer.control.record import Controlled, ControlRecord, StepShape
+from etinfer.control.shaping import STEP_SHAPERS, StepShaper
+from etinfer.validation import check_choice, check_float, check_int
+
+SPECULATIVE_METHODS = ("ngram",)
+DRAFT_SCHEDULES = ("entropy", "fixed", "heuristic")
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (lossless: outputs are those of the model alone, in distribution,
+    and token for token when greedy).
+
+    - method: ``ngram`` proposes what followed the latest earlier occurrence of the sequence's
+      last ``ngram_max``..``ngram_min`` tokens (prompt lookup); no second model.
+    - num_draft_tokens: the most a sequence proposes per step (1..16).
+    - adaptive: ``True`` (the entropy law above), ``False`` (fixed length) or ``"heuristic"``.
+    - entropy_threshold: nats; with ``adaptive``, no drafts after a token drawn from a
+      distribution with more entropy than this.
+    - disable_batch_size: no drafts in a step with at least this many decoding sequences.
+    """
+
+    method: str = "ngram"
+    num_draft_tokens: int = 4
+    adaptive: bool | str = True
+    entropy_threshold: float = 1.5
+    disable_batch_size: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 2
+
+    def __post_init__(self) -> None:
+        check_choice("speculative.method", self.method, SPECULATIVE_METHODS)
+        check_int("num_draft_tokens", self.num_draft_tokens, low=1, high=MAX_DRAFT_TOKENS)
+        if not isinstance(self.adaptive, bool):
+            check_choice("adaptive", self.adaptive, (True, False, "heuristic"))
+        check_float("entropy_threshold", self.entropy_threshold, low=0.0)
+        check_int("disable_batch_size", self.disable_batch_size, low=1)
+        check_int("ngram_min", self.ngram_min, low=1)
+        check_int("ngram_max", self.ngram_max, low=self.ngram_min)
+
+    @property
+    def schedule(self) -> str:
+        if self.adaptive is True:
+            return "entropy"
+        return "fixed" if self.adaptive is False else self.adaptive
+
+    def as_flag(self) -> str:
+        """The command line's form of this config (``parse`` reads it back; the n-gram sizes,
+        threshold and batch size keep their defaults there)."""
+        return f"{self.method}:{self.num_draft_tokens}:{self.schedule}"
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig | None:
+        """The command line's form: ``none`` or ``METHOD[:TOKENS[:SCHEDULE]]``, schedule one of
+        entropy, fixed, heuristic (``ngram:4:fixed``)."""
+        if text == "none":
+            return None
+        method, *rest = text.split(":")
+        try:
+            tokens = int(rest[0]) if rest else cls.num_draft_tokens
+        except ValueError:
+            raise ValueError(
+                f"speculative: draft tokens must be an integer, got {rest[0]!r}"
+            ) from None
+        schedule = rest[1] if len(rest) > 1 else "entropy"
+        check_choice("speculative schedule", schedule, DRAFT_SCHEDULES)
+        adaptive = {"entropy": True, "fixed": False}.get(schedule, schedule)
+        return cls(method=method, num_draft_tokens=tokens, adaptive=adaptive)
+
+
+def initial_draft_length(config: SpeculativeConfig) -> int:
+    return config.num_draft_tokens
+
+
+def next_draft_length(config: SpeculativeConfig, length: int, drafted: int, accepted: int) -> int:
+    """The heuristic schedule's length after a step that verified ``drafted`` tokens."""
+    if config.schedule != "heuristic" or not drafted:
+        return length
+    if accepted == drafted:
+        return min(length + 2, MAX_DRAFT_TOKENS)
+    return max(length - 1, 1)
+
+
+@STEP_SHAPERS.register("speculative")
+class SpeculativeShaper(StepShaper):
+    """Draft lengths for the step's sequences (decode rows first; others get 0)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def shape(self, record: ControlRecord, seqs: Sequence[Controlled]) -> StepShape:
+        decoding = [seq.num_computed_tokens == seq.num_tokens - 1 for seq in seqs]
+        if sum(decoding) >= self.config.disable_batch_size:
+            return StepShape()
+        return StepShape(
+            draft_lengths=tuple(
+                self._length(record, seq) if decodes else 0
+                for seq, decodes in zip(seqs, decoding, strict=True)
+            )
+        )
+
+    def _length(self, record: ControlRecord, seq: Controlled) -> int:
+        entry = record[seq]
+        schedule = self.config.schedule
+        if schedule == "heuristic":
+            return entry.draft_length
+        entropy, threshold = entry.predictive_entropy, self.config.entropy_threshold
+        if schedule == "entropy" and entropy is not None and entropy > threshold:
+            return 0
+        return self.config.num_draft_tokens

@@ -1,0 +1,34 @@
+"""Drafters: cheap proposals of a sequence's next tokens, for the model to verify.
+
+A drafter proposes deterministically (one token per position, no distribution), which is what
+makes verification simple and lossless: drawing the model's own token at each position and
+keeping the drafts up to the first one it did not draw gives exactly the model's distribution
+(Leviathan et al.'s accept/resample rule with a one-hot draft distribution reduces to this).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
+    ``max_n`` down to ``min_n``) and propose the tokens that followed it.
+
+    Text that copies from its prompt (summaries, edits, code, quotes) repeats long runs, which
+    this proposes at no model cost; elsewhere it mostly finds nothing and proposes nothing.
+    """
+
+    def __init__(self, max_n: int, min_n: int) -> None:
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        tokens = torch.tensor(token_ids)
+        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
+            # Windows starting before the suffix itself, matched all at once.
+            windows = tokens[:-1].unfold(0, n, 1)
+            hits = (windows == tokens[-n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return token_ids[start : start + num_tokens]
+        return []

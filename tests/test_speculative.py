@@ -1,0 +1,217 @@
+"""Speculative decoding is lossless: greedy outputs equal plain greedy ones token for token, sampled
+ones follow the model's own distribution, and every control layer sees one verified position per
+emitted token. The real model throughout (its own 4-bit weights, and float32 where named)."""
+
+import pytest
+import torch
+
+from etinfer import ControlConfig, SamplingParams, SpeculativeConfig
+from etinfer.engine.drafter import NgramProposer
+from tests.conftest import PROMPTS, assert_pool_free
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
+    "and wrote the weather in a leather logbook that his grandfather had started."
+)
+# Copy-heavy prompts, where prompt lookup proposes often, beside ordinary ones.
+COPYING = [
+    f"Repeat the following text exactly.\n\n{PASSAGE}\n\nRepeated text:\n",
+    "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return a + b + c\n\n\n"
+    "def add_four(a, b, c, d):\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+MIXED = [COPYING[0], PROMPTS[3], COPYING[1], PROMPTS[0], COPYING[2]]
+# Drafting in every step, whatever the batch or the entropy: the mechanics under test.
+ALWAYS = SpeculativeConfig(num_draft_tokens=4, adaptive=False, disable_batch_size=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+BOTH_WEIGHTS = pytest.mark.parametrize("quantization", ["none", "auto"])
+
+
+def tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    proposer = NgramProposer(max_n=3, min_n=2)
+    assert proposer.propose([5, 1, 2, 9, 9, 1, 2, 7, 8, 1, 2], 3) == [7, 8, 1]
+    assert proposer.propose([1, 2, 3, 4, 2, 3], 5) == [4, 2, 3]  # the longest n-gram first
+    assert proposer.propose([1, 2, 3, 4], 2) == []  # no earlier occurrence
+    assert proposer.propose([7], 2) == []
+
+
+@BOTH_WEIGHTS
+def test_greedy_equals_plain_greedy_alone_and_in_mixed_batches(make_llm, quantization):
+    plain = make_llm(quantization=quantization, max_num_seqs=8)
+    speculative = make_llm(quantization=quantization, max_num_seqs=8, speculative=ALWAYS)
+    expected = tokens(plain, MIXED)
+    outs = speculative.generate(MIXED, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert tokens(speculative, [COPYING[0]]) == [expected[0]]  # batch 1
+    copy = outs[0]
+    assert copy.num_accepted_tokens >= 20 and copy.num_draft_tokens >= copy.num_accepted_tokens
+    # One entropy, temperature and so on per emitted token, as without speculation.
+    assert len(copy.entropies) == len(copy.temperatures) == len(copy.token_ids) == 40
+    assert_pool_free(speculative)
+
+
+@BOTH_WEIGHTS
+def test_greedy_equal_with_chunked_prefill_and_after_preemption(make_llm, quantization):
+    # Prefill chunks of 5 tokens: the step's budget also bounds the drafts.
+    chunked = {"quantization": quantization, "max_num_batched_tokens": 5}
+    prompts = [COPYING[0], PROMPTS[1]]
+    expected = tokens(make_llm(**chunked), prompts)
+    assert tokens(make_llm(**chunked, speculative=ALWAYS), prompts) == expected
+    # Eight blocks of 16 tokens hold fewer than two of these at full length.
+    tight = {"quantization": quantization, "num_kvcache_blocks": 8, "enable_prefix_caching": False}
+    prompts = [COPYING[2], COPYING[1], PROMPTS[0]]
+    expected = tokens(make_llm(**tight), prompts)
+    speculative = make_llm(**tight, speculative=ALWAYS)
+    outs = speculative.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert_pool_free(speculative)
+
+
+def test_rejected_drafts_give_their_blocks_back_and_the_prefix_cache_stays_right(make_llm):
+    llm = make_llm(speculative=ALWAYS, max_num_seqs=8)
+    engine = llm.engine
+    excess = []
+
+    def watch(step):
+        for seq in engine.scheduler.running:
+            excess.append(len(seq.block_table) - engine.kv.blocks_needed(seq.num_tokens))
+
+    with engine.observing(watch):
+        first = llm.generate(MIXED, GREEDY)
+    assert max(excess) <= 0  # never a block past what the known tokens need
+    assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in first) > 0  # some rejected
+    assert_pool_free(llm)
+    # Published blocks hold accepted tokens only: prompt + output as a new prompt hits the cache
+    # and continues as plain greedy decoding of that prompt does.
+    again = [list(o.prompt_token_ids) + o.token_ids for o in first[:2]]
+    outs = llm.generate(again, GREEDY)
+    assert sum(o.num_cached_tokens for o in outs) >= 32
+    assert [o.token_ids for o in outs] == tokens(make_llm(enable_prefix_caching=False), again)
+
+
+def test_stop_strings_max_tokens_logprobs_and_streams_as_without_drafts(make_llm):
+    plain, speculative = make_llm(), make_llm(speculative=ALWAYS)
+    stop = SamplingParams(temperature=0, max_tokens=40, stop=["logbook"], logprobs=2)
+    expected = plain.generate([COPYING[0]], stop)[0]
+    got = speculative.generate([COPYING[0]], stop)[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        expected.text,
+        expected.token_ids,
+        "stop",
+    )
+    assert [sorted(lp) for lp in got.logprobs] == [sorted(lp) for lp in expected.logprobs]
+    assert got.num_accepted_tokens > 0
+    short = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    assert len(speculative.generate([COPYING[2]], short)[0].token_ids) == 7
+    streamed = list(speculative.stream(COPYING[0], GREEDY, delta=True))
+    assert [t for d in streamed for t in d.token_ids] == tokens(plain, [COPYING[0]])[0]
+    assert len(streamed) < 40  # steps that accepted drafts stream several tokens at once
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
+    """Goodness of fit, bins with an expected count under 5 merged into one."""
+    small = [i for i, e in enumerate(expected) if e < 5]
+    keep = [i for i in range(len(expected)) if i not in small]
+    obs = [observed[i] for i in keep] + [sum(observed[i] for i in small)]
+    exp = [expected[i] for i in keep] + [sum(expected[i] for i in small)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+    dof = sum(1 for e in exp if e > 0) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)).item()
+
+
+def test_sampled_tokens_follow_the_models_distribution(llm, make_llm):
+    """480 seeded runs of three tokens at temperature 1, top-k 3: the second token is verified
+    against a draft, the third sampled after an accepted one. Their joint frequencies fit the
+    model's own probabilities (computed by scoring each prefix), and each run equals the run
+    of the same seed without drafts."""
+    prompt = "one two three four one two three four one two"
+    top_k, runs = 3, 480
+    ids = llm.tokenizer.encode(prompt)
+
+    def top(prefix: list[int]) -> dict[int, float]:
+        logits = llm.engine.score(prefix)[-1]
+        values, indices = logits.topk(top_k)
+        return dict(zip(indices.tolist(), values.softmax(-1).tolist(), strict=True))
+
+    expected: dict[tuple[int, ...], float] = {}
+    for a, pa in top(ids).items():
+        for b, pb in top([*ids, a]).items():
+            for c, pc in top([*ids, a, b]).items():
+                expected[(a, b, c)] = pa * pb * pc * runs
+    speculative = make_llm(speculative=ALWAYS, max_num_seqs=48)
+    params = [
+        SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, seed=s) for s in range(runs)
+    ]
+    outs = speculative.generate([prompt] * runs, params)
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    assert 0 < accepted < drafted  # both the accept and the reject path ran
+    counts = {key: 0 for key in expected}
+    for out in outs:
+        counts[tuple(out.token_ids)] += 1
+    keys = list(expected)
+    assert chi_square_p_value([counts[k] for k in keys], [expected[k] for k in keys]) > 0.001
+    # Stronger still: a seeded request draws one number per emitted token from its own
+    # generator, with or without drafts, so it samples the very same tokens.
+    plain = make_llm(max_num_seqs=48)
+    assert tokens(plain, [prompt] * 96, params[:96]) == [o.token_ids for o in outs[:96]]
+
+
+def test_the_temperature_law_runs_per_verified_position(make_llm, loaded_model):
+    """Entropy control on: each emitted token's temperature and entropy are what the controller
+    gives at that position, as decoding the same tokens one step at a time gives them."""
+    control = ControlConfig(sampling=True)
+    speculative = make_llm(control=control, speculative=ALWAYS)
+    params = SamplingParams(max_tokens=32, seed=3, ignore_eos=True)
+    out = speculative.generate([COPYING[0]], params)[0]
+    assert out.num_accepted_tokens > 0
+    plain = make_llm(control=control).engine
+    plain.add_request(COPYING[0], params, forced_token_ids=out.token_ids)
+    replay = None
+    while plain.has_unfinished_requests():
+        replay = next(iter(plain.step()), replay)
+    assert replay.token_ids == out.token_ids
+    assert replay.temperatures == pytest.approx(out.temperatures, abs=1e-5)
+    assert replay.entropies == pytest.approx(out.entropies, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"num_draft_tokens": 17}, "num_draft_tokens"),
+        ({"method": "eagle"}, "speculative.method"),
+        ({"adaptive": "sometimes"}, "adaptive"),
+        ({"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig(**kwargs)
+
+
+def test_command_line_form_round_trips():
+    for config in (ALWAYS, SpeculativeConfig(adaptive="heuristic"), SpeculativeConfig()):
+        parsed = SpeculativeConfig.parse(config.as_flag())
+        assert (parsed.method, parsed.num_draft_tokens, parsed.schedule) == (
+            config.method,
+            config.num_draft_tokens,
+            config.schedule,
+        )
+    assert SpeculativeConfig.parse("none") is None
+    with pytest.raises(ValueError, match="speculative schedule"):
+        SpeculativeConfig.parse("ngram:4:sometimes")
+
+
+def test_pruning_telemetry_stays_one_entry_per_decoded_token(make_llm):
+    llm = make_llm(control=ControlConfig(pruning=True), speculative=ALWAYS)
+    out = llm.generate([COPYING[0]], GREEDY)[0]
+    assert out.num_accepted_tokens > 0
+    # As without drafts: one per decode step, one fewer than tokens (the first is the prefill's).
+    assert len(out.blocks_kept) == len(out.dropped_mass) == len(out.token_ids) - 1
