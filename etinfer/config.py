@@ -126,6 +126,10 @@ class EngineConfig:
     control: ControlConfig = field(
         default_factory=ControlConfig, metadata={"help": "entropy control layers to switch on"}
     )
+    draft_model: str | None = field(
+        default=None,
+        metadata={"help": "the drafter of speculative decoding: self:N (the first N layers)"},
+    )
     speculative: SpeculativeConfig | None = field(
         default=None,
         metadata={
@@ -160,6 +164,18 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(
                 f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}"
+            )
+        self._check_draft_model()
+
+    def _check_draft_model(self) -> None:
+        method = None if self.speculative is None else self.speculative.method
+        if method == "draft" and self.draft_model is None:
+            raise ValueError("speculative method 'draft' needs a draft_model ('self:N')")
+        if self.draft_model is not None and not self.draft_model.startswith("self:"):
+            # A second model file would need a second cache and runner: not built yet.
+            raise ValueError(
+                f"draft_model must be 'self:N' (the model's first N layers), got "
+                f"{self.draft_model!r}: separate draft models are not supported yet"
             )
 
     @property

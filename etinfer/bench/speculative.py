@@ -15,19 +15,31 @@ from __future__ import annotations
 import argparse
 import pydoc_data.topics
 import time
+from dataclasses import replace
 
 from etinfer import LLM, ControlConfig, SamplingParams, SpeculativeConfig, options
 from etinfer.bench.kernels import cpu_flags
 from etinfer.bench.prompts import instructions
 from etinfer.model.loader import load_model
 
-SETTINGS: dict[str, tuple[SpeculativeConfig | None, ControlConfig]] = {
-    "plain": (None, ControlConfig()),
-    "ngram fixed": (SpeculativeConfig(adaptive=False), ControlConfig()),
-    "ngram heuristic": (SpeculativeConfig(adaptive="heuristic"), ControlConfig()),
-    "ngram entropy (default)": (SpeculativeConfig(), ControlConfig()),
-    "plain, paper's layers": (None, ControlConfig.full()),
-    "ngram, paper's layers": (SpeculativeConfig(), ControlConfig.full()),
+DRAFT = SpeculativeConfig(method="draft")
+# Engine settings by name; "paper's layers" rows compare with the plain engine with those layers.
+SETTINGS: dict[str, dict] = {
+    "plain": {},
+    "ngram fixed": {"speculative": SpeculativeConfig(adaptive=False)},
+    "ngram heuristic": {"speculative": SpeculativeConfig(adaptive="heuristic")},
+    "ngram entropy (default)": {"speculative": SpeculativeConfig()},
+    "plain, paper's layers": {"control": ControlConfig.full()},
+    "ngram, paper's layers": {"speculative": SpeculativeConfig(), "control": ControlConfig.full()},
+    **{
+        f"self:{n}{name}": {"draft_model": f"self:{n}", "speculative": config}
+        for n in (8, 22, 26)
+        for name, config in (
+            (" entropy", DRAFT),
+            (" fixed", replace(DRAFT, adaptive=False)),
+            (" no adapter", replace(DRAFT, exit_adapter=False)),
+        )
+    },
 }
 
 
@@ -69,13 +81,10 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 def main(args: argparse.Namespace) -> int:
     options.set_threads(args)
     loaded = load_model()
-    names = [n for n in SETTINGS if args.settings is None or n in args.settings]
+    names = [name for name in SETTINGS if name in args.settings]
     engines = {}
     for name in names:
-        speculative, control = SETTINGS[name]
-        engines[name] = LLM(
-            loaded, max_num_seqs=max(args.batches), speculative=speculative, control=control
-        )
+        engines[name] = LLM(loaded, max_num_seqs=max(args.batches), **SETTINGS[name])
     results: dict[tuple[str, str, int], dict] = {}
     for _ in range(args.repeats):
         for kind in args.workloads:
@@ -123,7 +132,12 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--workloads", nargs="+", choices=["chat", "copy"], default=["copy", "chat"]
     )
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS))
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=[name for name in SETTINGS if not name.startswith("self:")],
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     options.add_threads_option(parser, default=2)

@@ -11,9 +11,10 @@ references to compare it with:
 - ``heuristic``: transformers' schedule for assisted generation: the length grows by 2 after a
   step whose drafts were all accepted and shrinks by 1 otherwise.
 
-Above ``disable_batch_size`` decoding sequences no one drafts (vLLM's
-``speculative_disable_by_batch_size``): a large batch already fills the weight reads that
-verification would otherwise amortise, so every draft token costs nearly a token of compute.
+From ``disable_batch_size`` decoding sequences on no one drafts (vLLM's
+``speculative_disable_by_batch_size``): a batch already shares the weight reads that verification
+would otherwise amortise, so every draft token costs nearly a token of compute (measured: at 4
+sequences prompt lookup gained 1.05x on copying and lost 0.82-0.90x on chat; BENCHMARKS.md).
 
 The law is pure: the engine asks it from the step's control record and applies its answer as the
 step's shape (``StepShape.draft_lengths``).
@@ -28,7 +29,7 @@ from etinfer.control.record import Controlled, ControlRecord, StepShape
 from etinfer.control.shaping import STEP_SHAPERS, StepShaper
 from etinfer.validation import check_choice, check_float, check_int
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 DRAFT_SCHEDULES = ("entropy", "fixed", "heuristic")
 MAX_DRAFT_TOKENS = 16
 
@@ -39,11 +40,14 @@ class SpeculativeConfig:
     and token for token when greedy).
 
     - method: ``ngram`` proposes what followed the latest earlier occurrence of the sequence's
-      last ``ngram_max``..``ngram_min`` tokens (prompt lookup); no second model.
+      last ``ngram_max``..``ngram_min`` tokens (prompt lookup); no second model. ``draft``
+      proposes the greedy tokens of the engine's ``draft_model`` (``self:N``: an early exit).
     - num_draft_tokens: the most a sequence proposes per step (1..16).
     - adaptive: ``True`` (the entropy law above), ``False`` (fixed length) or ``"heuristic"``.
     - entropy_threshold: nats; with ``adaptive``, no drafts after a token drawn from a
-      distribution with more entropy than this.
+      distribution with more entropy than this, and a draft model stops where its own
+      distribution has more.
+    - exit_adapter: an early-exit drafter maps its hidden state through the fitted adapter.
     - disable_batch_size: no drafts in a step with at least this many decoding sequences.
     """
 
@@ -51,9 +55,10 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     adaptive: bool | str = True
     entropy_threshold: float = 1.5
-    disable_batch_size: int = 8
+    disable_batch_size: int = 4
     ngram_max: int = 3
     ngram_min: int = 2
+    exit_adapter: bool = True
 
     def __post_init__(self) -> None:
         check_choice("speculative.method", self.method, SPECULATIVE_METHODS)
@@ -95,14 +100,14 @@ class SpeculativeConfig:
         return cls(method=method, num_draft_tokens=tokens, adaptive=adaptive)
 
 
-def initial_draft_length(config: SpeculativeConfig) -> int:
-    return config.num_draft_tokens
-
-
-def next_draft_length(config: SpeculativeConfig, length: int, drafted: int, accepted: int) -> int:
-    """The heuristic schedule's length after a step that verified ``drafted`` tokens."""
+def next_draft_length(
+    config: SpeculativeConfig, length: int | None, drafted: int, accepted: int
+) -> int | None:
+    """The heuristic schedule's length after a step that verified ``drafted`` tokens (None
+    before the first: the configured number)."""
     if config.schedule != "heuristic" or not drafted:
         return length
+    length = config.num_draft_tokens if length is None else length
     if accepted == drafted:
         return min(length + 2, MAX_DRAFT_TOKENS)
     return max(length - 1, 1)
@@ -129,7 +134,7 @@ class SpeculativeShaper(StepShaper):
     def _length(self, record: ControlRecord, seq: Controlled) -> int:
         entry = record[seq]
         schedule = self.config.schedule
-        if schedule == "heuristic":
+        if schedule == "heuristic" and entry.draft_length is not None:
             return entry.draft_length
         entropy, threshold = entry.predictive_entropy, self.config.entropy_threshold
         if schedule == "entropy" and entropy is not None and entropy > threshold:

@@ -59,7 +59,8 @@ class Recordable(Controlled, Protocol):
     temperature_state: float | None  # the temperature law's state: log T, or Mirostat's mu
     block_budget: int | None  # blocks decode attention kept last step
     blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
-    draft_length: int  # tokens speculative decoding's heuristic schedule would draft next
+    # Tokens speculative decoding's heuristic schedule drafts next (None: the configured number).
+    draft_length: int | None
 
 
 class SequenceControl(NamedTuple):
@@ -72,7 +73,7 @@ class SequenceControl(NamedTuple):
     temperature_state: float | None
     block_budget: int | None
     blocks_kept: float  # share of the context decode attention read last step (1: all)
-    draft_length: int
+    draft_length: int | None
 
     @classmethod
     def of(cls, seq: Recordable) -> SequenceControl:

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from etinfer.control.drafting import SpeculativeConfig
+from etinfer.engine.block_pool import BlockPool
+from etinfer.engine.early_exit import EarlyExitDrafter, fit_exit_adapter, parse_self_draft
+from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.sequence import Sequence
+from etinfer.model.tokenizer import Tokenizer
+
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
@@ -22,7 +29,10 @@ class NgramProposer:
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.token_ids, n) for seq, n in zip(seqs, limits, strict=True)]
+
+    def lookup(self, token_ids: list[int], num_tokens: int) -> list[int]:
         tokens = torch.tensor(token_ids)
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             # Windows starting before the suffix itself, matched all at once.
@@ -32,3 +42,22 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return token_ids[start : start + num_tokens]
         return []
+
+
+def make_proposer(
+    config: SpeculativeConfig,
+    draft_model: str | None,
+    runner: ModelRunner,
+    pool: BlockPool,
+    tokenizer: Tokenizer,
+    block_size: int,
+) -> NgramProposer | EarlyExitDrafter:
+    """The drafter ``config`` names; an early exit fits its adapter here, at load."""
+    if config.method == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    layer = parse_self_draft(draft_model, len(runner.model.layers))
+    adapter = None
+    if config.exit_adapter:
+        adapter = fit_exit_adapter(runner, pool, tokenizer, layer, block_size)
+    threshold = config.entropy_threshold if config.schedule == "entropy" else None
+    return EarlyExitDrafter(runner, layer, adapter, threshold)

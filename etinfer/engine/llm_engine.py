@@ -33,6 +33,7 @@ from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.engine.detokenizer import Detokenizer
+from etinfer.engine.drafter import make_proposer
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
@@ -120,8 +121,17 @@ class LLMEngine:
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.speculator = None
         if config.speculative is not None:
+            proposer = make_proposer(
+                config.speculative,
+                config.draft_model,
+                self.runner,
+                self.kv.pool,
+                self.tokenizer,
+                self.block_size,
+            )
             self.speculator = Speculator(
                 config.speculative,
+                proposer,
                 self.kv,
                 max_model_len=self.max_model_len,
                 max_num_batched_tokens=config.max_num_batched_tokens,

@@ -161,6 +161,25 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence, prefilled into ``blocks``."""
+        ids, positions, meta = self._prefill_inputs(token_ids, blocks)
+        hidden = self.model.forward(ids, positions, self.cache, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def exit_states(
+        self, token_ids: list[int], blocks: list[int], layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence prefilled into ``blocks``: the residual stream after ``layer`` layers
+        and after the last one, at every position."""
+        ids, positions, meta = self._prefill_inputs(token_ids, blocks)
+        model = self.model
+        early = model.run_layers(model.embed_tokens(ids), positions, self.cache, meta, range(layer))
+        last = model.run_layers(early, positions, self.cache, meta, range(layer, len(model.layers)))
+        return early, last
+
+    def _prefill_inputs(
+        self, token_ids: list[int], blocks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         positions = torch.arange(len(token_ids))
         table = torch.tensor(blocks)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -169,8 +188,17 @@ class ModelRunner:
             slots.to(self.device), 0, None, None, [PrefillChunk(0, len(token_ids), None, mask)]
         )
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self.model.forward(ids, positions.to(self.device), self.cache, meta)
-        return self.model.compute_logits(hidden)
+        return ids, positions.to(self.device), meta
+
+    @torch.inference_mode()
+    def early_exit(self, batch: ScheduledBatch, num_layers: int) -> torch.Tensor:
+        """The residual stream after ``num_layers`` layers at each sequence's last row."""
+        inputs = self.prepare(batch)
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.cache, inputs.meta, num_layers
+        )
+        last_rows = torch.tensor(batch.num_tokens).cumsum(0) - 1
+        return hidden[last_rows.to(self.device)]
 
     def prepare(self, batch: ScheduledBatch, budgets: list[int] | None = None) -> StepInputs:
         """The step's tensors; ``budgets``: blocks each decoding sequence keeps (None: all)."""

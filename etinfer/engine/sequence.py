@@ -90,7 +90,7 @@ class Sequence:
         self.blocks_kept: list[float] = []  # per generated token, when pruning is on
         self.dropped_mass: list[float] = []
         # Speculative decoding: the heuristic schedule's next draft length, and the totals.
-        self.draft_length = 0
+        self.draft_length: int | None = None  # None: the configured length
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 

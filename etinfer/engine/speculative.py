@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import torch
 
 from etinfer.control.drafting import SpeculativeConfig, next_draft_length
 from etinfer.control.record import StepShape
-from etinfer.engine.drafter import NgramProposer
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch
@@ -32,26 +32,34 @@ SampleFn = Callable[[torch.Tensor, list[Sequence], list[float | None]], SamplerO
 TakeFn = Callable[[list[Sequence], SamplerOutput], None]
 
 
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to ``limits[i]`` drafted tokens for each of ``seqs``; KV slots for that many
+        are allocated (a drafter that runs model layers writes them)."""
+
+
 class Speculator:
     def __init__(
         self,
         config: SpeculativeConfig,
+        proposer: Proposer,
         kv: KVCacheManager,
         *,
         max_model_len: int,
         max_num_batched_tokens: int,
     ) -> None:
         self.config = config
+        self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.proposer = NgramProposer(config.ngram_max, config.ngram_min)
 
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
         """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""
         if not shape.draft_lengths:
             return
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)
+        chosen, limits = [], []
         for i in range(batch.num_decode):
             seq = batch.seqs[i]
             limit = min(
@@ -60,13 +68,17 @@ class Speculator:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
-            if limit <= 0 or seq.forced:
-                continue
-            drafts = self.proposer.propose(seq.token_ids, limit)
-            if drafts and self.kv.allocate(seq, 1 + len(drafts)):
-                batch.drafts[i] = drafts
-                batch.num_tokens[i] += len(drafts)
-                budget -= len(drafts)
+            # Blocks past the drafts proposed go back when the step commits.
+            if limit > 0 and not seq.forced and self.kv.allocate(seq, 1 + limit):
+                chosen.append(i)
+                limits.append(limit)
+                budget -= limit
+        if not chosen:
+            return
+        proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
+        for i, drafts in zip(chosen, proposals, strict=True):
+            batch.drafts[i] = drafts
+            batch.num_tokens[i] += len(drafts)
 
     def record(self, batch: ScheduledBatch, emitted: Emitted) -> None:
         """Count each sampled sequence's drafts and acceptances; move its heuristic length."""

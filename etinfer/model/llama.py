@@ -155,13 +155,31 @@ class LlamaModel:
         positions: torch.Tensor,
         cache: KVCache,
         meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [rows, hidden] of a flat batch of tokens."""
+        """Final hidden states [rows, hidden] of a flat batch of tokens, after the final norm;
+        with ``num_layers``, the residual stream after that many layers (an early exit)."""
         x = self.embed_tokens(input_ids)
+        x = self.run_layers(x, positions, cache, meta, range(num_layers or len(self.layers)))
+        return x if num_layers is not None else self.final_norm(x)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        layers: range,
+    ) -> torch.Tensor:
         cos, sin = self.rope.tables(positions)
-        for index, layer in enumerate(self.layers):
-            x = layer(index, x, cos, sin, self.rope, self.attention, cache, meta)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        for index in layers:
+            x = self.layers[index](index, x, cos, sin, self.rope, self.attention, cache, meta)
+        return x
+
+    def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:
+        """The final RMS norm; without its ``weight``, the bare normalisation."""
+        norm = self.norm if weight else None
+        return F.rms_norm(x, (x.shape[-1],), norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
