@@ -10,6 +10,7 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
+from etinfer.control.switching import SwitchingConfig
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.validation import check_choice, check_float, check_int
 
@@ -26,18 +27,26 @@ class ControlConfig:
       the default ``PruningConfig``.
     - scheduling: the ``entropy`` scheduling policy replaces ``EngineConfig.scheduling_policy``;
       ``True`` uses the default ``SchedulingConfig``.
+    - switching: Entropy Adaptive Decoding between the engine's ``draft_model`` (small) and
+      the model (large); ``True`` uses the default ``SwitchingConfig``. Lossy by design, and not
+      part of ``full()`` (the paper's three layers).
     """
 
     sampling: bool = False
     pruning: bool | PruningConfig = False
     scheduling: bool | SchedulingConfig = False
     entropy_target: float = 2.0
+    switching: bool | SwitchingConfig = False
 
     def __post_init__(self) -> None:
         check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
         if not isinstance(self.scheduling, bool | SchedulingConfig):
             raise ValueError(
                 f"scheduling must be a bool or a SchedulingConfig, got {self.scheduling!r}"
+            )
+        if not isinstance(self.switching, bool | SwitchingConfig):
+            raise ValueError(
+                f"switching must be a bool or a SwitchingConfig, got {self.switching!r}"
             )
 
     @classmethod
@@ -55,6 +64,12 @@ class ControlConfig:
         if self.pruning is True:
             return PruningConfig()
         return self.pruning or None
+
+    @property
+    def switching_config(self) -> SwitchingConfig | None:
+        if self.switching is True:
+            return SwitchingConfig()
+        return self.switching or None
 
     @property
     def scheduling_config(self) -> SchedulingConfig | None:
@@ -171,6 +186,13 @@ class EngineConfig:
         method = None if self.speculative is None else self.speculative.method
         if method == "draft" and self.draft_model is None:
             raise ValueError("speculative method 'draft' needs a draft_model ('self:N')")
+        if self.control.switching_config is not None:
+            if self.draft_model is None:
+                raise ValueError(
+                    "control.switching needs a draft_model ('self:N'): the small model"
+                )
+            if self.speculative is not None:
+                raise ValueError("control.switching and speculative cannot be combined yet")
         if self.draft_model is not None and not self.draft_model.startswith("self:"):
             # A second model file would need a second cache and runner: not built yet.
             raise ValueError(
@@ -182,6 +204,17 @@ class EngineConfig:
     def policy_name(self) -> str:
         """The scheduling policy in force: the control layer's switch wins."""
         return "entropy" if self.control.scheduling_config else self.scheduling_policy
+
+    def resolve_max_model_len(self, model_limit: int) -> int:
+        """``max_model_len``, checked against the model's context length (its default)."""
+        if self.max_model_len is None:
+            return model_limit
+        if self.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len must be at most the model's context length {model_limit}, "
+                f"got {self.max_model_len}"
+            )
+        return self.max_model_len
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

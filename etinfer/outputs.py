@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from etinfer.control.record import TARGET_MODEL
+
 
 @dataclass
 class RequestMetrics:
@@ -68,6 +70,9 @@ class RequestOutput:
     # Speculative decoding: tokens drafted for this request and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Entropy Adaptive Decoding: per generated token, the model that wrote it ("target" or
+    # "exit"); None when switching is off.
+    token_models: list[str] | None = None
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
     # and the text cover the new tokens, everything else is the request's state now.
     delta: bool = False
@@ -112,11 +117,20 @@ class RequestOutput:
         self.entropic_time = delta.entropic_time
         self.num_draft_tokens = delta.num_draft_tokens
         self.num_accepted_tokens = delta.num_accepted_tokens
+        if delta.token_models is not None:
+            self.token_models = (self.token_models or []) + delta.token_models
 
     @property
     def collapse_rate(self) -> float:
         """Entropic time per generated token."""
         return self.entropic_time / len(self.token_ids) if self.token_ids else 0.0
+
+    @property
+    def large_model_share(self) -> float | None:
+        """With switching on: the share of the generated tokens the large model wrote."""
+        if not self.token_models:
+            return None
+        return self.token_models.count(TARGET_MODEL) / len(self.token_models)
 
     @property
     def finished(self) -> bool:

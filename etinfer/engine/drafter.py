@@ -12,7 +12,7 @@ import torch
 
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.engine.block_pool import BlockPool
-from etinfer.engine.early_exit import EarlyExitDrafter, fit_exit_adapter, parse_self_draft
+from etinfer.engine.early_exit import EarlyExitDrafter, build_early_exit
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.sequence import Sequence
 from etinfer.model.tokenizer import Tokenizer
@@ -50,14 +50,15 @@ def make_proposer(
     runner: ModelRunner,
     pool: BlockPool,
     tokenizer: Tokenizer,
-    block_size: int,
 ) -> NgramProposer | EarlyExitDrafter:
     """The drafter ``config`` names; an early exit fits its adapter here, at load."""
     if config.method == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
-    layer = parse_self_draft(draft_model, len(runner.model.layers))
-    adapter = None
-    if config.exit_adapter:
-        adapter = fit_exit_adapter(runner, pool, tokenizer, layer, block_size)
-    threshold = config.entropy_threshold if config.schedule == "entropy" else None
-    return EarlyExitDrafter(runner, layer, adapter, threshold)
+    return build_early_exit(
+        draft_model,
+        runner,
+        pool,
+        tokenizer,
+        adapter=config.exit_adapter,
+        entropy_threshold=config.entropy_threshold if config.schedule == "entropy" else None,
+    )

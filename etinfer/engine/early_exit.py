@@ -47,7 +47,7 @@ class ExitAdapter:
 
 
 def fit_exit_adapter(
-    runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer, layer: int, block_size: int
+    runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer, layer: int
 ) -> ExitAdapter:
     from etinfer.calibrate import corpus_windows
 
@@ -55,7 +55,7 @@ def fit_exit_adapter(
     for ids in corpus_windows(tokenizer, 512):
         if have >= ADAPTER_TOKENS:
             break
-        blocks = pool.allocate(-(-len(ids) // block_size))
+        blocks = pool.allocate(-(-len(ids) // runner.block_size))
         try:
             early, last = runner.exit_states(ids, blocks, layer)
         finally:
@@ -70,6 +70,21 @@ def fit_exit_adapter(
     solution = torch.linalg.solve(gram, x.T @ torch.cat(targets).double())
     dtype = targets[0].dtype
     return ExitAdapter(solution[:-1].to(dtype), solution[-1].to(dtype))
+
+
+def build_early_exit(
+    draft_model: str,
+    runner: ModelRunner,
+    pool: BlockPool,
+    tokenizer: Tokenizer,
+    *,
+    adapter: bool = True,
+    entropy_threshold: float | None = None,
+) -> EarlyExitDrafter:
+    """The small model ``self:N`` names, its adapter fitted now (at load) unless not wanted."""
+    layer = parse_self_draft(draft_model, len(runner.model.layers))
+    fitted = fit_exit_adapter(runner, pool, tokenizer, layer) if adapter else None
+    return EarlyExitDrafter(runner, layer, fitted, entropy_threshold)
 
 
 class EarlyExitDrafter:

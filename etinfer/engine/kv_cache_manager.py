@@ -82,7 +82,7 @@ class KVCacheManager:
         """Publish the blocks that computing this step's tokens filled."""
         if not self.pool.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = seq.num_full_tokens // self.block_size
         for index in range(seq.num_registered_blocks, full):
             key_hash, key = self._block_key(seq, index)
             self.pool.publish(seq.block_table[index], key_hash, key)

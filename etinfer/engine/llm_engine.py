@@ -32,8 +32,9 @@ from etinfer.control.drafting import SpeculativeShaper
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
+from etinfer.control.switching import SwitchState
 from etinfer.engine.detokenizer import Detokenizer
-from etinfer.engine.drafter import make_proposer
+from etinfer.engine.early_exit import build_early_exit
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
@@ -42,6 +43,7 @@ from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.speculative import Speculator, sample_verified
+from etinfer.engine.switching import ModelSwitcher
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
@@ -65,9 +67,7 @@ class LLMEngine:
                 f"{config.calibration}: calibrated for a vocabulary of "
                 f"{self.calibration.vocab_size} tokens, but this model has {vocab}"
             )
-        self.max_model_len = self._resolve_max_model_len(
-            config, loaded.config.max_position_embeddings
-        )
+        self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
         self.block_size = config.block_size
         self.num_blocks = config.num_kvcache_blocks or max(
             1,
@@ -119,38 +119,19 @@ class LLMEngine:
             else self.calibration.temperature,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
+        self.switcher = None
+        if (switching := config.control.switching_config) is not None:
+            small = build_early_exit(config.draft_model, self.runner, self.kv.pool, self.tokenizer)
+            self.switcher = ModelSwitcher(switching, small)
         self.speculator = None
         if config.speculative is not None:
-            proposer = make_proposer(
-                config.speculative,
-                config.draft_model,
-                self.runner,
-                self.kv.pool,
-                self.tokenizer,
-                self.block_size,
-            )
             self.speculator = Speculator(
-                config.speculative,
-                proposer,
-                self.kv,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                config, self.runner, self.kv, self.tokenizer, self.max_model_len
             )
         self.observers = Observers()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-
-    @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
-        if config.max_model_len is None:
-            return model_limit
-        if config.max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len must be at most the model's context length {model_limit}, "
-                f"got {config.max_model_len}"
-            )
-        return config.max_model_len
 
     # -- requests -------------------------------------------------------------------------
 
@@ -205,6 +186,8 @@ class LLMEngine:
             priority=priority,
             slo=slo,
         )
+        if self.switcher is not None:
+            seq.switch = SwitchState.initial(self.switcher.config)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -296,7 +279,11 @@ class LLMEngine:
             self.speculator.draft(batch, decisions.shape)
         free_blocks = self.kv.pool.num_free_blocks
         starts = [seq.num_computed_tokens for seq in batch.seqs]
-        result = self._model(decisions.shape.model).execute(batch, decisions)
+        small: set[int] = set()
+        if self.switcher is not None:
+            result, small = self.switcher.execute(self.runner, batch, decisions)
+        else:
+            result = self._model(decisions.shape.model).execute(batch, decisions)
         emitted = None
         if result.logits is not None:
             emitted = sample_verified(
@@ -306,6 +293,8 @@ class LLMEngine:
             self.kv.commit(seq, start, n)
         if self.speculator is not None and emitted is not None:
             self.speculator.record(batch, emitted)
+        if self.switcher is not None:
+            self.switcher.update(batch, small)
         if result.attention is not None:
             result.attention.record(batch, starts, emitted)
         outputs = self._finish_sampled(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,7 +13,6 @@ from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
-from etinfer.engine.speculative import Emitted
 from etinfer.model.block_layout import AttentionSelector, DecodeBlocks
 from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
@@ -26,6 +26,9 @@ from etinfer.model.paged_attention import (
     prefill_mask,
 )
 from etinfer.model.quantized import Weight
+
+if TYPE_CHECKING:  # the speculative module builds on this one
+    from etinfer.engine.speculative import Emitted
 
 
 @dataclass

@@ -40,6 +40,17 @@ class ScheduledBatch:
     def num_decode(self) -> int:
         return sum(1 for n, d in zip(self.num_tokens, self.drafts, strict=True) if n - len(d) == 1)
 
+    def subset(self, indices: list[int]) -> ScheduledBatch:
+        """The batch of the sequences at ``indices`` (in increasing order: decode rows stay
+        first), with nothing preempted."""
+        sampled = set(self.sampled)
+        return ScheduledBatch(
+            seqs=[self.seqs[i] for i in indices],
+            num_tokens=[self.num_tokens[i] for i in indices],
+            sampled=[j for j, i in enumerate(indices) if i in sampled],
+            drafts=[self.drafts[i] for i in indices],
+        )
+
     def input_ids(self, index: int) -> list[int]:
         """The tokens sequence ``index`` computes this step: known ones, then its drafts."""
         seq, drafts = self.seqs[index], self.drafts[index]

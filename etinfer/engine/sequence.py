@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from etinfer.control.entropy_profile import EntropyProfile
+from etinfer.control.switching import SwitchState
 from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.sampler import SamplerOutput
@@ -93,6 +94,12 @@ class Sequence:
         self.draft_length: int | None = None  # None: the configured length
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Entropy Adaptive Decoding: which model writes the next token (None: switching off),
+        # which wrote each output token, and where the small model's current stretch began
+        # (the layers above its exit hold nothing from there on).
+        self.switch: SwitchState | None = None
+        self.token_models: list[str] = []
+        self.exit_start: int | None = None
 
     def append_sampled(
         self,
@@ -140,6 +147,13 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_full_tokens(self) -> int:
+        """Tokens whose keys and values are in the cache in every layer."""
+        if self.exit_start is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.exit_start)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -183,6 +197,7 @@ class Sequence:
             dropped_mass=self.dropped_mass[blocks:] or None,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            token_models=self.token_models[tokens:] if self.switch else None,
             delta=True,
         )
 
@@ -207,4 +222,5 @@ class Sequence:
             dropped_mass=list(self.dropped_mass) or None,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            token_models=list(self.token_models) if self.switch else None,
         )

@@ -21,12 +21,16 @@ from typing import Protocol
 
 import torch
 
+from etinfer.config import EngineConfig
 from etinfer.control.drafting import SpeculativeConfig, next_draft_length
 from etinfer.control.record import StepShape
+from etinfer.engine.drafter import make_proposer
 from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.model.tokenizer import Tokenizer
 
 SampleFn = Callable[[torch.Tensor, list[Sequence], list[float | None]], SamplerOutput]
 TakeFn = Callable[[list[Sequence], SamplerOutput], None]
@@ -41,18 +45,21 @@ class Proposer(Protocol):
 class Speculator:
     def __init__(
         self,
-        config: SpeculativeConfig,
-        proposer: Proposer,
+        engine: EngineConfig,
+        runner: ModelRunner,
         kv: KVCacheManager,
-        *,
+        tokenizer: Tokenizer,
         max_model_len: int,
-        max_num_batched_tokens: int,
     ) -> None:
-        self.config = config
-        self.proposer = proposer
+        """For an engine whose ``speculative`` is set; a drafter that needs fitting (an early
+        exit's adapter) is fitted here, at load."""
+        self.config: SpeculativeConfig = engine.speculative
+        self.proposer: Proposer = make_proposer(
+            self.config, engine.draft_model, runner, kv.pool, tokenizer
+        )
         self.kv = kv
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = engine.max_num_batched_tokens
 
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
         """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""

@@ -1,0 +1,77 @@
+"""Entropy Adaptive Decoding, the engine's side: each step, decoding sequences whose switching
+state names the small model decode through it (the first N layers and the fitted exit), all
+other rows through the full model; after the step the law (``control/switching.py``) moves each
+sequence's state.
+
+The small model writes keys and values for its N layers only. A sequence's ``exit_start`` marks
+where its small-model stretch began: the layers above N hold nothing past it, so the prefix cache
+never publishes a block from there on, and when the large model takes over the sequence's
+computed tokens fall back to ``exit_start``: the scheduler then gives it one prefill chunk over
+the small model's tokens (all layers: the lower ones recompute what they hold, bit for bit), whose
+last row the large model samples. That chunk is the catch-up cost the paper's headline omits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from etinfer.control.record import TARGET_MODEL, StepDecisions
+from etinfer.control.switching import EXIT_MODEL, SwitchingConfig, next_switch_state
+from etinfer.engine.early_exit import EarlyExitDrafter
+from etinfer.engine.model_runner import ModelRunner, StepResult
+from etinfer.engine.scheduler import ScheduledBatch
+
+
+class ModelSwitcher:
+    def __init__(self, config: SwitchingConfig, small: EarlyExitDrafter) -> None:
+        self.config = config
+        self.small = small
+
+    def execute(
+        self, runner: ModelRunner, batch: ScheduledBatch, decisions: StepDecisions
+    ) -> tuple[StepResult, set[int]]:
+        """The step's result as one model would give it, and which sequences the small model
+        computed (indices into the batch)."""
+        small = {i for i in range(batch.num_decode) if batch.seqs[i].switch.model == EXIT_MODEL}
+        if not small:
+            return runner.execute(batch, decisions), small
+        large = [i for i in range(len(batch.seqs)) if i not in small]
+        budgets = decisions.block_budgets
+        if budgets is not None:
+            budgets = [budgets[i] for i in large if i < batch.num_decode]
+        result = StepResult(None, None)
+        if large:
+            sub = dataclasses.replace(decisions, block_budgets=budgets)
+            result = runner.execute(batch.subset(large), sub)
+        small_logits = self.small.logits(batch.subset(sorted(small)))
+        # Each sampled sequence's row (no drafts here), in the batch's order.
+        small_row = {i: r for r, i in enumerate(sorted(small))}
+        large_sampled = [i for i in large if i in set(batch.sampled)]
+        large_row = {i: r for r, i in enumerate(large_sampled)}
+        rows = [
+            small_logits[small_row[i]] if i in small else result.logits[large_row[i]]
+            for i in batch.sampled
+        ]
+        return StepResult(result.attention, torch.stack(rows)), small
+
+    def update(self, batch: ScheduledBatch, small: set[int]) -> None:
+        """After the step's tokens are appended and committed: note which model wrote each, move
+        each sampled sequence's switching state, and start or end small-model stretches."""
+        for i, seq in enumerate(batch.seqs):
+            if seq.switch.model == EXIT_MODEL and i not in small:
+                # A full-model chunk (a recompute after preemption) filled every layer.
+                seq.exit_start = seq.num_computed_tokens
+        for i in batch.sampled:
+            seq = batch.seqs[i]
+            seq.token_models.append(EXIT_MODEL if i in small else TARGET_MODEL)
+            if seq.finish_reason is not None:
+                continue
+            state = next_switch_state(self.config, seq.switch, seq.entropies)
+            if seq.switch.model == EXIT_MODEL and state.model == TARGET_MODEL:
+                seq.num_computed_tokens = seq.exit_start  # catch up from there
+                seq.exit_start = None
+            elif seq.switch.model == TARGET_MODEL and state.model == EXIT_MODEL:
+                seq.exit_start = seq.num_computed_tokens
+            seq.switch = state
