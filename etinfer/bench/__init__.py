@@ -19,6 +19,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         serving_sweep,
         speculative,
         speed,
+        switching,
     )
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -35,3 +36,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     kernels.add_command(kinds)
     quantization.add_command(kinds)
     speculative.add_command(kinds)
+    switching.add_command(kinds)

@@ -111,7 +111,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "decode_pairs_in_context": run.work["decode_pairs_in_context"],
         "preemptions": run.preemptions,
         "recomputed_tokens": run.recomputed_tokens,
-        **_task_quality(requests, answers, tokenizer),
+        **task_quality(requests, answers, tokenizer),
         **_sampled_figures([outs[i] for i in sampled], [answers[i] for i in sampled]),
     }
     order = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_scheduled_time)
@@ -127,7 +127,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
     }
 
 
-def _task_quality(requests: list[AblationRequest], answers: list, tokenizer: Tokenizer) -> dict:
+def task_quality(requests: list[AblationRequest], answers: list, tokenizer: Tokenizer) -> dict:
     hits = [
         (m := re.search(r"\d+", tokenizer.decode(a))) is not None and int(m.group()) == r.key
         for r, a in zip(requests, answers, strict=True)

@@ -62,8 +62,15 @@ def telemetry(out: RequestOutput, delta: Delta) -> dict:
     }
     if out.blocks_kept is not None:
         fields["blocks_kept"] = _finite(out.blocks_kept[delta.blocks])
+    if out.token_models is not None:
+        fields["token_models"] = out.token_models[a:b]
     if out.finished:
         fields["entropic_time"] = out.entropic_time if math.isfinite(out.entropic_time) else None
+        if out.token_models is not None:
+            fields["large_model_share"] = out.large_model_share
+        if out.num_draft_tokens:
+            fields["num_draft_tokens"] = out.num_draft_tokens
+            fields["num_accepted_tokens"] = out.num_accepted_tokens
     return fields
 
 

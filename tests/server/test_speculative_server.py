@@ -4,7 +4,7 @@ streamed or not, and /metrics exports the drafts and acceptances (vLLM's counter
 import openai
 import pytest
 
-from etinfer import SpeculativeConfig
+from etinfer import ControlConfig, SpeculativeConfig
 from etinfer.server import create_app
 from tests.server.conftest import API_KEY, ServerThread, make_engine
 
@@ -26,23 +26,41 @@ def servers(loaded_model):
         yield a, b
 
 
-def chat(server: ServerThread, stream: bool = False) -> str:
+def chat(server: ServerThread, stream: bool = False) -> tuple[str, dict]:
+    """The reply's text and its ``etinfer`` object (the last chunk's, when streamed)."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
     kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
     if not stream:
-        return client.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = client.chat.completions.create(**kwargs, stream=True)
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.content, choice.model_extra["etinfer"]
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return text, chunks[-1].choices[0].model_extra["etinfer"]
 
 
 def test_same_replies_and_acceptance_in_the_metrics(servers):
     plain, speculative = servers
-    expected = chat(plain)
-    assert chat(speculative) == expected
-    assert chat(speculative, stream=True) == expected
+    expected, _ = chat(plain)
+    text, extension = chat(speculative)
+    assert text == expected
+    assert 0 < extension["num_accepted_tokens"] <= extension["num_draft_tokens"]
+    assert chat(speculative, stream=True)[0] == expected
     metrics = speculative.wait_idle()
     drafted = metrics["etinfer:spec_decode_num_draft_tokens_total"]
     accepted = metrics["etinfer:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= drafted
     assert plain.wait_idle()["etinfer:spec_decode_num_draft_tokens_total"] == 0
+
+
+def test_switching_replies_say_which_model_wrote_each_token(loaded_model):
+    engine = make_engine(loaded_model, draft_model="self:22", control=ControlConfig(switching=True))
+    with ServerThread(create_app(engine, api_key=API_KEY)) as server:
+        text, extension = chat(server)
+        streamed, last = chat(server, stream=True)
+    assert streamed == text and text
+    assert set(extension["token_models"]) <= {"target", "exit"}
+    assert len(extension["token_models"]) == len(extension["entropies"])
+    assert extension["large_model_share"] == last["large_model_share"]
+    share = extension["token_models"].count("target") / len(extension["token_models"])
+    assert extension["large_model_share"] == share
