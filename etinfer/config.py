@@ -185,20 +185,16 @@ class EngineConfig:
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method
         if method == "draft" and self.draft_model is None:
-            raise ValueError("speculative method 'draft' needs a draft_model ('self:N')")
+            raise ValueError("speculative method 'draft' needs a draft_model ('self:N' or a path)")
         if self.control.switching_config is not None:
-            if self.draft_model is None:
+            # The catch-up reuses the small model's layers: it must be the model's own.
+            if self.draft_model is None or not self.draft_model.startswith("self:"):
                 raise ValueError(
-                    "control.switching needs a draft_model ('self:N'): the small model"
+                    f"control.switching needs draft_model='self:N' (the small model), got "
+                    f"{self.draft_model!r}"
                 )
             if self.speculative is not None:
                 raise ValueError("control.switching and speculative cannot be combined yet")
-        if self.draft_model is not None and not self.draft_model.startswith("self:"):
-            # A second model file would need a second cache and runner: not built yet.
-            raise ValueError(
-                f"draft_model must be 'self:N' (the model's first N layers), got "
-                f"{self.draft_model!r}: separate draft models are not supported yet"
-            )
 
     @property
     def policy_name(self) -> str:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from etinfer.control.drafting import SpeculativeConfig
+from etinfer.config import EngineConfig
 from etinfer.engine.block_pool import BlockPool
+from etinfer.engine.draft_model import DraftModelProposer
 from etinfer.engine.early_exit import EarlyExitDrafter, build_early_exit
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.sequence import Sequence
@@ -45,17 +46,19 @@ class NgramProposer:
 
 
 def make_proposer(
-    config: SpeculativeConfig,
-    draft_model: str | None,
-    runner: ModelRunner,
-    pool: BlockPool,
-    tokenizer: Tokenizer,
-) -> NgramProposer | EarlyExitDrafter:
-    """The drafter ``config`` names; an early exit fits its adapter here, at load."""
+    engine: EngineConfig, runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer
+) -> NgramProposer | EarlyExitDrafter | DraftModelProposer:
+    """The drafter ``engine.speculative`` names; an early exit fits its adapter here, at load,
+    and a separate draft model is read here."""
+    config = engine.speculative
     if config.method == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
+    if not engine.draft_model.startswith("self:"):
+        return DraftModelProposer(
+            engine, runner.config.vocab_size, runner.max_model_len, runner.cache.num_blocks
+        )
     return build_early_exit(
-        draft_model,
+        engine.draft_model,
         runner,
         pool,
         tokenizer,

@@ -94,6 +94,7 @@ class ModelRunner:
         """The cache keeps per-block summaries if ``selector`` scores blocks: then any other
         selector can be installed later (``set_selector``)."""
         self.config = config
+        self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
         self.sliding_window = config.sliding_window
