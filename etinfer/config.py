@@ -212,6 +212,11 @@ class EngineConfig:
             )
         return self.max_model_len
 
+    def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
+        """``num_kvcache_blocks``, or as many blocks as fit in ``kv_cache_gib``."""
+        block_bytes = kv_bytes_per_token * self.block_size
+        return self.num_kvcache_blocks or max(1, int(self.kv_cache_gib * 2**30) // block_bytes)
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

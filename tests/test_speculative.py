@@ -222,14 +222,23 @@ def test_pruning_telemetry_stays_one_entry_per_decoded_token(make_llm):
 
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_an_early_exit_drafter_is_lossless(make_llm, quantization):
-    plain = make_llm(quantization=quantization)
     config = SpeculativeConfig(method="draft", adaptive=False, disable_batch_size=64)
     drafted = make_llm(quantization=quantization, draft_model="self:26", speculative=config)
     prompts = [COPYING[0], PROMPTS[3]]
     outs = drafted.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == tokens(plain, prompts)
+    assert [o.token_ids for o in outs] == tokens(make_llm(quantization=quantization), prompts)
+    assert tokens(drafted, prompts[1:]) == [outs[1].token_ids]  # batch 1
     assert sum(o.num_accepted_tokens for o in outs) > 0
     assert_pool_free(drafted)
+    # Prefill chunks of 8 tokens (the budget bounds the drafts too) and a pool that preempts.
+    tight = {"quantization": quantization, "max_num_batched_tokens": 8, "num_kvcache_blocks": 7}
+    tight["enable_prefix_caching"] = False
+    prompts = [COPYING[2], PROMPTS[3], PROMPTS[0]]
+    small = make_llm(**tight, draft_model="self:26", speculative=config)
+    outs = small.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == tokens(make_llm(**tight), prompts)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert_pool_free(small)
 
 
 def test_the_exit_adapter_makes_the_exit_agree_with_the_model(make_llm):

@@ -91,7 +91,11 @@ def test_streamed_deltas_carry_which_model_wrote_each_token(make_llm):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"control": ControlConfig(switching=True)}, "switching needs a draft_model"),
+        ({"control": ControlConfig(switching=True)}, "switching needs draft_model='self:N'"),
+        (
+            {"control": ControlConfig(switching=True), "draft_model": "small.gguf"},
+            "switching needs draft_model='self:N'",
+        ),
         (
             {
                 "control": ControlConfig(switching=True),

@@ -105,7 +105,11 @@ def main(args: argparse.Namespace) -> int:
     rows = {"large alone": figures(large, large, requests, 0)}
     print(f"large alone: {rows['large alone']}", flush=True)
     for threshold in args.thresholds:
-        config = SwitchingConfig(threshold=threshold, hysteresis=min(0.25, threshold))
+        config = SwitchingConfig(
+            threshold=threshold,
+            hysteresis=min(0.25, threshold),
+            exit_adapter=not args.no_exit_adapter,
+        )
         llm = LLM(
             loaded,
             max_num_seqs=32,
@@ -115,9 +119,7 @@ def main(args: argparse.Namespace) -> int:
         name = f"EAD threshold {threshold:g}"
         rows[name] = figures(llm, large, requests, args.exit_layers)
         print(f"{name}: {rows[name]}", flush=True)
-    print(
-        f"\n{args.threads} threads, CPU flags: {cpu_flags()}, exit after {args.exit_layers} layers"
-    )
+    print(f"\n{args.threads} threads, CPU flags: {cpu_flags()}, exit at layer {args.exit_layers}")
     print(table(rows))
     if args.plot:
         plot(rows, args.plot, args.exit_layers)
@@ -178,6 +180,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--exit-layers", type=int, default=22)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-exit-adapter", action="store_true", help="the bare exit")
     parser.add_argument("--plot", help="write the curve to this PNG")
     options.add_threads_option(parser, default=2)
     parser.set_defaults(func=main)

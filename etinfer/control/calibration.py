@@ -84,3 +84,14 @@ class Calibration:
                 f"{path}: calibration temperature must be > 0, got {calibration.temperature}"
             )
         return calibration
+
+    @classmethod
+    def for_model(cls, path: str | Path, vocab_size: int) -> Calibration:
+        """``load``, checked against the vocabulary of the model it is to rescale."""
+        calibration = cls.load(path)
+        if calibration.vocab_size != vocab_size:
+            raise ValueError(
+                f"{path}: calibrated for a vocabulary of {calibration.vocab_size} tokens, but "
+                f"this model has {vocab_size}"
+            )
+        return calibration

@@ -30,12 +30,14 @@ class SwitchingConfig:
     - threshold: nats; the small model hands over when the rolling entropy exceeds it.
     - hysteresis: nats; the large model hands back below ``threshold - hysteresis``.
     - min_stretch: tokens a model writes before another switch may happen.
+    - exit_adapter: the small model reads through the fitted exit adapter (else the bare exit).
     """
 
     window: int = 4
     threshold: float = 0.5
     hysteresis: float = 0.25
     min_stretch: int = 4
+    exit_adapter: bool = True
 
     def __post_init__(self) -> None:
         check_int("switching.window", self.window, low=1, high=1024)

@@ -52,7 +52,9 @@ def fit_exit_adapter(
     from etinfer.calibrate import corpus_windows
 
     inputs, targets, have = [], [], 0
-    for ids in corpus_windows(tokenizer, 512):
+    # Windows of 512 tokens, or what the pool holds (the cache is empty at load).
+    window = min(512, pool.num_free_blocks * runner.block_size)
+    for ids in corpus_windows(tokenizer, window):
         if have >= ADAPTER_TOKENS:
             break
         blocks = pool.allocate(-(-len(ids) // runner.block_size))

@@ -34,7 +34,6 @@ from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.switching import SwitchState
 from etinfer.engine.detokenizer import Detokenizer
-from etinfer.engine.early_exit import build_early_exit
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
@@ -58,21 +57,13 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         device, dtype = config.torch_device(), config.torch_dtype()
-        self.calibration = (
-            None if config.calibration is None else Calibration.load(config.calibration)
-        )
-        vocab = loaded.config.vocab_size
-        if self.calibration is not None and self.calibration.vocab_size != vocab:
-            raise ValueError(
-                f"{config.calibration}: calibrated for a vocabulary of "
-                f"{self.calibration.vocab_size} tokens, but this model has {vocab}"
-            )
+        self.calibration = None
+        if config.calibration is not None:
+            self.calibration = Calibration.for_model(config.calibration, loaded.config.vocab_size)
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kvcache_blocks or max(
-            1,
-            int(config.kv_cache_gib * 2**30)
-            // (loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize) * config.block_size),
+        self.num_blocks = config.resolve_num_blocks(
+            loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize)
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.validator = RequestValidator(
@@ -120,9 +111,8 @@ class LLMEngine:
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.switcher = None
-        if (switching := config.control.switching_config) is not None:
-            small = build_early_exit(config.draft_model, self.runner, self.kv.pool, self.tokenizer)
-            self.switcher = ModelSwitcher(switching, small)
+        if config.control.switching_config is not None:
+            self.switcher = ModelSwitcher(config, self.runner, self.kv.pool, self.tokenizer)
         self.speculator = None
         if config.speculative is not None:
             self.speculator = Speculator(

@@ -17,17 +17,25 @@ import dataclasses
 
 import torch
 
+from etinfer.config import EngineConfig
 from etinfer.control.record import TARGET_MODEL, StepDecisions
 from etinfer.control.switching import EXIT_MODEL, SwitchingConfig, next_switch_state
-from etinfer.engine.early_exit import EarlyExitDrafter
+from etinfer.engine.block_pool import BlockPool
+from etinfer.engine.early_exit import build_early_exit
 from etinfer.engine.model_runner import ModelRunner, StepResult
 from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.model.tokenizer import Tokenizer
 
 
 class ModelSwitcher:
-    def __init__(self, config: SwitchingConfig, small: EarlyExitDrafter) -> None:
-        self.config = config
-        self.small = small
+    def __init__(
+        self, engine: EngineConfig, runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer
+    ) -> None:
+        """For an engine with switching on; the small model's adapter is fitted here, at load."""
+        self.config: SwitchingConfig = engine.control.switching_config
+        self.small = build_early_exit(
+            engine.draft_model, runner, pool, tokenizer, adapter=self.config.exit_adapter
+        )
 
     def execute(
         self, runner: ModelRunner, batch: ScheduledBatch, decisions: StepDecisions

@@ -26,11 +26,11 @@ def servers(loaded_model):
         yield a, b
 
 
-def chat(server: ServerThread, stream: bool = False) -> tuple[str, dict]:
+def chat(server: ServerThread, stream: bool = False, **extra) -> tuple[str, dict]:
     """The reply's text and its ``etinfer`` object (the last chunk's, when streamed)."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
-    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 48, "temperature": 0, **extra}
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         return choice.message.content, choice.model_extra["etinfer"]
@@ -46,6 +46,12 @@ def test_same_replies_and_acceptance_in_the_metrics(servers):
     assert text == expected
     assert 0 < extension["num_accepted_tokens"] <= extension["num_draft_tokens"]
     assert chat(speculative, stream=True)[0] == expected
+    client = openai.OpenAI(base_url=f"{speculative.url}/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    both = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=48, temperature=0, n=2
+    )
+    assert [c.message.content for c in both.choices] == [expected, expected]
     metrics = speculative.wait_idle()
     drafted = metrics["etinfer:spec_decode_num_draft_tokens_total"]
     accepted = metrics["etinfer:spec_decode_num_accepted_tokens_total"]
