@@ -184,6 +184,11 @@ class EngineConfig:
 
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method
+        if self.speculative is not None and self.step_shaper != "plain":
+            raise ValueError(
+                f"speculative decoding shapes the steps itself: step_shaper must stay 'plain', "
+                f"got {self.step_shaper!r}"
+            )
         if method == "draft" and self.draft_model is None:
             raise ValueError("speculative method 'draft' needs a draft_model ('self:N' or a path)")
         if self.control.switching_config is not None:

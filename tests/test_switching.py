@@ -119,3 +119,33 @@ def test_bad_switching_settings_name_the_field(make_llm, kwargs, message):
 def test_switching_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=f"switching.{field}"):
         SwitchingConfig(**{field: value})
+
+
+def test_preempted_small_model_stretches_recompute_every_layer(make_llm):
+    """A recompute after preemption, chunked to a token at a time, must fill every layer: stale
+    memory (NaN here) in the layers above the exit must never be read (it was, once)."""
+    llm = make_llm(
+        quantization="none",
+        draft_model=EXIT,
+        control=switching(threshold=1.5),
+        max_num_seqs=8,
+        num_kvcache_blocks=12,
+        max_num_batched_tokens=6,
+    )
+    engine = llm.engine
+    engine.runner.cache.keys.fill_(float("nan"))
+    engine.runner.cache.values.fill_(float("nan"))
+    prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[7]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    assert sum(o.num_preemptions for o in outs) > 0
+    agree = total = 0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + out.token_ids
+        predicted = engine.score(ids).argmax(-1).tolist()
+        start = len(out.prompt_token_ids)
+        for i, model in enumerate(out.token_models):
+            if model == TARGET_MODEL:
+                total += 1
+                agree += predicted[start + i - 1] == out.token_ids[i]
+    assert agree / total > 0.97
+    assert_pool_free(llm)

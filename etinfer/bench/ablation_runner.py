@@ -59,10 +59,13 @@ class StepMeter:
         self.tokens += tokens
         c = self.config
         self.model_flops += self.matmul_flops * tokens
-        self.model_flops += 2 * c.hidden_size * c.vocab_size * len(step.sampled)  # LM head
+        # The LM head: a row per sampled sequence and per drafted token it verified.
+        head_rows = len(set(step.sampled)) + step.num_draft_tokens
+        self.model_flops += 2 * c.hidden_size * c.vocab_size * head_rows
         decode = step.num_decode
-        for i in range(decode):
-            self._decode_row(i, step.starts[i] + 1, step.attention)
+        rows = [step.starts[i] + 1 + j for i in range(decode) for j in range(step.num_tokens[i])]
+        for row, context_len in enumerate(rows):  # a decoding sequence's token, then its drafts
+            self._decode_row(row, context_len, step.attention)
         for start, n in zip(step.starts[decode:], step.num_tokens[decode:], strict=True):
             keys = n * start + n * (n + 1) // 2  # each query attends to itself and all before
             self.model_flops += keys * c.num_heads * c.head_dim * 4 * c.num_layers

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from etinfer.control.record import Controlled, ControlRecord, StepShape
-from etinfer.control.shaping import STEP_SHAPERS, StepShaper
+from etinfer.control.shaping import StepShaper
 from etinfer.validation import check_choice, check_float, check_int
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -46,10 +46,11 @@ class SpeculativeConfig:
     - method: ``ngram`` proposes what followed the latest earlier occurrence of the sequence's
       last ``ngram_max``..``ngram_min`` tokens (prompt lookup); no second model. ``draft``
       proposes the greedy tokens of the engine's ``draft_model`` (``self:N``: an early exit).
-    - num_draft_tokens: the most a sequence proposes per step (1..16).
+    - num_draft_tokens: tokens a sequence proposes per step (1..16); the adaptive schedules
+      start from it and move it between 1 and 16.
     - adaptive: ``True`` (the entropy law above), ``False`` (fixed length) or ``"heuristic"``.
     - entropy_threshold: nats; with ``adaptive``, no drafts after a token drawn from a
-      distribution with more entropy than this, and a draft model stops where its own
+      distribution with more entropy than this, and an early-exit drafter stops where its own
       distribution has more.
     - exit_adapter: an early-exit drafter maps its hidden state through the fitted adapter.
     - disable_batch_size: no drafts in a step with at least this many decoding sequences.
@@ -117,7 +118,6 @@ def next_draft_length(
     return max(length - 1, 1)
 
 
-@STEP_SHAPERS.register("speculative")
 class SpeculativeShaper(StepShaper):
     """Draft lengths for the step's sequences (decode rows first; others get 0)."""
 

@@ -6,7 +6,8 @@ their keys and values in this model's cache. Before drafting, the shadow is brou
 request's tokens: what still matches (the longest common prefix) is kept, rejected drafts are
 forgotten, and the rest runs as one chunk, whose last row gives the first draft; each further
 draft is one decode step of this model. Shadows of finished requests are dropped at the next
-call.
+step; those of preempted requests keep their blocks until they finish, and a full cache leaves
+a request without drafts (never without tokens).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class DraftModelProposer:
         self.shadows: dict[Sequence, _Shadow] = {}
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        self._drop_finished()
         drafts: list[list[int]] = [[] for _ in seqs]
         shadows = [self._synced(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
         alive = [i for i, shadow in enumerate(shadows) if shadow is not None]
@@ -112,7 +112,8 @@ class DraftModelProposer:
             return None
         return shadow
 
-    def _drop_finished(self) -> None:
+    def drop_finished(self) -> None:
+        """Give back the cache of requests that have finished."""
         for seq in [seq for seq in self.shadows if seq.is_finished]:
             self.kv.free(self.shadows.pop(seq))
 

@@ -92,7 +92,9 @@ def build_early_exit(
 class EarlyExitDrafter:
     """Greedy drafts from the first ``layer`` layers, one position at a time for every sequence
     drafting, each stopping at its length limit or, with ``entropy_threshold``, at the first
-    position where the exit's own entropy exceeds it (it would likely be rejected)."""
+    position where the exit's own entropy exceeds it (it would likely be rejected). Each
+    position runs the rows before it again (k(k+1)/2 rows for k drafts): a few rows cost about
+    what one does, since the weights are read once per pass."""
 
     def __init__(
         self,

@@ -284,7 +284,7 @@ class LLMEngine:
         if self.speculator is not None and emitted is not None:
             self.speculator.record(batch, emitted)
         if self.switcher is not None:
-            self.switcher.update(batch, small)
+            self.switcher.update(batch, starts, small)
         if result.attention is not None:
             result.attention.record(batch, starts, emitted)
         outputs = self._finish_sampled(batch)

@@ -24,6 +24,7 @@ import torch
 from etinfer.config import EngineConfig
 from etinfer.control.drafting import SpeculativeConfig, next_draft_length
 from etinfer.control.record import StepShape
+from etinfer.engine.draft_model import DraftModelProposer
 from etinfer.engine.drafter import make_proposer
 from etinfer.engine.kv_cache_manager import KVCacheManager
 from etinfer.engine.model_runner import ModelRunner
@@ -61,6 +62,8 @@ class Speculator:
 
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
         """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.drop_finished()  # every step, drafting or not
         if not shape.draft_lengths:
             return
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)

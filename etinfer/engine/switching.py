@@ -7,7 +7,7 @@ The small model writes keys and values for its N layers only. A sequence's ``exi
 where its small-model stretch began: the layers above N hold nothing past it, so the prefix cache
 never publishes a block from there on, and when the large model takes over the sequence's
 computed tokens fall back to ``exit_start``: the scheduler then gives it one prefill chunk over
-the small model's tokens (all layers: the lower ones recompute what they hold, bit for bit), whose
+the small model's tokens (all layers: the lower ones are rewritten, to prefill's rounding), whose
 last row the large model samples. That chunk is the catch-up cost the paper's headline omits.
 """
 
@@ -42,7 +42,13 @@ class ModelSwitcher:
     ) -> tuple[StepResult, set[int]]:
         """The step's result as one model would give it, and which sequences the small model
         computed (indices into the batch)."""
-        small = {i for i in range(batch.num_decode) if batch.seqs[i].switch.model == EXIT_MODEL}
+        # Rows that end their sequence only: a one-token chunk of a recompute that does not end
+        # it is prompt work, which fills every layer.
+        small = {
+            i
+            for i in batch.sampled
+            if i < batch.num_decode and batch.seqs[i].switch.model == EXIT_MODEL
+        }
         if not small:
             return runner.execute(batch, decisions), small
         large = [i for i in range(len(batch.seqs)) if i not in small]
@@ -64,13 +70,19 @@ class ModelSwitcher:
         ]
         return StepResult(result.attention, torch.stack(rows)), small
 
-    def update(self, batch: ScheduledBatch, small: set[int]) -> None:
+    def update(self, batch: ScheduledBatch, starts: list[int], small: set[int]) -> None:
         """After the step's tokens are appended and committed: note which model wrote each, move
         each sampled sequence's switching state, and start or end small-model stretches."""
         for i, seq in enumerate(batch.seqs):
-            if seq.switch.model == EXIT_MODEL and i not in small:
+            if seq.switch.model != EXIT_MODEL:
+                continue
+            if i not in small:
                 # A full-model chunk (a recompute after preemption) filled every layer.
                 seq.exit_start = seq.num_computed_tokens
+            elif seq.num_preemptions and seq.steps_since_admitted == 1:
+                # Readmitted straight to its last token: what came before is from the prefix
+                # cache, whole; a catch-up must not rewrite those shared blocks.
+                seq.exit_start = max(seq.exit_start or 0, starts[i])
         for i in batch.sampled:
             seq = batch.seqs[i]
             seq.token_models.append(EXIT_MODEL if i in small else TARGET_MODEL)
