@@ -23,6 +23,21 @@ def switching(threshold: float, hysteresis: float = 0.25, **kwargs) -> ControlCo
     return ControlConfig(switching=config)
 
 
+def large_model_agreement(engine, outs) -> float:
+    """Share of the large model's tokens that are its greedy choice given every token before
+    them (the small model's included), by scoring each whole text in one prefill."""
+    agree = total = 0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + out.token_ids
+        predicted = engine.score(ids).argmax(-1).tolist()
+        start = len(out.prompt_token_ids)
+        for i, model in enumerate(out.token_models):
+            if model == TARGET_MODEL:
+                total += 1
+                agree += predicted[start + i - 1] == out.token_ids[i]
+    return agree / total
+
+
 def test_the_law_hands_over_on_rolling_entropy_with_hysteresis_and_minimum_stretch():
     config = SwitchingConfig(window=2, threshold=1.0, hysteresis=0.5, min_stretch=2)
     small = SwitchState(EXIT_MODEL, 5)
@@ -51,16 +66,7 @@ def test_the_small_model_writes_and_the_large_one_catches_up_correctly(make_llm)
     outs = llm.generate(PROMPTS[:4], GREEDY)
     models = [m for o in outs for m in o.token_models]
     assert 0.2 < models.count(TARGET_MODEL) / len(models) < 0.95  # both models wrote
-    agree = total = 0
-    for out in outs:
-        ids = list(out.prompt_token_ids) + out.token_ids
-        predicted = engine.score(ids).argmax(-1).tolist()
-        start = len(out.prompt_token_ids)
-        for i, model in enumerate(out.token_models):
-            if model == TARGET_MODEL:
-                total += 1
-                agree += predicted[start + i - 1] == out.token_ids[i]
-    assert agree / total > 0.97
+    assert large_model_agreement(engine, outs) > 0.97
     assert_pool_free(llm)
 
 
@@ -138,14 +144,5 @@ def test_preempted_small_model_stretches_recompute_every_layer(make_llm):
     prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[7]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert sum(o.num_preemptions for o in outs) > 0
-    agree = total = 0
-    for out in outs:
-        ids = list(out.prompt_token_ids) + out.token_ids
-        predicted = engine.score(ids).argmax(-1).tolist()
-        start = len(out.prompt_token_ids)
-        for i, model in enumerate(out.token_models):
-            if model == TARGET_MODEL:
-                total += 1
-                agree += predicted[start + i - 1] == out.token_ids[i]
-    assert agree / total > 0.97
+    assert large_model_agreement(engine, outs) > 0.97
     assert_pool_free(llm)
