@@ -10,12 +10,16 @@ from etinfer.control.record import TARGET_MODEL
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock instants (``time.perf_counter()``) of one request's life, and durations."""
+    """Wall-clock instants (``time.perf_counter()``) of one request's life, durations, and the
+    KV blocks it held at the end."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # KV-cache blocks the request held when it finished (0 if it never ran): what it cost the
+    # pool at the end, with or without anything that compresses the cache.
+    kv_blocks: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -217,3 +217,14 @@ def test_automatic_request_ids_skip_ids_callers_chose(llm):
     for request_id in [*taken, auto]:
         engine.abort_request(request_id)
     assert_pool_free(llm)
+
+
+def test_every_output_says_how_many_kv_blocks_it_held_at_the_end(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(["Hi", "The capital of France is " * 8], params)
+    block = llm.engine.block_size
+    for out in outs:
+        # Every token but the last (sampled, never computed) holds a slot.
+        computed = len(out.prompt_token_ids) + len(out.token_ids) - 1
+        assert out.metrics.kv_blocks == -(-computed // block)
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks

@@ -158,6 +158,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        seq.metrics.kv_blocks = len(seq.block_table)
         self.kv.free(seq)
         self._discarded.pop(seq, None)
         seq.status = SequenceStatus.FINISHED
