@@ -115,9 +115,7 @@ class LLMEngine:
             self.switcher = ModelSwitcher(config, self.runner, self.kv.pool, self.tokenizer)
         self.speculator = None
         if config.speculative is not None:
-            self.speculator = Speculator(
-                config, self.runner, self.kv, self.tokenizer, self.max_model_len
-            )
+            self.speculator = Speculator(config, self.runner, self.kv, self.tokenizer)
         self.observers = Observers()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

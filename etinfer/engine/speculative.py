@@ -50,14 +50,13 @@ class Speculator:
         runner: ModelRunner,
         kv: KVCacheManager,
         tokenizer: Tokenizer,
-        max_model_len: int,
     ) -> None:
         """For an engine whose ``speculative`` is set; a drafter that needs fitting (an early
         exit's adapter) is fitted here, at load."""
         self.config: SpeculativeConfig = engine.speculative
         self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
         self.kv = kv
-        self.max_model_len = max_model_len
+        self.max_model_len = runner.max_model_len
         self.max_num_batched_tokens = engine.max_num_batched_tokens
 
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
