@@ -10,6 +10,7 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
+from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.control.switching import SwitchingConfig
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.validation import check_choice, check_float, check_int
@@ -30,6 +31,9 @@ class ControlConfig:
     - switching: Entropy Adaptive Decoding between the engine's ``draft_model`` (small) and
       the model (large); ``True`` uses the default ``SwitchingConfig``. Lossy by design, and not
       part of ``full()`` (the paper's three layers).
+    - sparse_prefill: long prompts' chunked prefill reads, per segment and KV head, the blocks
+      its attention entropy budgets (EntropyInfer); ``True`` uses the default
+      ``SparsePrefillConfig``. Lossy, opt-in.
     """
 
     sampling: bool = False
@@ -37,17 +41,21 @@ class ControlConfig:
     scheduling: bool | SchedulingConfig = False
     entropy_target: float = 2.0
     switching: bool | SwitchingConfig = False
+    sparse_prefill: bool | SparsePrefillConfig = False
 
     def __post_init__(self) -> None:
         check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
-        if not isinstance(self.scheduling, bool | SchedulingConfig):
-            raise ValueError(
-                f"scheduling must be a bool or a SchedulingConfig, got {self.scheduling!r}"
-            )
-        if not isinstance(self.switching, bool | SwitchingConfig):
-            raise ValueError(
-                f"switching must be a bool or a SwitchingConfig, got {self.switching!r}"
-            )
+        layers = {
+            "pruning": PruningConfig,
+            "scheduling": SchedulingConfig,
+            "switching": SwitchingConfig,
+            "sparse_prefill": SparsePrefillConfig,
+        }
+        for name, kind in layers.items():
+            if not isinstance(getattr(self, name), bool | kind):
+                raise ValueError(
+                    f"{name} must be a bool or a {kind.__name__}, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def baseline(cls) -> ControlConfig:
@@ -76,6 +84,12 @@ class ControlConfig:
         if self.scheduling is True:
             return SchedulingConfig()
         return self.scheduling or None
+
+    @property
+    def sparse_prefill_config(self) -> SparsePrefillConfig | None:
+        if self.sparse_prefill is True:
+            return SparsePrefillConfig()
+        return self.sparse_prefill or None
 
 
 @dataclass
@@ -181,6 +195,8 @@ class EngineConfig:
                 f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}"
             )
         self._check_draft_model()
+        if self.control.sparse_prefill_config is not None:
+            self.control.sparse_prefill_config.check_block_size(self.block_size)
 
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method

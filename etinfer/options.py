@@ -27,6 +27,7 @@ CONTROL_PRESETS: dict[str, ControlConfig] = {
     "pruning": ControlConfig(pruning=True),
     "scheduling": ControlConfig(scheduling=True),
     "full": ControlConfig.full(),
+    "sparse-prefill": ControlConfig(sparse_prefill=True),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TYPES = typing.get_type_hints(EngineConfig)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from etinfer.control.record import TARGET_MODEL
+from etinfer.control.sparse_prefill import AttentionProfile
 
 
 @dataclass
@@ -20,6 +21,8 @@ class RequestMetrics:
     # KV-cache blocks the request held when it finished (0 if it never ran): what it cost the
     # pool at the end, with or without anything that compresses the cache.
     kv_blocks: int = 0
+    # Sparse prefill: the share of dense prefill attention's (query, key) pairs it skipped.
+    prefill_attention_skipped: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -77,6 +80,9 @@ class RequestOutput:
     # Entropy Adaptive Decoding: per generated token, the model that wrote it ("target" or
     # "exit"); None when switching is off.
     token_models: list[str] | None = None
+    # Sparse prefill (long prompts): attention entropy and budget per segment, layer and KV
+    # head; None where the prompt attended densely throughout (sparse prefill off, or short).
+    attention_profile: AttentionProfile | None = None
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
     # and the text cover the new tokens, everything else is the request's state now.
     delta: bool = False
@@ -121,6 +127,7 @@ class RequestOutput:
         self.entropic_time = delta.entropic_time
         self.num_draft_tokens = delta.num_draft_tokens
         self.num_accepted_tokens = delta.num_accepted_tokens
+        self.attention_profile = delta.attention_profile
         if delta.token_models is not None:
             self.token_models = (self.token_models or []) + delta.token_models
 

@@ -108,6 +108,7 @@ class LLMEngine:
             calibration_temperature=1.0
             if self.calibration is None
             else self.calibration.temperature,
+            sparse_prefill=config.control.sparse_prefill_config,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.switcher = None

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from etinfer.control.record import StepDecisions
+from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
 from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
-from etinfer.model.block_layout import AttentionSelector, DecodeBlocks
+from etinfer.model.block_layout import AttentionSelector, DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
@@ -90,17 +91,35 @@ class ModelRunner:
         seed: int,
         quantization: str = "auto",
         calibration_temperature: float = 1.0,
+        sparse_prefill: SparsePrefillConfig | None = None,
     ) -> None:
-        """The cache keeps per-block summaries if ``selector`` scores blocks: then any other
-        selector can be installed later (``set_selector``)."""
+        """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
+        selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on."""
+        prefill_selector = None
+        if sparse_prefill is not None:
+            prefill_selector = SparsePrefillSelector(
+                sparse_prefill,
+                num_layers=config.num_layers,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                block_size=block_size,
+                max_model_len=max_model_len,
+            )
         self.config = config
         self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
         self.sliding_window = config.sliding_window
         self.attention = PagedAttention(
-            config.num_heads, config.num_kv_heads, config.head_dim, selector, config.sliding_window
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            selector,
+            config.sliding_window,
+            prefill_selector,
         )
+        self.prefill_selector = prefill_selector
         self.model = LlamaModel(
             config, weights, self.attention, max_model_len, device, dtype, quantization
         )
@@ -111,7 +130,7 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
-            summaries=selector.needs_summaries,
+            summaries=selector.needs_summaries or prefill_selector is not None,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
 
@@ -132,6 +151,9 @@ class ModelRunner:
         where a sequence's known tokens end and at each of its drafts."""
         inputs = self.prepare(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        for chunk, seq in zip(inputs.meta.prefills, batch.seqs[batch.num_decode :], strict=True):
+            if chunk.sparse is not None:
+                seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
         telemetry = inputs.meta.telemetry
         stats = None
         if telemetry is not None:
@@ -250,12 +272,13 @@ class ModelRunner:
         prefills = []
         for i in range(num_decode, len(seqs)):
             start, n = starts[i], counts[i]
+            sparse = self._sparse_context(seqs[i], start, tables[i])
             context_slots = None
-            if start:
+            if start or sparse is not None:
                 context = torch.arange(start + n)
                 context_slots = (tables[i, context // bs] * bs + context % bs).to(self.device)
             mask = prefill_mask(start, n, self.sliding_window, self.device)
-            prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask))
+            prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask, sparse))
 
         fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         meta = AttentionMetadata(
@@ -277,6 +300,19 @@ class ModelRunner:
             meta=meta,
             sample_rows=sample_rows.to(self.device),
         )
+
+    def _sparse_context(
+        self, seq: Sequence, start: int, table: torch.Tensor
+    ) -> PrefillContext | None:
+        """What sparse prefill needs of a prefilling sequence; None where it attends densely."""
+        if self.prefill_selector is None:
+            return None
+        seq.attention_profile = self.prefill_selector.begin(
+            seq.attention_profile, start, seq.num_tokens
+        )
+        if seq.attention_profile is None:
+            return None
+        return PrefillContext(start, seq.num_tokens, table.to(self.device), seq.attention_profile)
 
     def _set_budgets(
         self, blocks: DecodeBlocks, context_lens: torch.Tensor, budgets: torch.Tensor

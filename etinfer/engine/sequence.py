@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from etinfer.control.entropy_profile import EntropyProfile
+from etinfer.control.sparse_prefill import AttentionProfile
 from etinfer.control.switching import SwitchState
 from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
@@ -98,6 +99,8 @@ class Sequence:
         # which wrote each output token, and where the small model's current stretch began
         # (the layers above its exit hold nothing from there on).
         self.switch: SwitchState | None = None
+        # Sparse prefill: attention entropy and budgets per segment, and the work skipped.
+        self.attention_profile: AttentionProfile | None = None
         self.token_models: list[str] = []
         self.exit_start: int | None = None
 
@@ -198,6 +201,7 @@ class Sequence:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             token_models=self.token_models[tokens:] if self.switch else None,
+            attention_profile=self.attention_profile,
             delta=True,
         )
 
@@ -223,4 +227,5 @@ class Sequence:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             token_models=list(self.token_models) if self.switch else None,
+            attention_profile=self.attention_profile,
         )

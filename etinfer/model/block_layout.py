@@ -64,3 +64,42 @@ class AttentionSelector(ABC):
         """The blocks to attend to, or None for all of them. ``query`` is [num_seqs,
         num_heads, head_dim]; the mask is [num_seqs, num_kv_heads, max_blocks]."""
         ...
+
+
+@dataclass
+class PrefillContext:
+    """One sequence's prefill chunk as a prefill selector sees it."""
+
+    position: int  # of the chunk's first token
+    num_tokens: int  # the sequence's known tokens (the prompt, or all of it when recomputing)
+    block_table: torch.Tensor  # [blocks] the sequence's block ids
+    profile: object  # the selector's per-sequence state, carried from chunk to chunk
+
+
+@dataclass
+class PrefillPiece:
+    """A run of the chunk's query rows that shares one choice of keys."""
+
+    rows: slice  # of the chunk
+    start: int  # position of the first row
+    # None: dense (every earlier key). Else the keys read are, per KV head, the blocks ``kept``
+    # (indices into the block table, ascending, all before ``local_start``) and then every
+    # position from ``local_start`` up to the query itself.
+    kept: list[torch.Tensor] | None = None
+    local_start: int = 0
+
+
+class PrefillSelector(ABC):
+    """The per-layer hook of sparse prefill: which cached keys each part of a chunk reads."""
+
+    @abstractmethod
+    def select_prefill(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        context: PrefillContext,
+        summaries: BlockSummaries,
+    ) -> list[PrefillPiece] | None:
+        """``query`` is the chunk's [rows, num_heads, head_dim]; None: the chunk attends
+        densely."""
+        ...

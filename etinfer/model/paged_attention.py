@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from etinfer.model.block_layout import AttentionSelector, DecodeBlocks
+from etinfer.model.block_layout import (
+    AttentionSelector,
+    DecodeBlocks,
+    PrefillContext,
+    PrefillPiece,
+    PrefillSelector,
+)
 from etinfer.model.decode_pattern import DecodePattern, build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
 
@@ -41,6 +47,9 @@ class PrefillChunk:
     # then the chunk's fresh keys and values are the whole context.
     context_slots: torch.Tensor | None
     mask: torch.Tensor | None  # [length, context] True where a query may attend
+    # What a prefill selector needs to narrow the chunk's attention (None: dense); then
+    # ``context_slots`` is always set.
+    sparse: PrefillContext | None = None
 
 
 @dataclass
@@ -86,6 +95,7 @@ class PagedAttention:
         head_dim: int,
         selector: AttentionSelector,
         sliding_window: int | None = None,
+        prefill_selector: PrefillSelector | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -93,6 +103,7 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.selector = selector
         self.sliding_window = sliding_window
+        self.prefill_selector = prefill_selector
 
     def __call__(
         self,
@@ -111,7 +122,17 @@ class PagedAttention:
         key_cache, value_cache = cache.keys[layer], cache.values[layer]
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
+            pieces = None
+            if chunk.sparse is not None:
+                pieces = self.prefill_selector.select_prefill(
+                    layer, q[rows], chunk.sparse, cache.summaries(layer)
+                )
+            if pieces is None:
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
+            else:
+                out[rows] = self._sparse_prefill(
+                    q[rows], key_cache, value_cache, chunk, pieces, cache.block_size
+                )
         return out.flatten(1)
 
     def _decode(
@@ -215,6 +236,72 @@ class PagedAttention:
             v.unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+    def _sparse_prefill(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        pieces: list[PrefillPiece],
+        block_size: int,
+    ) -> torch.Tensor:
+        """Each piece of the chunk over its own keys: densely, or per KV head over the kept
+        blocks and the local window (each head its own call: the kept sets differ in size, and
+        padding them to one would compute the padding)."""
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        block = torch.arange(block_size, device=q.device)
+        for piece in pieces:
+            end = piece.start + piece.rows.stop - piece.rows.start
+            query_pos = torch.arange(piece.start, end, device=q.device)
+            if piece.kept is None:
+                keys = torch.arange(end, device=q.device)
+                out[piece.rows] = self._attend(
+                    q[piece.rows], keys, query_pos, key_cache, value_cache, chunk, slice(None)
+                )
+                continue
+            local = torch.arange(piece.local_start, end, device=q.device)
+            for head, kept in enumerate(piece.kept):
+                keys = torch.cat([(kept[:, None] * block_size + block).flatten(), local])
+                heads = slice(head * group, (head + 1) * group)
+                out[piece.rows, heads] = self._attend(
+                    q[piece.rows, heads],
+                    keys,
+                    query_pos,
+                    key_cache,
+                    value_cache,
+                    chunk,
+                    slice(head, head + 1),
+                )
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [rows, heads, head_dim]
+        key_pos: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        kv_heads: slice,
+    ) -> torch.Tensor:
+        """Attention of queries at ``query_pos`` over the keys at ``key_pos`` (causally)."""
+        slots = chunk.context_slots[key_pos]
+        k = key_cache[kv_heads].index_select(1, slots)
+        v = value_cache[kv_heads].index_select(1, slots)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if self.sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
             scale=self.scale,
             enable_gqa=True,
         )

@@ -1,0 +1,199 @@
+"""Sparse prefill (EntropyInfer): the budget law, the attention it computes, and the real model
+under it."""
+
+import math
+
+import pytest
+import torch
+
+from etinfer import ControlConfig, SamplingParams
+from etinfer.bench.fidelity import corpus_tokens, passkey_accuracy, passkey_cases
+from etinfer.config import EngineConfig
+from etinfer.control.sparse_prefill import (
+    HeadBudgets,
+    SparsePrefillConfig,
+    SparsePrefillSelector,
+    segment_budgets,
+)
+from etinfer.model.block_layout import PrefillPiece
+from etinfer.model.paged_attention import PagedAttention, PrefillChunk
+from tests.test_paged_attention import BLOCK, DIM, HEADS, KV_HEADS, scattered_cache
+
+B0 = 1024.0
+
+
+DEFAULTS = SparsePrefillConfig()
+
+
+def law(entropies, config=DEFAULTS):
+    """Budgets of one KV head over consecutive segments."""
+    budgets, state = segment_budgets(
+        torch.tensor(entropies)[:, None], HeadBudgets.initial(1, config), config
+    )
+    return budgets[:, 0].tolist(), state
+
+
+def test_a_head_below_the_threshold_in_every_segment_keeps_the_base_budget():
+    budgets, state = law([1e-7, 0.0, 5e-6, 1e-8])
+    assert budgets == [B0] * 4 and bool(state.rigid[0])
+
+
+def test_a_dynamic_budget_follows_the_relative_change_of_entropy():
+    # r = 0.5 (above delta 0.4): +alpha * B0 * 0.1; then r = 1.5 clamps to 1.4: +0.5 * B0;
+    # a fall clamps r to 0: -0.2 * B0, floored at B0.
+    budgets, state = law([1.0, 1.5, 3.75, 1.0, 1.0])
+    expected = [B0, B0 + 0.05 * B0, B0 + 0.55 * B0, B0 + 0.35 * B0, B0 + 0.15 * B0]
+    assert budgets == pytest.approx(expected)
+    assert not bool(state.rigid[0])
+
+
+def test_budgets_stay_within_base_and_its_multiple():
+    budgets, _ = law([0.1 * 2**i for i in range(12)])
+    assert max(budgets) == pytest.approx(3 * B0) and min(budgets) >= B0
+
+
+def test_a_head_that_was_once_dynamic_stays_dynamic():
+    budgets, state = law([1e-7, 2.0, 1e-7, 1e-7])
+    assert not bool(state.rigid[0]) and budgets[0] == B0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("base_budget", 200, "[272, inf]"),  # under sink 16 + window 256
+        ("segment_size", 0, "[1, inf]"),
+        ("max_budget_factor", 0.5, "[1, inf]"),
+        ("entropy_threshold", -1.0, "[0, inf]"),
+    ],
+)
+def test_invalid_settings_name_the_field_and_the_limit(field, value, limit):
+    with pytest.raises(
+        ValueError, match=rf"{field} must be in \{limit[0]}{limit[1:-1]}\{limit[-1]}"
+    ):
+        SparsePrefillConfig(**{field: value})
+
+
+def test_segments_must_be_whole_blocks():
+    config = ControlConfig(sparse_prefill=SparsePrefillConfig(segment_size=200))
+    with pytest.raises(
+        ValueError, match=r"sparse_prefill\.segment_size must be a multiple of the block size 16"
+    ):
+        EngineConfig(control=config)
+
+
+def test_a_chunk_is_cut_at_segment_boundaries():
+    config = SparsePrefillConfig(segment_size=64, window=32, sink=16, base_budget=64)
+    selector = SparsePrefillSelector(
+        config,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        block_size=16,
+        max_model_len=512,
+    )
+    pieces = selector._pieces(position=100, rows=120)
+    assert [(p.start, p.rows.start, p.rows.stop) for p in pieces] == [
+        (100, 0, 28),
+        (128, 28, 92),
+        (192, 92, 120),
+    ]
+
+
+def reference(q, keys, values, query_pos, visible):
+    """Explicit attention of queries at ``query_pos`` over keys where ``visible[kv_head]``
+    [queries, keys] allows it."""
+    group = HEADS // KV_HEADS
+    scores = torch.einsum("qhd,khd->hqk", q, keys.repeat_interleave(group, 1)) / DIM**0.5
+    scores = scores.masked_fill(~visible.repeat_interleave(group, 0), -torch.inf)
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.repeat_interleave(group, 1))
+    return out
+
+
+def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window():
+    length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
+    cache, (table,) = scattered_cache([length])
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+    keys, values = (c[0][:, slots].transpose(0, 1) for c in (cache.keys, cache.values))
+    q = torch.randn(length - start, HEADS, DIM)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, selector=None)
+    chunk = PrefillChunk(0, length - start, slots, None)
+    # Two pieces: the first reads blocks {0, 3} (head 0) and {1} (head 1), then positions 24..;
+    # the second attends densely.
+    kept = [torch.tensor([0, 3]), torch.tensor([1])]
+    pieces = [PrefillPiece(slice(0, 8), 32, kept, 24), PrefillPiece(slice(8, 16), 40)]
+    out = attention._sparse_prefill(q, cache.keys[0], cache.values[0], chunk, pieces, BLOCK)
+
+    query_pos, key_pos = torch.arange(start, length), torch.arange(length)
+    causal = key_pos[None] <= query_pos[:, None]
+    visible = causal.repeat(KV_HEADS, 1, 1)
+    first = torch.zeros(KV_HEADS, length, dtype=torch.bool)
+    for head, blocks in enumerate(kept):
+        for b in blocks.tolist():
+            first[head, b * BLOCK : (b + 1) * BLOCK] = True
+    first[:, 24:] = True
+    visible[:, :8] &= first[:, None, :]
+    torch.testing.assert_close(
+        out, reference(q, keys, values, query_pos, visible), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(loaded_model):
+    return corpus_tokens(loaded_model.tokenizer)
+
+
+def test_a_short_prompt_takes_the_dense_path_unchanged(llm, make_llm):
+    sparse = make_llm(control=ControlConfig(sparse_prefill=True))
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompt = "Write a short story about a lighthouse keeper."
+    dense_out, sparse_out = llm.generate([prompt], params)[0], sparse.generate([prompt], params)[0]
+    assert sparse_out.token_ids == dense_out.token_ids
+    assert sparse_out.attention_profile is None
+    assert sparse_out.metrics.prefill_attention_skipped == 0.0
+
+
+def test_budgets_covering_the_whole_context_equal_dense(llm, make_llm, corpus):
+    whole = SparsePrefillConfig(base_budget=8192, min_context=256)
+    sparse = make_llm(control=ControlConfig(sparse_prefill=whole))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    prompt = corpus[:2100]
+    out = sparse.generate([prompt], params)[0]
+    assert out.token_ids == llm.generate([prompt], params)[0].token_ids
+    assert out.metrics.prefill_attention_skipped == 0.0
+    # The estimate still ran: every segment after the first has an entropy per layer and head.
+    assert not out.attention_profile.entropy[1:8].isnan().any()
+
+
+def test_a_long_prompt_skips_attention_work_and_still_finds_the_passkey(make_llm, loaded_model):
+    config = SparsePrefillConfig()
+    sparse = make_llm(
+        control=ControlConfig(sparse_prefill=config), max_num_seqs=4, enable_prefix_caching=False
+    )
+    cases = passkey_cases(loaded_model.tokenizer, (3072,), "corpus", seed=1)[1:4]
+    # Dense first: a 135M model may miss a passkey even dense.
+    dense = make_llm(max_num_seqs=4)
+    found_dense = passkey_accuracy(dense, cases)
+    found_sparse = passkey_accuracy(sparse, cases)
+    assert any(found_dense)
+    assert [s or not d for s, d in zip(found_sparse, found_dense, strict=True)] == [True] * 3
+
+    out = sparse.generate([cases[0].prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    profile = out.attention_profile
+    assert 0.2 < out.metrics.prefill_attention_skipped < 1.0
+    # Estimated segments have finite entropies; the budgets of sparse segments stay in range.
+    segments = -(-len(cases[0].prompt) // config.segment_size)
+    assert not profile.entropy[1:segments].isnan().any()
+    budgets = profile.budgets[~profile.budgets.isnan()]
+    assert budgets.numel() and budgets.min() >= B0 and budgets.max() <= 3 * B0
+
+
+def test_a_prompt_from_the_prefix_cache_reads_the_cache_sparse_prefill_wrote(make_llm, corpus):
+    sparse = make_llm(control=ControlConfig(sparse_prefill=True))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = corpus[5000:7600]
+    first = sparse.generate([prompt], params)[0]
+    again = sparse.generate([prompt], params)[0]
+    assert again.num_cached_tokens > 2000
+    assert again.token_ids == first.token_ids
+    assert math.isclose(again.metrics.prefill_attention_skipped, 0.0)
