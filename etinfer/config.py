@@ -8,6 +8,7 @@ import torch
 
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.drafting import SpeculativeConfig
+from etinfer.control.kv_compression import KVCompressionConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.sparse_prefill import SparsePrefillConfig
@@ -34,6 +35,10 @@ class ControlConfig:
     - sparse_prefill: long prompts' chunked prefill reads, per segment and KV head, the blocks
       its attention entropy budgets (EntropyInfer); ``True`` uses the default
       ``SparsePrefillConfig``. Lossy, opt-in.
+    - kv_compression: after a long prompt's first generated tokens, each (layer, KV head) keeps
+      the cached positions its queries attend to most and the rest of the blocks go back to the
+      pool (EntropyInfer's latent compression); ``True`` uses the default
+      ``KVCompressionConfig``. Lossy, opt-in.
     """
 
     sampling: bool = False
@@ -42,6 +47,7 @@ class ControlConfig:
     entropy_target: float = 2.0
     switching: bool | SwitchingConfig = False
     sparse_prefill: bool | SparsePrefillConfig = False
+    kv_compression: bool | KVCompressionConfig = False
 
     def __post_init__(self) -> None:
         check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
@@ -50,6 +56,7 @@ class ControlConfig:
             "scheduling": SchedulingConfig,
             "switching": SwitchingConfig,
             "sparse_prefill": SparsePrefillConfig,
+            "kv_compression": KVCompressionConfig,
         }
         for name, kind in layers.items():
             if not isinstance(getattr(self, name), bool | kind):
@@ -84,6 +91,12 @@ class ControlConfig:
         if self.scheduling is True:
             return SchedulingConfig()
         return self.scheduling or None
+
+    @property
+    def kv_compression_config(self) -> KVCompressionConfig | None:
+        if self.kv_compression is True:
+            return KVCompressionConfig()
+        return self.kv_compression or None
 
     @property
     def sparse_prefill_config(self) -> SparsePrefillConfig | None:
@@ -197,6 +210,14 @@ class EngineConfig:
         self._check_draft_model()
         if self.control.sparse_prefill_config is not None:
             self.control.sparse_prefill_config.check_block_size(self.block_size)
+        if self.control.kv_compression_config is not None and (
+            self.speculative is not None or self.control.switching_config is not None
+        ):
+            # Both compute several positions of a sequence in one step or roll it back, which a
+            # compressed cache (fewer entries than positions) does not support yet.
+            raise ValueError(
+                "control.kv_compression cannot be combined with speculative or switching yet"
+            )
 
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method

@@ -62,7 +62,7 @@ def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts):
 
 
 def test_switching_pruning_needs_an_engine_built_with_it(llm):
-    with pytest.raises(ValueError, match="set_pruning needs an engine built with pruning"):
+    with pytest.raises(ValueError, match="build the engine with pruning on"):
         llm.engine.set_pruning(PruningConfig())
 
 

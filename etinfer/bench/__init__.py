@@ -10,6 +10,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         ablation,
         abuse,
         kernels,
+        longcontext,
         pruning,
         quantization,
         sampling,
@@ -34,6 +35,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ablation.add_command(kinds)
     abuse.add_command(kinds)
     kernels.add_command(kinds)
+    longcontext.add_command(kinds)
     quantization.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)

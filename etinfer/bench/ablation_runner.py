@@ -14,8 +14,8 @@ from etinfer.bench.ablation_workload import AblationRequest
 from etinfer.bench.driver import EngineRun, drive_engine, warm_up
 from etinfer.bench.pruning_speed import attention_work
 from etinfer.config import ControlConfig
+from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.llm_engine import LLMEngine
-from etinfer.engine.model_runner import AttentionStats
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig

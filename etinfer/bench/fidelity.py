@@ -37,6 +37,7 @@ from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.tokenizer import Tokenizer
+from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
 INTRO = (
@@ -64,6 +65,7 @@ class ForcedPass:
     log_probs: LogProbs  # keyed by (text, position predicted)
     blocks_kept: list[float]  # per decode step and sequence: the share of blocks read
     step_ms: float  # median CPU time of a step (this process: use one torch thread)
+    outputs: list[RequestOutput]  # in the order of the texts
 
 
 def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int) -> ForcedPass:
@@ -76,6 +78,8 @@ def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int)
 
     def record(step: StepRecord) -> None:
         seconds.append(step.cpu_time)
+        if step.logits is None:  # a prompt's chunk that samples nothing
+            return
         logprobs = step.logits.log_softmax(-1)
         for i, position, row in zip(step.sampled, step.sampled_positions, logprobs, strict=True):
             if position > context:  # the prefill's prediction is dense under any pruning
@@ -87,14 +91,16 @@ def forced_log_probs(llm: LLM, texts: list[list[int]], context: int, steps: int)
         engine.add_request(text[:context], params, forced_token_ids=text[context : context + steps])
         for text in texts
     ]
-    kept = []
+    kept, finished = [], {}
     with engine.observing(record, logits=True):
         while engine.has_unfinished_requests():
             outputs = engine.step()
             kept += [share for out in outputs for share in out.blocks_kept or ()]
+            finished.update((out.request_id, out) for out in outputs if out.finished)
     index = {request_id: i for i, request_id in enumerate(ids)}
     by_text = {(index[request_id], position): row for (request_id, position), row in rows.items()}
-    return ForcedPass(by_text, kept, 1000 * statistics.median(seconds))
+    outputs = [finished[request_id] for request_id in ids]
+    return ForcedPass(by_text, kept, 1000 * statistics.median(seconds), outputs)
 
 
 @dataclass
@@ -138,14 +144,12 @@ def teacher_forced(
         dense = forced_log_probs(llm, texts, context, steps)
     engine.set_pruning(pruning, selector)
     pruned = forced_log_probs(llm, texts, context, steps)
-    kl, agree, nll_dense, nll_pruned = [], [], [], []
-    for key, p_dense in dense.log_probs.items():
-        p_pruned = pruned.log_probs[key]
-        truth = texts[key[0]][key[1]]
-        kl.append(torch.sum(p_dense.exp() * (p_dense - p_pruned)).item())
-        agree.append(int(p_dense.argmax() == p_pruned.argmax()))
-        nll_dense.append(-p_dense[truth].item())
-        nll_pruned.append(-p_pruned[truth].item())
+    kl, agree = divergences(dense, pruned)
+    truths = [texts[i][position] for i, position in dense.log_probs]
+    nll_dense = [-row[t].item() for row, t in zip(dense.log_probs.values(), truths, strict=True)]
+    nll_pruned = [
+        -pruned.log_probs[key][t].item() for key, t in zip(dense.log_probs, truths, strict=True)
+    ]
     return FidelityStats(
         steps=len(kl),
         kl_mean=statistics.fmean(kl),
@@ -158,6 +162,21 @@ def teacher_forced(
         step_ms=pruned.step_ms,
         dense_step_ms=dense.step_ms,
     )
+
+
+def divergences(
+    dense: ForcedPass, other: ForcedPass, first_position: int = 0
+) -> tuple[list[float], list[int]]:
+    """Per forced position from ``first_position`` on: ``KL(p_dense || p_other)`` and whether
+    the two agree on the most likely token."""
+    kl, agree = [], []
+    for key, p_dense in dense.log_probs.items():
+        if key[1] < first_position:
+            continue
+        p_other = other.log_probs[key]
+        kl.append(torch.sum(p_dense.exp() * (p_dense - p_other)).item())
+        agree.append(int(p_dense.argmax() == p_other.argmax()))
+    return kl, agree
 
 
 @dataclass

@@ -11,7 +11,7 @@ import statistics
 
 from etinfer.bench.speed import context_prompts, decode_budget
 from etinfer.control.block_selection import PruningConfig
-from etinfer.engine.model_runner import AttentionStats
+from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig

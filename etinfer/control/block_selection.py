@@ -150,8 +150,8 @@ class EntropicSelector(BlockSelector):
         scorer, a dense refresh every ``refresh_interval`` generated tokens."""
         config, budgets = self.config, []
         for seq in decoding:
-            context = seq.num_computed_tokens + 1
-            decoding_token = context == seq.num_tokens
+            decoding_token = seq.num_computed_tokens + 1 == seq.num_tokens
+            context = seq.num_computed_tokens - seq.kv_offset + 1  # entries in its cache
             entry = record[seq]
             refresh = config.scorer == "mass" and (
                 (seq.num_output_tokens - 1) % config.refresh_interval == 0

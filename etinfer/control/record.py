@@ -38,6 +38,7 @@ class Controlled(Protocol):
     arrival_step: int  # the scheduler's step count when it arrived
     arrival_index: int  # breaks ties between equal arrival times
     num_computed_tokens: int  # tokens whose keys and values are in the cache
+    kv_offset: int  # cache entries KV compression dropped: the cache holds computed - offset
     num_prompt_tokens: int
     num_preemptions: int
     steps_since_admitted: int  # steps scheduled since it last entered the running set

@@ -39,7 +39,7 @@ class KVCacheManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones, first
         taking the ``cached`` prefix blocks. False, changing nothing, if the pool is short."""
         num_computed = seq.num_computed_tokens + len(cached) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens)
+        needed = self.blocks_needed(num_computed - seq.kv_offset + num_new_tokens)
         new = needed - len(seq.block_table) - len(cached)
         # Sharing a cached block nobody holds takes it off the free list too.
         taken_from_free = sum(1 for block in cached if self.pool.ref_counts[block] == 0)
@@ -63,6 +63,7 @@ class KVCacheManager:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.kv_offset, seq.kv_compressed = 0, False
 
     def commit(self, seq: Sequence, start: int, num_computed: int) -> None:
         """After a step computed ``num_computed`` tokens of ``seq`` from ``start`` and its
@@ -72,7 +73,7 @@ class KVCacheManager:
         # Every known token but the last is in the cache (drafts past the first rejection are
         # not known tokens); a prompt chunk that ends before the prompt does has all its own.
         seq.num_computed_tokens = min(start + num_computed, seq.num_tokens - 1)
-        needed = self.blocks_needed(seq.num_tokens)
+        needed = self.blocks_needed(seq.num_tokens - seq.kv_offset)
         if len(seq.block_table) > needed:
             self.pool.free(reversed(seq.block_table[needed:]))
             del seq.block_table[needed:]
@@ -80,8 +81,8 @@ class KVCacheManager:
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that computing this step's tokens filled."""
-        if not self.pool.enable_prefix_caching:
-            return
+        if not self.pool.enable_prefix_caching or seq.kv_offset:
+            return  # a compressed sequence's blocks hold a selection of positions, not a prefix
         full = seq.num_full_tokens // self.block_size
         for index in range(seq.num_registered_blocks, full):
             key_hash, key = self._block_key(seq, index)

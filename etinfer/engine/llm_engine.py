@@ -35,6 +35,7 @@ from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.switching import SwitchState
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.kv_compressor import KVCompressor
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_validator import Prompt, RequestValidator
@@ -111,6 +112,7 @@ class LLMEngine:
             sparse_prefill=config.control.sparse_prefill_config,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
+        self.compressor = KVCompressor.attach(config.control, self.runner, self.kv)
         self.switcher = None
         if config.control.switching_config is not None:
             self.switcher = ModelSwitcher(config, self.runner, self.kv.pool, self.tokenizer)
@@ -225,15 +227,10 @@ class LLMEngine:
         ``config``, or with ``selector`` (built for ``config``: it plans the budgets and picks
         the blocks; benchmarks pass an oracle); None attends densely. The engine must have been
         built with pruning on: its cache keeps the block summaries selectors score."""
-        if self.runner.cache.key_bounds is None:
-            raise ValueError(
-                "set_pruning needs an engine built with pruning on "
-                "(control=ControlConfig(pruning=...)): its cache keeps the key bounds"
-            )
-        self.pruning = config
         if config is not None:
-            self.selector = selector or BLOCK_SELECTORS.create("entropic", config=config)
-            self.runner.set_selector(self.selector)
+            self.runner.set_selector(selector or BLOCK_SELECTORS.create("entropic", config=config))
+            self.selector = self.runner.attention.selector
+        self.pruning = config
 
     def add_observer(self, observer: StepObserver, *, logits: bool = False) -> None:
         """Call ``observer`` with a ``StepRecord`` after every step; with ``logits`` the record
@@ -280,6 +277,8 @@ class LLMEngine:
             )
         for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
             self.kv.commit(seq, start, n)
+        if self.compressor is not None:
+            self.compressor.compress_due(batch.seqs)
         if self.speculator is not None and emitted is not None:
             self.speculator.record(batch, emitted)
         if self.switcher is not None:

@@ -10,6 +10,7 @@ import torch
 
 from etinfer.control.record import StepDecisions
 from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
+from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
@@ -28,8 +29,8 @@ from etinfer.model.paged_attention import (
 )
 from etinfer.model.quantized import Weight
 
-if TYPE_CHECKING:  # the speculative module builds on this one
-    from etinfer.engine.speculative import Emitted
+if TYPE_CHECKING:  # these modules build on this one
+    from etinfer.engine.kv_compressor import KVCompressor, QueryCapture
 
 
 @dataclass
@@ -40,32 +41,7 @@ class StepInputs:
     # Rows whose logits are sampled: per sampled sequence, its last known token's row and the
     # rows of its drafts, in order.
     sample_rows: torch.Tensor
-
-
-@dataclass
-class AttentionStats:
-    """What decode attention kept this step, per layer and decode row (host lists): a decoding
-    sequence has one row per token it verifies, ``columns`` counts them from 0."""
-
-    seqs: list[Sequence]
-    columns: list[int]
-    kept: list[list[float]]  # [layers][rows] (block, KV head) pairs attended to
-    total: list[list[float]]  # [layers][rows] (block, KV head) pairs in context
-    dropped_mass: list[list[float]]  # [layers][rows] upper bound of the attention mass dropped
-
-    def record(self, batch: ScheduledBatch, starts: list[int], emitted: Emitted | None) -> None:
-        """Into each sequence, the rows that computed an output token (not a prompt's last)
-        and whose next token was emitted: one entry per generated token."""
-        counts = {} if emitted is None else dict(zip(batch.sampled, emitted.counts, strict=True))
-        index = {seq: i for i, seq in enumerate(batch.seqs)}
-        for row, (seq, column) in enumerate(zip(self.seqs, self.columns, strict=True)):
-            i = index[seq]
-            if starts[i] >= seq.num_prompt_tokens and column < counts.get(i, 0):
-                seq.record_attention(
-                    sum(layer[row] for layer in self.kept),
-                    sum(layer[row] for layer in self.total),
-                    max(layer[row] for layer in self.dropped_mass),
-                )
+    capture: QueryCapture | None = None  # KV compression's voting queries
 
 
 @dataclass
@@ -133,6 +109,7 @@ class ModelRunner:
             summaries=selector.needs_summaries or prefill_selector is not None,
         )
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
+        self.compressor: KVCompressor | None = None  # set by the engine when compression is on
 
     def set_selector(self, selector: AttentionSelector) -> None:
         """Decode attention asks ``selector`` from the next step on. Prefill is dense either
@@ -151,19 +128,13 @@ class ModelRunner:
         where a sequence's known tokens end and at each of its drafts."""
         inputs = self.prepare(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        if inputs.capture is not None:
+            self.compressor.store(inputs.capture)
         for chunk, seq in zip(inputs.meta.prefills, batch.seqs[batch.num_decode :], strict=True):
             if chunk.sparse is not None:
                 seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
         telemetry = inputs.meta.telemetry
-        stats = None
-        if telemetry is not None:
-            kept, total, dropped = torch.stack(
-                [telemetry.kept, telemetry.total, telemetry.dropped_mass]
-            ).tolist()
-            decoding = range(batch.num_decode)
-            rows = [(batch.seqs[i], c) for i in decoding for c in range(batch.num_tokens[i])]
-            seqs, columns = map(list, zip(*rows, strict=True))
-            stats = AttentionStats(seqs, columns, kept, total, dropped)
+        stats = None if telemetry is None else AttentionStats.of(batch, telemetry)
         if not batch.sampled:
             return StepResult(stats, None)
         return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
@@ -240,7 +211,9 @@ class ModelRunner:
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
         chunk_start = torch.cumsum(counts_t, 0) - counts_t
         positions = starts_t[row_seq] + torch.arange(len(input_ids)) - chunk_start[row_seq]
-        slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
+        # Where KV compression dropped entries, a position's cache index is behind it.
+        index = positions - torch.tensor([seq.kv_offset for seq in seqs])[row_seq]
+        slot_mapping = tables[row_seq, index // bs] * bs + index % bs
 
         # Decode rows: one per token a decoding sequence computes (its last known token and its
         # drafts), each attending to the context up to itself, so that a verified draft's row
@@ -252,7 +225,7 @@ class ModelRunner:
             decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
             decode_blocks = DecodeBlocks(
                 tables[row_seq[:decode_rows], :decode_width].to(self.device),
-                (positions[:decode_rows] + 1).to(self.device),
+                (index[:decode_rows] + 1).to(self.device),
                 bs,
             )
             visible = visible_blocks(
@@ -260,7 +233,7 @@ class ModelRunner:
             )
             if budgets is not None:
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
-                self._set_budgets(decode_blocks, positions[:decode_rows] + 1, row_budgets)
+                self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
             dense = build_decode_pattern(
                 decode_blocks,
@@ -281,6 +254,9 @@ class ModelRunner:
             prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask, sparse))
 
         fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
+        capture = None
+        if self.compressor is not None:
+            capture = self.compressor.plan_capture(seqs, starts, counts, chunk_start.tolist())
         meta = AttentionMetadata(
             slot_mapping.to(self.device),
             decode_rows,
@@ -289,6 +265,8 @@ class ModelRunner:
             prefills,
             fresh,
             telemetry,
+            capture_rows=None if capture is None else capture.rows,
+            captured=None if capture is None else capture.queries,
         )
         sampled = torch.tensor(batch.sampled, dtype=torch.long)
         verified = torch.tensor([len(batch.drafts[i]) + 1 for i in batch.sampled], dtype=torch.long)
@@ -299,6 +277,7 @@ class ModelRunner:
             positions=positions.to(self.device),
             meta=meta,
             sample_rows=sample_rows.to(self.device),
+            capture=capture,
         )
 
     def _sparse_context(

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.control.record import ControlRecord, StepDecisions
-from etinfer.engine.model_runner import AttentionStats, StepResult
+from etinfer.engine.attention_stats import AttentionStats
+from etinfer.engine.model_runner import StepResult
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.speculative import Emitted

@@ -101,6 +101,12 @@ class Sequence:
         self.switch: SwitchState | None = None
         # Sparse prefill: attention entropy and budgets per segment, and the work skipped.
         self.attention_profile: AttentionProfile | None = None
+        # KV compression: the queries that rank the cache, until it is compressed; then how
+        # many fewer cache entries than positions the sequence has (position - kv_offset is
+        # the cache index of a position after the compression).
+        self.voting_queries: torch.Tensor | None = None
+        self.kv_compressed = False
+        self.kv_offset = 0
         self.token_models: list[str] = []
         self.exit_start: int | None = None
 

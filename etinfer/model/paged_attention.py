@@ -85,6 +85,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     fresh_blocks: torch.Tensor | None = None  # blocks receiving their first token this step
     telemetry: PruningTelemetry | None = None
+    # KV compression: rows whose queries every layer copies out into ``captured[layer]``.
+    capture_rows: torch.Tensor | None = None
+    captured: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -115,6 +118,8 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops in float32
+        if meta.capture_rows is not None:
+            meta.captured[layer] = q[meta.capture_rows]
         cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
         out = torch.empty_like(q)
         if meta.num_decode:

@@ -110,6 +110,11 @@ class ServerMetrics:
             "With pruning on: share of the context's KV blocks each decode step attended to.",
             RATIO_BUCKETS,
         )
+        self.prefill_attention_skipped = histogram(
+            "prefill_attention_skipped_ratio",
+            "With sparse prefill on: share of dense prefill attention each long prompt skipped.",
+            RATIO_BUCKETS,
+        )
         self._request_success = Counter(
             "etinfer:request_success",
             "Finished requests, by finish reason.",
@@ -169,5 +174,7 @@ class ServerMetrics:
             if delta.metrics.total_time is not None:
                 self.e2e_latency.observe(delta.metrics.total_time)
             self.entropic_time.inc(delta.entropic_time)
+            if delta.attention_profile is not None:
+                self.prefill_attention_skipped.observe(delta.metrics.prefill_attention_skipped)
             self._request_success.labels(self._model_name, delta.finish_reason).inc()
         return last_token_time

@@ -68,6 +68,8 @@ def telemetry(out: RequestOutput, delta: Delta) -> dict:
         fields["entropic_time"] = out.entropic_time if math.isfinite(out.entropic_time) else None
         if out.token_models is not None:
             fields["large_model_share"] = out.large_model_share
+        if out.attention_profile is not None:
+            fields["prefill_attention_skipped"] = out.metrics.prefill_attention_skipped
         if out.num_draft_tokens:
             fields["num_draft_tokens"] = out.num_draft_tokens
             fields["num_accepted_tokens"] = out.num_accepted_tokens
