@@ -237,6 +237,9 @@ class EngineConfig:
                 )
             if self.speculative is not None:
                 raise ValueError("control.switching and speculative cannot be combined yet")
+            if self.control.sparse_prefill_config is not None:
+                # Its catch-up chunks are prefill over generated tokens: they must stay exact.
+                raise ValueError("control.switching and sparse_prefill cannot be combined yet")
 
     @property
     def policy_name(self) -> str:

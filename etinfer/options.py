@@ -28,6 +28,8 @@ CONTROL_PRESETS: dict[str, ControlConfig] = {
     "scheduling": ControlConfig(scheduling=True),
     "full": ControlConfig.full(),
     "sparse-prefill": ControlConfig(sparse_prefill=True),
+    "kv-compression": ControlConfig(kv_compression=True),
+    "entropyinfer": ControlConfig(sparse_prefill=True, kv_compression=True),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TYPES = typing.get_type_hints(EngineConfig)

@@ -117,13 +117,16 @@ def test_a_budget_holding_the_whole_context_compresses_to_the_same_outputs(tiny_
     assert out.metrics.kv_blocks == dense.metrics.kv_blocks
 
 
-def test_preempted_compressed_sequences_recompute_and_finish(tiny_model):
+@pytest.mark.parametrize("chunk", [1024, 96])
+def test_preempted_compressed_sequences_recompute_and_finish(tiny_model, chunk):
     # A pool too small for four uncompressed 400-token sequences at once: preemption follows.
+    # With small chunks a recompute spans many steps, and compression waits for its end.
     llm = LLM(
         tiny_model,
         control=ControlConfig(kv_compression=SMALL),
         max_model_len=1024,
         num_kvcache_blocks=70,
+        max_num_batched_tokens=chunk,
     )
     prompts = [list(range(3000 + 500 * i, 3400 + 500 * i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -140,6 +143,27 @@ def test_the_prefix_cache_stays_true_after_a_compressed_request(tiny_model):
     again = llm.generate([prompt], params)[0]
     assert again.num_cached_tokens >= 384
     assert again.token_ids == first.token_ids
+
+
+def test_voters_served_from_the_prefix_cache_do_not_vote(tiny_model):
+    # A window of 32 reaches back past the last cached block: half its voters are not computed
+    # the second time, and only those computed vote (uninitialised queries would).
+    config = replace(SMALL, window=32)
+    llm = tiny_engine(tiny_model, ControlConfig(kv_compression=config))
+    prompt = list(range(6000, 6400))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate([prompt], params)
+    engine = llm.engine
+    engine.add_request(prompt, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seqs = list(engine._requests.values())
+        seen += [seq.voted.clone() for seq in seqs if seq.voted is not None]
+        outputs = engine.step()
+    # Seen before each step: the last voter is computed in the step that compresses.
+    assert not seen[-1][:16].any() and seen[-1][16:-1].all()
+    assert outputs[0].num_cached_tokens == 384
+    assert outputs[0].metrics.kv_blocks == -(-(config.budget + 16 - config.decode_queries) // 16)
 
 
 def test_the_passkey_asked_after_compression_is_still_found(make_llm, loaded_model):

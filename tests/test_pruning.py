@@ -16,6 +16,7 @@ from etinfer.control.block_selection import (
     block_budget,
     key_bound_scores,
     plan_budget,
+    value_weighted,
 )
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
@@ -157,6 +158,32 @@ def test_selector_is_dense_in_the_first_layers_and_keeps_each_sequences_budget()
     mask, _ = select([60, 120], [15, 4], config)
     assert mask[0].sum(-1).tolist() == [15, 15]  # a dense budget keeps all 15 blocks
     assert mask[1].sum(-1).tolist() == [4, 4]
+
+
+def test_head_budgets_give_the_spread_head_more_blocks_at_the_same_total():
+    config = PruningConfig(min_context=0, head_budgets=True, min_blocks=4)
+    cache, tables = filled_cache([120])  # 30 blocks
+    blocks = DecodeBlocks(tables, torch.tensor([120]), BLOCK, torch.tensor([10]), 10)
+    # KV head 0's queries are zero (uniform attention over every block), head 1's large: its
+    # estimate concentrates on the few blocks with the largest key bounds.
+    query = torch.zeros(1, HEADS, DIM)
+    query[0, GROUP:] = 20 * torch.randn(GROUP, DIM, generator=torch.Generator().manual_seed(1))
+    mask = EntropicSelector(config).select(5, query, blocks, cache.summaries(0)).mask
+    kept = mask.sum(-1)[0].tolist()
+    assert kept[0] > 10 > kept[1] >= config.min_blocks
+    assert abs(sum(kept) - 2 * 10) <= 1  # the same blocks read, up to rounding
+
+
+def test_the_value_factor_prefers_the_block_whose_values_differ():
+    cache, tables = filled_cache([32])  # 8 blocks
+    summaries = cache.summaries(0)
+    blocks = DecodeBlocks(tables, torch.tensor([32]), BLOCK)
+    sums = summaries.value_sums
+    sums[:, tables[0]] = 0.0
+    sums[:, tables[0, 3]] = 4.0 * BLOCK  # block 3's values stand apart from the others
+    logits = torch.zeros(1, KV_HEADS, 8)  # equal key bounds everywhere
+    scores = value_weighted(logits, summaries, blocks)
+    assert (scores[0, :, 3] > scores[0, :, [0, 1, 2, 4, 5, 6, 7]].max(-1).values).all()
 
 
 def test_mass_scorer_keeps_sink_and_recent_blocks_before_unseen_ones():

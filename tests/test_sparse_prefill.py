@@ -100,6 +100,31 @@ def test_a_chunk_is_cut_at_segment_boundaries():
     ]
 
 
+def test_a_segment_split_across_chunks_moves_the_law_once():
+    config = SparsePrefillConfig(
+        segment_size=64, window=32, sink=16, base_budget=64, min_context=128
+    )
+    selector = SparsePrefillSelector(
+        config,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        block_size=16,
+        max_model_len=512,
+    )
+    profile = selector.begin(None, 0, 100, num_tokens=400)
+    # The segment at 64 began in the chunk before: its rest keeps that segment's budget.
+    pieces = selector._pieces(position=100, rows=60)  # [100, 128), [128, 160)
+    budgets = selector._advance(profile, 0, pieces, torch.tensor([[1.0], [2.0]]))
+    assert budgets[0] == [64.0] and profile.states[0].entropy.tolist() == [2.0]
+    assert profile.entropy[:, 0, 0].isnan().tolist() == [i != 2 for i in range(8)]
+    # A chunk that does not start where the last one ended (a recompute) starts afresh.
+    assert selector.begin(profile, 100, 160, 400) is profile
+    assert selector.begin(profile, 160, 200, 400) is profile
+    assert selector.begin(profile, 0, 100, 400) is not profile
+
+
 def reference(q, keys, values, query_pos, visible):
     """Explicit attention of queries at ``query_pos`` over keys where ``visible[kv_head]``
     [queries, keys] allows it."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -40,7 +41,7 @@ from etinfer.bench.fidelity import (
 )
 from etinfer.bench.kernels import cpu_flags
 from etinfer.bench.longcontext_report import plot_profile, pressure_table, table
-from etinfer.config import ControlConfig
+from etinfer.config import ControlConfig, EngineConfig
 from etinfer.control.kv_compression import KVCompressionConfig
 from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.llm import LLM
@@ -188,7 +189,8 @@ def pressure_run(loaded, control: ControlConfig, corpus: list[int], args) -> dic
     each, in a pool that holds four of them dense: output tokens/s over the whole run."""
     limit = loaded.config.max_position_embeddings - args.pressure_tokens
     length = min(max(args.lengths), limit)
-    per_request = -(-(length + args.pressure_tokens) // 16)
+    block_size = EngineConfig().block_size
+    per_request = -(-(length + args.pressure_tokens) // block_size)
     llm = LLM(
         loaded,
         control=control,
@@ -223,14 +225,15 @@ def main(args: argparse.Namespace) -> int:
     corpus = corpus_tokens(loaded.tokenizer)
     texts = {n: corpus[args.offset : args.offset + n + args.steps] for n in args.lengths}
     sparse = SparsePrefillConfig()
-    arms = {name: ARMS[name] for name in args.arms}
+    arms = {name: ARMS[name] for name in ("dense", *args.arms)}  # dense first: the reference
     results = run_arms(loaded, arms, texts, args, passkeys=True, repeats=args.repeats)
     longest = max(texts)
     # The comparisons run once: their figures are fidelity and passkeys, not time.
-    if "sparse prefill" in results:
+    mean_budget = results.get("sparse prefill", {}).get(longest, {}).get("mean_budget")
+    if mean_budget is not None and math.isfinite(mean_budget):
         # Uniform per-head budgets at the mean budget the entropy rule chose at the longest
         # length (CritiPrefill-like).
-        mean = int(results["sparse prefill"][longest]["mean_budget"])
+        mean = int(mean_budget)
         uniform = replace(sparse, base_budget=mean, max_budget_factor=1.0)
         extra = {f"sparse prefill, uniform {mean}": ControlConfig(sparse_prefill=uniform)}
         results |= run_arms(loaded, extra, texts, args, passkeys=False, repeats=1)

@@ -44,6 +44,12 @@ CONFIGS = {
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
     "bound-fifth": PruningConfig(budget_low=0.2, budget_high=0.2),
     "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
+    # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
+    "heads-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, head_budgets=True),
+    "heads-half": PruningConfig(budget_low=0.5, budget_high=0.5, head_budgets=True),
+    "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
+    "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
+    "heads": PruningConfig(head_budgets=True),
 }
 
 

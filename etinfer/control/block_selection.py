@@ -16,7 +16,16 @@ meant to save, so two proxies are offered:
   q_c m_c)`` for every key in it (Quest), an upper bound on each score, at O(head_dim) a block;
 - ``mass``: the attention mass the block received the last time it was attended to (``s = 1``:
   the paper does not define a computable value surprisal), refreshed by a dense step every
-  ``refresh_interval`` steps.
+  ``refresh_interval`` steps;
+- ``bound-value``: the key bound with a value factor. Dropping a block changes the attention
+  output by about its mass times the distance between its mean value and the output, so the
+  score is ``log(bound mass) + log ||v_b - o||``, with ``o`` the output the bounds themselves
+  predict (their softmax over the blocks' mean values, which the cache keeps as sums).
+
+**Per-head budgets** (``head_budgets``, from EntropyInfer): the sequence's budget is the mean
+over its KV heads, and each head gets a share in proportion to ``e^H``, the number of blocks its
+attention spreads over by the key bounds' block-level estimate (``H`` its attention entropy):
+heads that read a few blocks give blocks to heads that read many, at the same blocks read.
 
 Guards (the paper's sections 3.2, 3.3 and 5), the first four applied
 where each sequence's budget is planned (``plan_budget``):
@@ -43,7 +52,7 @@ from etinfer.control.registry import Registry
 from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
 from etinfer.validation import check_choice, check_float, check_int
 
-SCORERS = ("bound", "mass")
+SCORERS = ("bound", "bound-value", "mass")
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class PruningConfig:
     budget_high: float = 0.5
     max_shrink: float = 0.25  # a budget loses at most this fraction per step
     refresh_interval: int = 16  # mass scorer: a dense step this often
+    head_budgets: bool = False  # share the budget among KV heads by their attention entropy
 
     def __post_init__(self) -> None:
         check_choice("scorer", self.scorer, SCORERS)
@@ -173,7 +183,10 @@ class EntropicSelector(BlockSelector):
             return None
         bounds = key_bound_scores(query, summaries, blocks.block_tables)
         scores = self.block_scores(layer, query, blocks, summaries, bounds)
-        return Selection(self.keep_best(scores, blocks), bounds)
+        budgets = None
+        if self.config.head_budgets:
+            budgets = self.head_budgets(bounds * query.shape[-1] ** -0.5, blocks)
+        return Selection(self.keep_best(scores, blocks, budgets), bounds)
 
     def block_scores(
         self,
@@ -186,11 +199,30 @@ class EntropicSelector(BlockSelector):
         """What each block may contribute, [seqs, kv_heads, max_blocks]: higher is kept first."""
         if self.config.scorer == "mass":
             return summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
-        return bounds.amax(2)  # a block matters if it may matter to any head of the group
+        bound = bounds.amax(2)  # a block matters if it may matter to any head of the group
+        if self.config.scorer == "bound-value":
+            return value_weighted(bound * query.shape[-1] ** -0.5, summaries, blocks)
+        return bound
 
-    def keep_best(self, scores: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        """The mask of each row's ``budget`` best blocks, the forced ones (sink and recent)
-        first."""
+    def head_budgets(self, logits: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """Blocks per row and KV head [seqs, kv_heads], from ``logits`` [seqs, kv_heads,
+        group, max_blocks] (the scaled key bounds): the row's budget per head on average, each
+        head's share in proportion to the blocks its attention spreads over."""
+        exists = _blocks_in_context(blocks)
+        probs = logits.masked_fill(~exists[:, None, None, :], -torch.inf).softmax(-1).mean(2)
+        spread = torch.special.entr(probs).sum(-1).exp()  # e^H: blocks the head reads
+        share = spread / spread.sum(1, keepdim=True)
+        # Every head keeps the floor; the rest of the row's blocks go by share.
+        floor = self.config.min_blocks
+        spare = (blocks.budgets[:, None] - floor).clamp(min=0) * spread.shape[1]
+        budgets = (floor + spare * share).round()
+        return torch.minimum(budgets, exists.sum(1, keepdim=True)).long()
+
+    def keep_best(
+        self, scores: torch.Tensor, blocks: DecodeBlocks, head_budgets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mask of each row's ``budget`` best blocks (each head's, with ``head_budgets``),
+        the forced ones (sink and recent) first."""
         config, lens, bs = self.config, blocks.context_lens, blocks.block_size
         counts = (lens + bs - 1) // bs  # blocks in each context
         positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
@@ -203,11 +235,36 @@ class EntropicSelector(BlockSelector):
         scores = scores.clamp(max=torch.finfo(scores.dtype).max)
         scores = scores.masked_fill(forced[:, None, :], torch.inf)
         scores = scores.masked_fill(~exists[:, None, :], -torch.inf)
-        # One top-k at the largest budget; each row keeps its own budget's worth of it.
-        top = scores.topk(min(blocks.max_budget, scores.shape[-1]), dim=-1).indices
-        taken = torch.arange(top.shape[-1], device=lens.device) < blocks.budgets[:, None, None]
+        # One top-k at the largest budget; each row keeps its own budget's worth of it. A head's
+        # budget may pass the row's: then every block is ranked (no host sync for the largest).
+        budgets = blocks.budgets[:, None, None] if head_budgets is None else head_budgets[..., None]
+        width = scores.shape[-1] if head_budgets is not None else blocks.max_budget
+        top = scores.topk(min(width, scores.shape[-1]), dim=-1).indices
+        taken = torch.arange(top.shape[-1], device=lens.device) < budgets
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
         return mask & exists[:, None, :]
+
+
+def _blocks_in_context(blocks: DecodeBlocks) -> torch.Tensor:
+    """[seqs, max_blocks]: which padded table entries hold context."""
+    counts = (blocks.context_lens + blocks.block_size - 1) // blocks.block_size
+    positions = torch.arange(blocks.block_tables.shape[1], device=counts.device)
+    return positions < counts[:, None]
+
+
+def value_weighted(
+    logits: torch.Tensor, summaries: BlockSummaries, blocks: DecodeBlocks
+) -> torch.Tensor:
+    """``log(bound mass) + log ||v_b - o||`` per row, KV head and block: ``logits`` [seqs,
+    kv_heads, max_blocks] are the scaled key bounds; ``o`` is the output they predict."""
+    bs = blocks.block_size
+    offsets = torch.arange(blocks.block_tables.shape[1], device=logits.device) * bs
+    tokens = (blocks.context_lens[:, None] - offsets).clamp(0, bs)  # [seqs, max_blocks]
+    sums = summaries.value_sums[:, blocks.block_tables].transpose(0, 1)  # [seqs, kv, b, dim]
+    means = sums / tokens.clamp(min=1)[:, None, :, None]
+    mass = logits + tokens.log()[:, None, :]  # a block's bound times its tokens, in logs
+    output = (mass.softmax(-1)[..., None] * means).sum(-2, keepdim=True)
+    return mass + torch.log((means - output).norm(dim=-1) + 1e-6)
 
 
 def key_bound_scores(

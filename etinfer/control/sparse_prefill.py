@@ -39,7 +39,7 @@ runs far below the speed of a CPU's attention kernel. So: 256-token segments (fo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -137,10 +137,12 @@ class AttentionProfile:
     states: list[HeadBudgets]  # per layer
     pairs_dense: int = 0  # (query head, key) pairs dense prefill attention computes
     pairs_computed: int = 0  # those sparse prefill computed
-    rigid_heads: torch.Tensor = field(init=False)
+    next_position: int = 0  # where the sequence's next prefill chunk should start
 
-    def __post_init__(self) -> None:
-        self.rigid_heads = torch.stack([s.rigid for s in self.states])
+    @property
+    def rigid_heads(self) -> torch.Tensor:
+        """[layers, kv_heads]: heads below the entropy threshold in every segment so far."""
+        return torch.stack([s.rigid for s in self.states])
 
     @property
     def skipped_share(self) -> float:
@@ -173,19 +175,22 @@ class SparsePrefillSelector(PrefillSelector):
         self.num_segments = -(-max_model_len // config.segment_size)
 
     def begin(
-        self, profile: AttentionProfile | None, start: int, num_tokens: int
+        self, profile: AttentionProfile | None, start: int, end: int, num_tokens: int
     ) -> AttentionProfile | None:
-        """The profile a sequence's chunk from ``start`` carries: none for a prompt short
-        enough to attend densely throughout, a fresh one where its prefill (re)starts."""
+        """The profile a sequence's chunk [start, end) carries: none for a prompt short enough
+        to attend densely throughout, a fresh one where its prefill (re)starts anywhere but
+        where the last chunk ended (a preemption's recompute, perhaps after a prefix-cache
+        hit: the old profile is left to the outputs that hold it)."""
         if num_tokens <= self.config.min_context:
             return None
-        if profile is None or start == 0:
+        if profile is None or start != profile.next_position:
             shape = (self.num_segments, self.num_layers, self.num_kv_heads)
             states = [
                 HeadBudgets.initial(self.num_kv_heads, self.config) for _ in range(self.num_layers)
             ]
             nan = torch.full(shape, math.nan)
-            return AttentionProfile(self.config.segment_size, nan, nan.clone(), states)
+            profile = AttentionProfile(self.config.segment_size, nan, nan.clone(), states)
+        profile.next_position = end
         return profile
 
     def select_prefill(
@@ -204,13 +209,10 @@ class SparsePrefillSelector(PrefillSelector):
             profile.pairs_computed += self.num_heads * dense_pairs
             return None
         probs, entropy = self._estimate(query, estimated, context, summaries)
-        budgets, profile.states[layer] = segment_budgets(entropy, profile.states[layer], config)
-        profile.rigid_heads[layer] = profile.states[layer].rigid
-        segments = [p.start // config.segment_size for p in estimated]
-        profile.entropy[segments, layer] = entropy
+        budgets = self._advance(profile, layer, estimated, entropy.cpu())
         final_segment = (context.num_tokens - 1) // config.segment_size * config.segment_size
         computed, sparse = 0, False
-        for piece, piece_probs, budget in zip(estimated, probs, budgets.tolist(), strict=True):
+        for piece, piece_probs, budget in zip(estimated, probs, budgets, strict=True):
             if piece.start < config.min_context or piece.start >= final_segment:
                 continue
             if layer < config.dense_layers:
@@ -231,6 +233,26 @@ class SparsePrefillSelector(PrefillSelector):
                 computed += group * (kept.numel() * self.block_size * (end - piece.start) + local)
         profile.pairs_computed += computed
         return pieces if sparse else None
+
+    def _advance(
+        self,
+        profile: AttentionProfile,
+        layer: int,
+        pieces: list[PrefillPiece],
+        entropy: torch.Tensor,
+    ) -> list[list[float]]:
+        """Each piece's budget per KV head (host lists). The law advances once per segment, at
+        the piece that starts it; a piece that continues a segment from the chunk before (a
+        chunk need not start on a segment boundary) keeps that segment's budget."""
+        size, state = self.config.segment_size, profile.states[layer]
+        budgets = [state.budget] * len(pieces)
+        starting = [i for i, p in enumerate(pieces) if p.start % size == 0]
+        if starting:
+            new, profile.states[layer] = segment_budgets(entropy[starting], state, self.config)
+            for i, budget in zip(starting, new, strict=True):
+                budgets[i] = budget
+            profile.entropy[[pieces[i].start // size for i in starting], layer] = entropy[starting]
+        return [b.tolist() for b in budgets]
 
     def _pieces(self, position: int, rows: int) -> list[PrefillPiece]:
         """The chunk cut at segment boundaries."""
@@ -265,7 +287,7 @@ class SparsePrefillSelector(PrefillSelector):
         signed = torch.cat([mean.clamp(min=0), mean.clamp(max=0)], dim=-1)
         signed = signed.view(len(pieces), kv_heads, -1, signed.shape[-1])
         scores = torch.einsum("pkgc,kbc->pkgb", signed, bounds.flatten(2)) * self.scale
-        hidden = torch.arange(width) >= visible[:, None]
+        hidden = torch.arange(width, device=query.device) >= visible[:, None].to(query.device)
         scores.masked_fill_(hidden[:, None, None, :], -torch.inf)
         probs = scores.softmax(-1).mean(2)
         return probs, torch.special.entr(probs).sum(-1)
@@ -282,7 +304,7 @@ class SparsePrefillSelector(PrefillSelector):
         if min(counts) >= ranked:
             return None
         top = probs[:, sink:local].topk(max(counts), dim=-1).indices + sink
-        head_sink = torch.arange(min(sink, local))
+        head_sink = torch.arange(sink, device=probs.device)
         return [
             torch.cat([head_sink, top[h, :count].sort().values]) for h, count in enumerate(counts)
         ]

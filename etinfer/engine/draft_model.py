@@ -36,6 +36,8 @@ class _Shadow:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
+    kv_offset: int = 0  # never compressed
+    kv_compressed: bool = False
 
 
 class DraftModelProposer:

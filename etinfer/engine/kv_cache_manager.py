@@ -81,7 +81,7 @@ class KVCacheManager:
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that computing this step's tokens filled."""
-        if not self.pool.enable_prefix_caching or seq.kv_offset:
+        if not self.pool.enable_prefix_caching or seq.kv_compressed:
             return  # a compressed sequence's blocks hold a selection of positions, not a prefix
         full = seq.num_full_tokens // self.block_size
         for index in range(seq.num_registered_blocks, full):

@@ -14,7 +14,9 @@ sequence's cache holds ``kv_offset`` fewer entries than it has positions: new to
 next slot while their rotary position stays their true one.
 
 A sequence whose context at that point is smaller than the budget is left alone; one that is
-preempted recomputes its whole context and is compressed again.
+preempted recomputes its whole context (as prefill, over positions) and is compressed again once
+it decodes, by the voters its recompute computed (those served from the prefix cache do not
+vote; where none was computed, it stays whole).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class KVCompressor:
         if config is None:
             return None
         model = runner.config
+        if model.sliding_window is not None:
+            raise ValueError("kv_compression does not support sliding-window attention yet")
         runner.compressor = cls(config, runner.cache, kv, model.num_heads, model.head_dim)
         return runner.compressor
 
@@ -87,6 +91,7 @@ class KVCompressor:
             if seq.voting_queries is None or start == 0:
                 shape = (len(self.cache.keys), len(voters), self.num_heads, self.head_dim)
                 seq.voting_queries = torch.empty(shape, device=self.cache.keys.device)
+                seq.voted = torch.zeros(len(voters), dtype=torch.bool)
             rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
             targets.append((seq, captured, lo - voters.start, hi - lo))
             captured += hi - lo
@@ -102,14 +107,18 @@ class KVCompressor:
             return
         for seq, row, voter, n in capture.targets:
             seq.voting_queries[:, voter : voter + n] = capture.queries[:, row : row + n]
+            seq.voted[voter : voter + n] = True
 
     def compress_due(self, seqs: list[Sequence]) -> None:
-        """Compress each sequence whose voters have all been computed (after a step's commit)."""
+        """Compress each sequence whose voters have all been computed (after a step's commit).
+        Not one still recomputing its context after a preemption (its next chunk is prefill,
+        over positions), nor one the step finished."""
         for seq in seqs:
             voters = self._voters(seq)
             if (
                 voters is not None
-                and not seq.is_finished
+                and seq.finish_reason is None
+                and seq.num_computed_tokens == seq.num_tokens - 1
                 and seq.num_computed_tokens >= voters.stop
             ):
                 self.compress(seq, voters)
@@ -119,10 +128,18 @@ class KVCompressor:
         """Rewrite ``seq``'s cache into ``budget`` entries per (layer, KV head); False, changing
         nothing, when the pool lacks the blocks to write them into."""
         cache, bs, budget = self.cache, self.kv.block_size, self.config.budget
+        if seq.voting_queries is None or not seq.voted.any():
+            # Every voter came from the prefix cache (a readmitted sequence that had published
+            # them): none was computed to vote, so the sequence stays whole.
+            seq.kv_compressed = True
+            return False
         new_count = self.kv.blocks_needed(budget)
         if new_count > self.kv.pool.num_free_blocks:
             return False
         device = cache.keys.device
+        # Voters served from the prefix cache were never computed here: only the others vote.
+        voted = seq.voted.to(device)
+        queries = seq.voting_queries[:, voted]
         context = seq.num_computed_tokens
         table = torch.tensor(seq.block_table, device=device)
         positions = torch.arange(context, device=device)
@@ -131,11 +148,11 @@ class KVCompressor:
         new_table = torch.tensor(new_blocks, device=device)
         kept_index = torch.arange(budget, device=device)
         new_slots = new_table[kept_index // bs] * bs + kept_index % bs
-        query_pos = torch.arange(voters.start, voters.stop, device=device)
+        query_pos = torch.arange(voters.start, voters.stop, device=device)[voted]
         for layer in range(len(cache.keys)):
             keys = cache.keys[layer].index_select(1, slots)  # [kv_heads, context, dim]
             values = cache.values[layer].index_select(1, slots)
-            attention = observed_attention(seq.voting_queries[layer], query_pos, keys, self.scale)
+            attention = observed_attention(queries[layer], query_pos, keys, self.scale)
             kept = kept_positions(attention, keys, self.config)
             kept = kept[..., None].expand(-1, -1, self.head_dim)
             cache.write(
@@ -148,5 +165,5 @@ class KVCompressor:
         self.kv.pool.free(reversed(seq.block_table))
         seq.block_table = new_blocks
         seq.kv_offset, seq.kv_compressed = context - budget, True
-        seq.voting_queries = None
+        seq.voting_queries = seq.voted = None
         return True

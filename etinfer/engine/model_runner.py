@@ -73,6 +73,8 @@ class ModelRunner:
         selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on."""
         prefill_selector = None
         if sparse_prefill is not None:
+            if config.sliding_window is not None:
+                raise ValueError("sparse_prefill does not support sliding-window attention yet")
             prefill_selector = SparsePrefillSelector(
                 sparse_prefill,
                 num_layers=config.num_layers,
@@ -112,9 +114,8 @@ class ModelRunner:
         self.compressor: KVCompressor | None = None  # set by the engine when compression is on
 
     def set_selector(self, selector: AttentionSelector) -> None:
-        """Decode attention asks ``selector`` from the next step on. Prefill is dense either
-        way, so one prefilled context can be decoded under several (benchmarks compare them on
-        one cache)."""
+        """Decode attention asks ``selector`` from the next step on; prefill is unaffected, so one
+        prefilled context can be decoded under several (benchmarks compare them on one cache)."""
         if selector.needs_summaries and self.cache.key_bounds is None:
             raise ValueError(
                 "this selector scores blocks by their summaries, which the cache does not keep: "
@@ -245,7 +246,7 @@ class ModelRunner:
         prefills = []
         for i in range(num_decode, len(seqs)):
             start, n = starts[i], counts[i]
-            sparse = self._sparse_context(seqs[i], start, tables[i])
+            sparse = self._sparse_context(seqs[i], start, n, tables[i])
             context_slots = None
             if start or sparse is not None:
                 context = torch.arange(start + n)
@@ -281,13 +282,13 @@ class ModelRunner:
         )
 
     def _sparse_context(
-        self, seq: Sequence, start: int, table: torch.Tensor
+        self, seq: Sequence, start: int, n: int, table: torch.Tensor
     ) -> PrefillContext | None:
         """What sparse prefill needs of a prefilling sequence; None where it attends densely."""
         if self.prefill_selector is None:
             return None
         seq.attention_profile = self.prefill_selector.begin(
-            seq.attention_profile, start, seq.num_tokens
+            seq.attention_profile, start, start + n, seq.num_tokens
         )
         if seq.attention_profile is None:
             return None

@@ -105,6 +105,7 @@ class Sequence:
         # many fewer cache entries than positions the sequence has (position - kv_offset is
         # the cache index of a position after the compression).
         self.voting_queries: torch.Tensor | None = None
+        self.voted: torch.Tensor | None = None  # which voters' queries were computed
         self.kv_compressed = False
         self.kv_offset = 0
         self.token_models: list[str] = []

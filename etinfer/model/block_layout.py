@@ -35,6 +35,7 @@ class BlockSummaries:
     # together so that one gather and one matmul score every block.
     key_bounds: torch.Tensor
     mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
+    value_sums: torch.Tensor | None = None  # [kv_heads, num_blocks, head_dim]
 
 
 @dataclass
@@ -91,6 +92,12 @@ class PrefillPiece:
 
 class PrefillSelector(ABC):
     """The per-layer hook of sparse prefill: which cached keys each part of a chunk reads."""
+
+    @abstractmethod
+    def begin(self, profile: object, start: int, end: int, num_tokens: int) -> object | None:
+        """The per-sequence state (``PrefillContext.profile``) a chunk of positions [start,
+        end) carries, from the sequence's last one; None: the chunk attends densely."""
+        ...
 
     @abstractmethod
     def select_prefill(

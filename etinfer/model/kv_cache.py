@@ -8,8 +8,8 @@ keys for one head in one contiguous run, which measured twice as fast to read sc
 token-major order.
 
 **Block summaries.** When a selector scores blocks, the cache also keeps, per block and KV head,
-the per-channel minimum and maximum of its keys (updated on append) and the attention mass the
-block last received.
+the per-channel minimum and maximum of its keys and the sum of its values (updated on append),
+and the attention mass the block last received.
 """
 
 from __future__ import annotations
@@ -52,18 +52,19 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        self.key_bounds = self.mass = None
+        self.key_bounds = self.mass = self.value_sums = None
         if summaries:
             per_block = (num_layers, num_kv_heads, num_blocks)
             self.key_bounds = torch.empty(
                 (*per_block, 2, head_dim), device=device, dtype=self.dtype
             )
             self.mass = torch.empty(per_block, device=device, dtype=self.dtype)
+            self.value_sums = torch.empty((*per_block, head_dim), device=device, dtype=self.dtype)
 
     def summaries(self, layer: int) -> BlockSummaries | None:
         if self.key_bounds is None:
             return None
-        return BlockSummaries(self.key_bounds[layer], self.mass[layer])
+        return BlockSummaries(self.key_bounds[layer], self.mass[layer], self.value_sums[layer])
 
     def write(
         self,
@@ -92,6 +93,8 @@ class KVCache:
             key_max.index_fill_(1, fresh_blocks, -torch.inf)
             key_min.index_fill_(1, fresh_blocks, torch.inf)
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
+            self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         key_max.index_reduce_(1, blocks, keys, "amax")
         key_min.index_reduce_(1, blocks, keys, "amin")
+        self.value_sums[layer].index_add_(1, blocks, values)
