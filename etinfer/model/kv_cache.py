@@ -2,8 +2,10 @@
 
 **Layout.** One layer's cache is a pool of slots per KV head:
 ``[num_kv_heads, num_blocks * block_size, head_dim]`` for keys, and the same for values. A
-sequence owns a list of blocks (its block table); its token at position ``p`` lives in slot
-``block_table[p // block_size] * block_size + p % block_size``. Head-major order keeps a block's
+sequence owns a list of blocks (its block table); its cache entry ``i`` lives in slot
+``block_table[i // block_size] * block_size + i % block_size``, and entry ``i`` holds position
+``i`` until KV compression rewrites the cache (then ``i = position - kv_offset`` for new tokens,
+and the earlier entries hold each head's kept positions, in order). Head-major order keeps a block's
 keys for one head in one contiguous run, which measured twice as fast to read scattered as
 token-major order.
 
