@@ -77,6 +77,9 @@ class GenerationRequest(SamplingExtensions):
     # vLLM's extra parameter; slo in seconds from arrival within which the request wants to end.
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     slo: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # With sparse prefill on: the finished reply's ``etinfer`` object carries the prompt's
+    # attention entropy and budgets per segment, layer and KV head (for plots).
+    return_attention_entropy: bool = False
 
     def unsupported_field(self) -> str | None:
         for name in ("frequency_penalty", "presence_penalty"):

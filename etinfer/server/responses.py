@@ -52,8 +52,9 @@ def advance(cursor: Cursor, out: RequestOutput, *, every_token: bool) -> Delta |
     return delta
 
 
-def telemetry(out: RequestOutput, delta: Delta) -> dict:
-    """The ``etinfer`` object of a choice: the entropy signal of the delta's tokens."""
+def telemetry(out: RequestOutput, delta: Delta, attention_entropy: bool = False) -> dict:
+    """The ``etinfer`` object of a choice: the entropy signal of the delta's tokens; with
+    ``attention_entropy``, the finished reply also carries the prompt's attention profile."""
     a, b = delta.tokens.start, delta.tokens.stop
     fields = {
         "entropies": _finite(out.entropies[a:b]),
@@ -70,10 +71,28 @@ def telemetry(out: RequestOutput, delta: Delta) -> dict:
             fields["large_model_share"] = out.large_model_share
         if out.attention_profile is not None:
             fields["prefill_attention_skipped"] = out.metrics.prefill_attention_skipped
+            if attention_entropy:
+                fields["attention_profile"] = _attention_profile(out)
         if out.num_draft_tokens:
             fields["num_draft_tokens"] = out.num_draft_tokens
             fields["num_accepted_tokens"] = out.num_accepted_tokens
     return fields
+
+
+def _attention_profile(out: RequestOutput) -> dict:
+    """[segments][layers][KV heads] entropy (nats) and budget (tokens; null: dense or not
+    estimated) over the segments the prompt spans."""
+    profile = out.attention_profile
+    segments = -(-len(out.prompt_token_ids) // profile.segment_size)
+
+    def nested(values) -> list:
+        return [[_finite(head) for head in layer] for layer in values[:segments].tolist()]
+
+    return {
+        "segment_size": profile.segment_size,
+        "entropy": nested(profile.entropy),
+        "budgets": nested(profile.budgets),
+    }
 
 
 def _finite(values: list[float]) -> list[float | None]:
@@ -140,9 +159,10 @@ class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, logprobs: int | None) -> None:
+    def __init__(self, logprobs: int | None, attention_entropy: bool = False) -> None:
         self.logprobs = logprobs
         self.with_logprobs = logprobs is not None
+        self.attention_entropy = attention_entropy
 
     def choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
         return {
@@ -152,7 +172,7 @@ class CompletionFormat:
             if self.logprobs is None
             else completion_logprobs(out, delta.tokens, cursor),
             "finish_reason": out.finish_reason,
-            "etinfer": telemetry(out, delta),
+            "etinfer": telemetry(out, delta, self.attention_entropy),
         }
 
     chunk_choice = choice
@@ -165,9 +185,10 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, top_logprobs: int | None) -> None:
+    def __init__(self, top_logprobs: int | None, attention_entropy: bool = False) -> None:
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.with_logprobs = top_logprobs is not None
+        self.attention_entropy = attention_entropy
 
     def _logprobs(self, out: RequestOutput, delta: Delta) -> dict | None:
         if self.top_logprobs is None:
@@ -180,7 +201,7 @@ class ChatFormat:
             "message": {"role": "assistant", "content": delta.text},
             "logprobs": self._logprobs(out, delta),
             "finish_reason": out.finish_reason,
-            "etinfer": telemetry(out, delta),
+            "etinfer": telemetry(out, delta, self.attention_entropy),
         }
 
     def chunk_choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
@@ -189,7 +210,7 @@ class ChatFormat:
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": self._logprobs(out, delta),
             "finish_reason": out.finish_reason,
-            "etinfer": telemetry(out, delta),
+            "etinfer": telemetry(out, delta, self.attention_entropy),
         }
 
     def opening_chunk_choices(self, num_choices: int) -> list[dict]:

@@ -82,7 +82,11 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = self._engine_requests(request_id, encoded, params, request, arrival)
         return await self._answer(
-            request, raw, request_id, requests, CompletionFormat(request.logprobs)
+            request,
+            raw,
+            request_id,
+            requests,
+            CompletionFormat(request.logprobs, request.return_attention_entropy),
         )
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
@@ -115,7 +119,8 @@ class OpenAIServing:
             max_tokens_param=fields["max_tokens"],
             to_context_end=max_tokens is None,
         )
-        return await self._answer(request, raw, request_id, requests, ChatFormat(logprobs))
+        chat = ChatFormat(logprobs, request.return_attention_entropy)
+        return await self._answer(request, raw, request_id, requests, chat)
 
     # -- validation -----------------------------------------------------------------------
 
