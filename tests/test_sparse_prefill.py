@@ -19,7 +19,7 @@ from etinfer.model.block_layout import PrefillPiece
 from etinfer.model.paged_attention import PagedAttention, PrefillChunk
 from tests.test_paged_attention import BLOCK, DIM, HEADS, KV_HEADS, scattered_cache
 
-B0 = 1024.0
+B0 = float(SparsePrefillConfig().base_budget)
 
 
 DEFAULTS = SparsePrefillConfig()

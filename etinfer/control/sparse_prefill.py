@@ -32,8 +32,11 @@ dense below 4,096 tokens, ``B0`` = 2,048 (1.6-6 % of the context). Dividing by 1
 gives 32-token segments and ``B0`` = 128, too small on both counts here: a segment's mean query
 over 32 tokens is noisy, and each segment's attention is its own kernel call, which at 32 rows
 runs far below the speed of a CPU's attention kernel. So: 256-token segments (four to a default
-1,024-token prefill chunk), dense below 1,024 tokens (the first chunk), and ``B0`` = 1,024
-(1/8 of an 8K context; up to 3/8 at ``3 B0``), chosen with ``etinfer bench longcontext``.
+1,024-token prefill chunk), dense below 1,024 tokens (the first chunk), and ``B0`` = 768
+(about 1/10 of an 8K context; up to 2,304 tokens at ``3 B0``). Measured side by side at 7K and
+8K tokens (BENCHMARKS.md): ``B0`` = 1,024 took 0.63-0.66x of dense's time to first token at
+7K, 768 took 0.60x and 512 0.55x, every one keeping the passkeys dense finds; 768 is the
+largest that reaches 0.6x there.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from etinfer.validation import check_float, check_int
 class SparsePrefillConfig:
     segment_size: int = 256  # positions; a multiple of the block size
     min_context: int = 1024  # segments starting before this position attend densely
-    base_budget: int = 1024  # B0, tokens read before a segment's window (sink and window in)
+    base_budget: int = 768  # B0, tokens read before a segment's window (sink and window in)
     max_budget_factor: float = 3.0  # a dynamic head's budget stays within [B0, factor * B0]
     entropy_threshold: float = 1e-5  # e_t, nats: below it in every segment, a head is rigid
     alpha: float = 0.5
