@@ -81,9 +81,12 @@ def test_segments_must_be_whole_blocks():
         EngineConfig(control=config)
 
 
-def test_a_chunk_is_cut_at_segment_boundaries():
-    config = SparsePrefillConfig(segment_size=64, window=32, sink=16, base_budget=64)
-    selector = SparsePrefillSelector(
+def small_selector() -> SparsePrefillSelector:
+    """64-token segments over 16-token blocks, one layer, one KV head."""
+    config = SparsePrefillConfig(
+        segment_size=64, window=32, sink=16, base_budget=64, min_context=128
+    )
+    return SparsePrefillSelector(
         config,
         num_layers=1,
         num_heads=2,
@@ -92,6 +95,10 @@ def test_a_chunk_is_cut_at_segment_boundaries():
         block_size=16,
         max_model_len=512,
     )
+
+
+def test_a_chunk_is_cut_at_segment_boundaries():
+    selector = small_selector()
     pieces = selector._pieces(position=100, rows=120)
     assert [(p.start, p.rows.start, p.rows.stop) for p in pieces] == [
         (100, 0, 28),
@@ -101,18 +108,7 @@ def test_a_chunk_is_cut_at_segment_boundaries():
 
 
 def test_a_segment_split_across_chunks_moves_the_law_once():
-    config = SparsePrefillConfig(
-        segment_size=64, window=32, sink=16, base_budget=64, min_context=128
-    )
-    selector = SparsePrefillSelector(
-        config,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        block_size=16,
-        max_model_len=512,
-    )
+    selector = small_selector()
     profile = selector.begin(None, 0, 100, num_tokens=400)
     # The segment at 64 began in the chunk before: its rest keeps that segment's budget.
     pieces = selector._pieces(position=100, rows=60)  # [100, 128), [128, 160)
