@@ -208,7 +208,7 @@ class EntropicSelector(BlockSelector):
         """Blocks per row and KV head [seqs, kv_heads], from ``logits`` [seqs, kv_heads,
         group, max_blocks] (the scaled key bounds): the row's budget per head on average, each
         head's share in proportion to the blocks its attention spreads over."""
-        exists = _blocks_in_context(blocks)
+        exists = blocks.block_tokens() > 0
         probs = logits.masked_fill(~exists[:, None, None, :], -torch.inf).softmax(-1).mean(2)
         spread = torch.special.entr(probs).sum(-1).exp()  # e^H: blocks the head reads
         share = spread / spread.sum(1, keepdim=True)
@@ -223,10 +223,10 @@ class EntropicSelector(BlockSelector):
     ) -> torch.Tensor:
         """The mask of each row's ``budget`` best blocks (each head's, with ``head_budgets``),
         the forced ones (sink and recent) first."""
-        config, lens, bs = self.config, blocks.context_lens, blocks.block_size
-        counts = (lens + bs - 1) // bs  # blocks in each context
+        config, lens = self.config, blocks.context_lens
+        exists = blocks.block_tokens() > 0  # [seqs, max_blocks]
+        counts = exists.sum(1)  # blocks in each context
         positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
-        exists = positions < counts[:, None]  # [seqs, max_blocks]
         forced = (positions < config.sink_blocks) | (
             positions >= counts[:, None] - config.recent_blocks
         )
@@ -245,11 +245,10 @@ class EntropicSelector(BlockSelector):
         return mask & exists[:, None, :]
 
 
-def _blocks_in_context(blocks: DecodeBlocks) -> torch.Tensor:
-    """[seqs, max_blocks]: which padded table entries hold context."""
-    counts = (blocks.context_lens + blocks.block_size - 1) // blocks.block_size
-    positions = torch.arange(blocks.block_tables.shape[1], device=counts.device)
-    return positions < counts[:, None]
+def signed_parts(query: torch.Tensor) -> torch.Tensor:
+    """``[q+, q-]`` along the last axis: against ``[M, m]``, the per-channel key maxima and
+    minima of a block, it gives ``sum_c max(q_c M_c, q_c m_c)``, the largest ``q.k`` there."""
+    return torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
 
 
 def value_weighted(
@@ -257,9 +256,7 @@ def value_weighted(
 ) -> torch.Tensor:
     """``log(bound mass) + log ||v_b - o||`` per row, KV head and block: ``logits`` [seqs,
     kv_heads, max_blocks] are the scaled key bounds; ``o`` is the output they predict."""
-    bs = blocks.block_size
-    offsets = torch.arange(blocks.block_tables.shape[1], device=logits.device) * bs
-    tokens = (blocks.context_lens[:, None] - offsets).clamp(0, bs)  # [seqs, max_blocks]
+    tokens = blocks.block_tokens()  # [seqs, max_blocks]
     sums = summaries.value_sums[:, blocks.block_tables].transpose(0, 1)  # [seqs, kv, b, dim]
     means = sums / tokens.clamp(min=1)[:, None, :, None]
     mass = logits + tokens.log()[:, None, :]  # a block's bound times its tokens, in logs
@@ -293,7 +290,7 @@ def key_bound_scores(
         (rows, kv_heads * num_blocks),
         check_invariants=False,
     )
-    q = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1).view(rows, 2 * dim)
+    q = signed_parts(query).view(rows, 2 * dim)
     bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim)
     scores = torch.sparse.sampled_addmm(structure, q, bounds.t(), beta=0.0).values()
     return scores.view(seqs, kv_heads, group, width)

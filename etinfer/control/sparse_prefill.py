@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.block_selection import signed_parts
 from etinfer.model.block_layout import (
     BlockSummaries,
     PrefillContext,
@@ -205,7 +206,7 @@ class SparsePrefillSelector(PrefillSelector):
     ) -> list[PrefillPiece] | None:
         config, profile = self.config, context.profile
         pieces = self._pieces(context.position, query.shape[0])
-        dense_pairs = sum(_pairs(p.start, p.start + p.rows.stop - p.rows.start) for p in pieces)
+        dense_pairs = sum(_pairs(p.start, p.end) for p in pieces)
         profile.pairs_dense += self.num_heads * dense_pairs
         estimated = [p for p in pieces if p.start >= config.segment_size]
         if not estimated:
@@ -225,15 +226,15 @@ class SparsePrefillSelector(PrefillSelector):
                 continue
             piece.kept, piece.local_start, sparse = kept, self._local_start(piece.start), True
             profile.budgets[piece.start // config.segment_size, layer] = torch.tensor(budget)
+        group = self.num_heads // self.num_kv_heads
         for piece in pieces:
-            end = piece.start + piece.rows.stop - piece.rows.start
+            start, end = piece.start, piece.end
             if piece.kept is None:
-                computed += self.num_heads * _pairs(piece.start, end)
+                computed += self.num_heads * _pairs(start, end)
                 continue
-            local = _pairs(piece.start, end) - (end - piece.start) * piece.local_start
-            group = self.num_heads // self.num_kv_heads
+            local = _pairs(start, end) - (end - start) * piece.local_start
             for kept in piece.kept:
-                computed += group * (kept.numel() * self.block_size * (end - piece.start) + local)
+                computed += group * (kept.numel() * self.block_size * (end - start) + local)
         profile.pairs_computed += computed
         return pieces if sparse else None
 
@@ -287,8 +288,7 @@ class SparsePrefillSelector(PrefillSelector):
         visible = torch.tensor([p.start // bs for p in pieces])
         width = int(visible.max())
         bounds = summaries.key_bounds[:, context.block_table[:width]]  # [kv, blocks, 2, dim]
-        signed = torch.cat([mean.clamp(min=0), mean.clamp(max=0)], dim=-1)
-        signed = signed.view(len(pieces), kv_heads, -1, signed.shape[-1])
+        signed = signed_parts(mean).view(len(pieces), kv_heads, -1, 2 * mean.shape[-1])
         scores = torch.einsum("pkgc,kbc->pkgb", signed, bounds.flatten(2)) * self.scale
         hidden = torch.arange(width, device=query.device) >= visible[:, None].to(query.device)
         scores.masked_fill_(hidden[:, None, None, :], -torch.inf)

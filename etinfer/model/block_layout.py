@@ -26,6 +26,12 @@ class DecodeBlocks:
     budgets: torch.Tensor | None = None
     max_budget: int = 0
 
+    def block_tokens(self) -> torch.Tensor:
+        """[num_seqs, max_blocks]: tokens of context in each table entry (0 in padding)."""
+        width = self.block_tables.shape[1]
+        offsets = torch.arange(width, device=self.context_lens.device) * self.block_size
+        return (self.context_lens[:, None] - offsets).clamp(0, self.block_size)
+
 
 @dataclass
 class BlockSummaries:
@@ -88,6 +94,11 @@ class PrefillPiece:
     # position from ``local_start`` up to the query itself.
     kept: list[torch.Tensor] | None = None
     local_start: int = 0
+
+    @property
+    def end(self) -> int:
+        """Position after the piece's last row."""
+        return self.start + self.rows.stop - self.rows.start
 
 
 class PrefillSelector(ABC):

@@ -67,9 +67,7 @@ class PruningTelemetry:
     def empty(cls, layers: int, blocks: DecodeBlocks, in_context: torch.Tensor) -> PruningTelemetry:
         """Before the step; ``in_context`` is what dense attention reads. What every layer's
         record shares is built here, once per step."""
-        positions = torch.arange(blocks.block_tables.shape[1], device=in_context.device)
-        tokens = blocks.context_lens[:, None] - positions * blocks.block_size
-        log_tokens = tokens.clamp(0, blocks.block_size).log()
+        log_tokens = blocks.block_tokens().log()
         total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
         return cls(in_context, log_tokens, torch.zeros_like(total), total, torch.zeros_like(total))
 
@@ -262,7 +260,7 @@ class PagedAttention:
         group = self.num_heads // self.num_kv_heads
         block = torch.arange(block_size, device=q.device)
         for piece in pieces:
-            end = piece.start + piece.rows.stop - piece.rows.start
+            end = piece.end
             query_pos = torch.arange(piece.start, end, device=q.device)
             if piece.kept is None:
                 keys = torch.arange(end, device=q.device)
