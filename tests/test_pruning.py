@@ -161,7 +161,7 @@ def test_selector_is_dense_in_the_first_layers_and_keeps_each_sequences_budget()
 
 
 def test_head_budgets_give_the_spread_head_more_blocks_at_the_same_total():
-    config = PruningConfig(min_context=0, head_budgets=True, min_blocks=4)
+    config = PruningConfig(min_context=0, head_budgets=True, head_floor=0.0, min_blocks=4)
     cache, tables = filled_cache([120])  # 30 blocks
     blocks = DecodeBlocks(tables, torch.tensor([120]), BLOCK, torch.tensor([10]), 10)
     # KV head 0's queries are zero (uniform attention over every block), head 1's large: its
@@ -172,6 +172,21 @@ def test_head_budgets_give_the_spread_head_more_blocks_at_the_same_total():
     kept = mask.sum(-1)[0].tolist()
     assert kept[0] > 10 > kept[1] >= config.min_blocks
     assert abs(sum(kept) - 2 * 10) <= 1  # the same blocks read, up to rounding
+
+
+def test_a_full_head_floor_gives_every_head_the_rows_budget():
+    cache, tables = filled_cache([120])
+    blocks = DecodeBlocks(tables, torch.tensor([120]), BLOCK, torch.tensor([10]), 10)
+    query = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    shared = EntropicSelector(PruningConfig(min_context=0, min_blocks=4))
+    floored = EntropicSelector(
+        PruningConfig(min_context=0, min_blocks=4, head_budgets=True, head_floor=1.0)
+    )
+    summaries = cache.summaries(0)
+    assert torch.equal(
+        shared.select(5, query, blocks, summaries).mask,
+        floored.select(5, query, blocks, summaries).mask,
+    )
 
 
 def test_the_value_factor_prefers_the_block_whose_values_differ():

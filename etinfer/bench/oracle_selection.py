@@ -36,3 +36,7 @@ class OracleSelector(EntropicSelector):
         logits.masked_fill_(~inside[None, :, None, :], -torch.inf)
         mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, bs).sum(-1)
         return mass.amax(2).transpose(0, 1)  # [seqs, kv_heads, width]
+
+    def head_mass(self, logits, scores, blocks) -> torch.Tensor:
+        """Per-head budgets from the exact masses too: the ceiling of that allocation."""
+        return scores

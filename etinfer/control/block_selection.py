@@ -22,10 +22,14 @@ meant to save, so two proxies are offered:
   score is ``log(bound mass) + log ||v_b - o||``, with ``o`` the output the bounds themselves
   predict (their softmax over the blocks' mean values, which the cache keeps as sums).
 
-**Per-head budgets** (``head_budgets``, from EntropyInfer): the sequence's budget is the mean
-over its KV heads, and each head gets a share in proportion to ``e^H``, the number of blocks its
-attention spreads over by the key bounds' block-level estimate (``H`` its attention entropy):
-heads that read a few blocks give blocks to heads that read many, at the same blocks read.
+**Per-head budgets** (``head_budgets``, after EntropyInfer and AdaKV): the sequence's budget,
+times its KV heads, is shared among the heads by one ranking of every (head, block) pair by the
+block's share of that head's attention (the key bounds' softmax). A head whose attention has a
+low entropy covers its mass with a few blocks and gives the rest to heads that spread theirs, at
+the same blocks read. Each head first keeps ``head_floor`` of the row's budget by its own
+ranking: the estimate is an upper bound, and a head it calls sharp must not be starved. (The
+seed's rule, a share in proportion to ``e^H`` per head, measured worse than one budget for all
+heads at every share: BENCHMARKS.md.)
 
 Guards (the paper's sections 3.2, 3.3 and 5), the first four applied
 where each sequence's budget is planned (``plan_budget``):
@@ -69,7 +73,8 @@ class PruningConfig:
     budget_high: float = 0.5
     max_shrink: float = 0.25  # a budget loses at most this fraction per step
     refresh_interval: int = 16  # mass scorer: a dense step this often
-    head_budgets: bool = False  # share the budget among KV heads by their attention entropy
+    head_budgets: bool = False  # share the budget among KV heads by where their attention lies
+    head_floor: float = 0.5  # share of the budget each head keeps by its own ranking first
 
     def __post_init__(self) -> None:
         check_choice("scorer", self.scorer, SCORERS)
@@ -85,6 +90,7 @@ class PruningConfig:
         check_float("budget_high", self.budget_high, low=self.budget_low, high=1.0)
         check_float("max_shrink", self.max_shrink, low=0.0, high=1.0)
         check_int("refresh_interval", self.refresh_interval, low=1)
+        check_float("head_floor", self.head_floor, low=0.0, high=1.0)
 
 
 def block_budget(
@@ -185,7 +191,8 @@ class EntropicSelector(BlockSelector):
         scores = self.block_scores(layer, query, blocks, summaries, bounds)
         budgets = None
         if self.config.head_budgets:
-            budgets = self.head_budgets(bounds * query.shape[-1] ** -0.5, blocks)
+            logits = bounds * query.shape[-1] ** -0.5
+            budgets = self.head_budgets(self.head_mass(logits, scores, blocks), scores, blocks)
         return Selection(self.keep_best(scores, blocks, budgets), bounds)
 
     def block_scores(
@@ -204,43 +211,72 @@ class EntropicSelector(BlockSelector):
             return value_weighted(bound * query.shape[-1] ** -0.5, summaries, blocks)
         return bound
 
-    def head_budgets(self, logits: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        """Blocks per row and KV head [seqs, kv_heads], from ``logits`` [seqs, kv_heads,
-        group, max_blocks] (the scaled key bounds): the row's budget per head on average, each
-        head's share in proportion to the blocks its attention spreads over."""
+    def head_mass(
+        self, logits: torch.Tensor, scores: torch.Tensor, blocks: DecodeBlocks
+    ) -> torch.Tensor:
+        """Each block's share of each KV head's attention, [seqs, kv_heads, max_blocks],
+        comparable across heads: the softmax of the scaled key bounds ``logits`` [seqs,
+        kv_heads, group, max_blocks], the largest of the group's query heads."""
         exists = blocks.block_tokens() > 0
-        probs = logits.masked_fill(~exists[:, None, None, :], -torch.inf).softmax(-1).mean(2)
-        spread = torch.special.entr(probs).sum(-1).exp()  # e^H: blocks the head reads
-        share = spread / spread.sum(1, keepdim=True)
-        # Every head keeps the floor; the rest of the row's blocks go by share.
-        floor = self.config.min_blocks
-        spare = (blocks.budgets[:, None] - floor).clamp(min=0) * spread.shape[1]
-        budgets = (floor + spare * share).round()
-        return torch.minimum(budgets, exists.sum(1, keepdim=True)).long()
+        return logits.masked_fill(~exists[:, None, None], -torch.inf).softmax(-1).amax(2)
+
+    def head_budgets(
+        self, mass: torch.Tensor, scores: torch.Tensor, blocks: DecodeBlocks
+    ) -> torch.Tensor:
+        """Blocks per row and KV head [seqs, kv_heads]: the row's budget times its heads,
+        counted out of one ranking of all its (head, block) pairs by ``mass``, after each
+        head's first ``head_floor`` share of the budget in its own order (``keep_best``'s)."""
+        seqs, kv_heads, width = mass.shape
+        exists = blocks.block_tokens() > 0
+        # Top-k at the largest budget, not a sort of every block (no host sync: the largest
+        # budget is known on the host).
+        floor = (blocks.budgets * self.config.head_floor).long()
+        own = self.ranked(scores, blocks)
+        top = own.topk(min(math.ceil(blocks.max_budget * self.config.head_floor), width)).indices
+        first = torch.zeros_like(own, dtype=torch.bool).scatter_(
+            -1,
+            top,
+            (torch.arange(top.shape[-1], device=own.device) < floor[:, None, None]).expand_as(top),
+        )
+        first |= self.forced_blocks(blocks)[:, None]
+        ranked = mass.masked_fill(first, torch.inf).masked_fill(~exists[:, None], -torch.inf)
+        order = ranked.flatten(1).topk(min(blocks.max_budget * kv_heads, kv_heads * width)).indices
+        taken = torch.arange(order.shape[-1], device=mass.device) < (
+            blocks.budgets[:, None] * kv_heads
+        )
+        chosen = torch.zeros_like(ranked.flatten(1), dtype=torch.bool).scatter_(-1, order, taken)
+        return (chosen.view(seqs, kv_heads, width) & exists[:, None]).sum(-1)
+
+    def forced_blocks(self, blocks: DecodeBlocks) -> torch.Tensor:
+        """The sink and the most recent blocks of each row, [seqs, max_blocks]."""
+        counts = (blocks.block_tokens() > 0).sum(1)
+        positions = torch.arange(blocks.block_tables.shape[1], device=counts.device)
+        config = self.config
+        return (positions < config.sink_blocks) | (
+            positions >= counts[:, None] - config.recent_blocks
+        )
+
+    def ranked(self, scores: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """``scores`` with the forced blocks strictly first and missing ones last: blocks never
+        attended to yet have an infinite mass, which is clamped just below the forced ones."""
+        exists = blocks.block_tokens() > 0
+        scores = scores.clamp(max=torch.finfo(scores.dtype).max)
+        scores = scores.masked_fill(self.forced_blocks(blocks)[:, None, :], torch.inf)
+        return scores.masked_fill(~exists[:, None, :], -torch.inf)
 
     def keep_best(
         self, scores: torch.Tensor, blocks: DecodeBlocks, head_budgets: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The mask of each row's ``budget`` best blocks (each head's, with ``head_budgets``),
         the forced ones (sink and recent) first."""
-        config, lens = self.config, blocks.context_lens
         exists = blocks.block_tokens() > 0  # [seqs, max_blocks]
-        counts = exists.sum(1)  # blocks in each context
-        positions = torch.arange(blocks.block_tables.shape[1], device=lens.device)
-        forced = (positions < config.sink_blocks) | (
-            positions >= counts[:, None] - config.recent_blocks
-        )
-        # Forced blocks rank strictly first: blocks never attended to yet have an infinite mass,
-        # which is clamped just below them.
-        scores = scores.clamp(max=torch.finfo(scores.dtype).max)
-        scores = scores.masked_fill(forced[:, None, :], torch.inf)
-        scores = scores.masked_fill(~exists[:, None, :], -torch.inf)
+        scores = self.ranked(scores, blocks)
         # One top-k at the largest budget; each row keeps its own budget's worth of it. A head's
         # budget may pass the row's: then every block is ranked (no host sync for the largest).
         budgets = blocks.budgets[:, None, None] if head_budgets is None else head_budgets[..., None]
         width = scores.shape[-1] if head_budgets is not None else blocks.max_budget
         top = scores.topk(min(width, scores.shape[-1]), dim=-1).indices
-        taken = torch.arange(top.shape[-1], device=lens.device) < budgets
+        taken = torch.arange(top.shape[-1], device=scores.device) < budgets
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
         return mask & exists[:, None, :]
 
