@@ -19,7 +19,7 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test,ray]"
 	touch $@
 
 demo: $(VENV)/.runtime

@@ -88,6 +88,8 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return serve_replicas(args)
     from etinfer.config import EngineConfig
     from etinfer.engine.llm_engine import LLMEngine
     from etinfer.server import serve as run_server
@@ -102,6 +104,27 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
+    )
+    return 0
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    # Ray is imported only here: without --replicas the server does not need it.
+    from etinfer.cluster import launch
+
+    threads = args.num_threads or launch.default_threads(args.replicas)
+    replica_options = launch.ReplicaOptions(
+        replicas=args.replicas,
+        num_threads=threads,
+        engine_kwargs={"model": args.model, **options.engine_kwargs(args)},
+        model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
+        api_key=args.api_key,
+        router=args.router,
+    )
+    launch.serve_replicas(
+        replica_options, host=args.host, port=args.port, ray_address=args.ray_address
     )
     return 0
 
@@ -130,6 +153,25 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "for the default model)",
     )
     parser.add_argument("--log-level", default="info")
+    cluster = parser.add_argument_group("replicas on Ray Serve (pip install 'etinfer[ray]')")
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        help="engine replicas behind the endpoint (default: one engine in this process, no Ray)",
+    )
+    cluster.add_argument(
+        "--ray-address", help="join this Ray cluster instead of starting a local one"
+    )
+    cluster.add_argument(
+        "--num-threads", type=int, help="torch threads per replica (default: cores / replicas)"
+    )
+    cluster.add_argument(
+        "--router",
+        choices=["backlog", "pow2"],
+        default="backlog",
+        help="backlog: where the request finishes soonest, with prefix affinity; pow2: Ray "
+        "Serve's power of two choices",
+    )
     options.add_engine_options(parser)
     parser.set_defaults(func=serve)
 

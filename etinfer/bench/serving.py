@@ -192,6 +192,10 @@ def wait_for_go(ready_file: str | None, go_file: str | None) -> None:
 def main(args: argparse.Namespace) -> int:
     from etinfer.llm import LLM
 
+    if args.replicas:
+        from etinfer.bench import replicas  # it builds on this module
+
+        return replicas.main(args)
     options.set_threads(args)
     requests = load_workload(args)
     lengths = [r.prompt_tokens for r in requests]
@@ -251,4 +255,18 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--ready-file", help="create this file when loaded and warmed up")
     parser.add_argument("--go-file", help="then start the workload once this file exists")
     parser.add_argument("--output", help="write the figures and per-request records as JSON")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        help="compare these replica counts on Ray Serve (each count's replicas share the "
+        "cores; bench/replicas.py) instead of running one engine in this process",
+    )
+    parser.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="with --replicas: every prompt opens with one of --num-prefixes texts this long",
+    )
+    parser.add_argument("--num-prefixes", type=int, default=4)
     parser.set_defaults(func=main)

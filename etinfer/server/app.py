@@ -55,6 +55,41 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class ServingStack:
+    """What serves one engine: its metrics, the engine loop, the prompt encoder and the OpenAI
+    serving logic. The single server and each Ray Serve replica hold one."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting_requests: int) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+        self.metrics = ServerMetrics(model_name)
+        self.loop = EngineLoop(engine, self.metrics, max_waiting_requests=max_waiting_requests)
+        self.encoder = PromptEncoder(
+            engine.validator, engine.tokenizer, max_pending=max_waiting_requests
+        )
+        self.serving = OpenAIServing(self.loop, self.encoder, model_name)
+
+    def start(self) -> None:
+        """On the event loop that will serve."""
+        release_freed_memory()  # what reading the model left behind
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.encoder.close()
+        await self.loop.stop()
+
+
+def guard(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
+    """The error handlers, the body size limit and the API key, in the order they must run."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+    install_handlers(app)
+    # The last added runs first: the key is checked before a body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+
 def create_app(
     engine: LLMEngine,
     *,
@@ -66,38 +101,25 @@ def create_app(
     """An OpenAI-compatible server over ``engine``, which it then owns: nothing else may call
     the engine while the app runs. ``max_request_bytes``: the largest body accepted (by
     default room for one prompt that fills the context, see ``default_max_request_bytes``)."""
-    if max_waiting_requests < 1:
-        raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(
             engine.max_model_len, engine.tokenizer.max_token_bytes
         )
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
-    model_name = model_name or default_model_name(engine)
-    metrics = ServerMetrics(model_name)
-    loop = EngineLoop(engine, metrics, max_waiting_requests=max_waiting_requests)
-    encoder = PromptEncoder(engine.validator, engine.tokenizer, max_pending=max_waiting_requests)
-    serving = OpenAIServing(loop, encoder, model_name)
+    stack = ServingStack(engine, model_name or default_model_name(engine), max_waiting_requests)
+    loop, metrics, serving = stack.loop, stack.metrics, stack.serving
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        release_freed_memory()  # what reading the model left behind
-        loop.start()
+        stack.start()
         try:
             yield
         finally:
-            encoder.close()
-            await loop.stop()
+            await stack.stop()
 
     app = FastAPI(title="etinfer", lifespan=lifespan)
     app.state.loop = loop
     app.state.metrics = metrics
-    install_handlers(app)
-    # The last added runs first: the key is checked before a body is read.
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    guard(app, api_key, max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:

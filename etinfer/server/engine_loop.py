@@ -93,6 +93,8 @@ class RequestGroup:
 class _Route:
     group: RequestGroup
     index: int
+    prompt_tokens: int
+    max_tokens: int
     last_token_time: float | None = None  # when its latest token reached the event loop
 
 
@@ -148,6 +150,18 @@ class EngineLoop:
         to its thread (both counted at the same instant by the stats)."""
         return self.stats.num_waiting + self._num_submitted - self.stats.num_applied
 
+    def work_left(self) -> list[tuple[int, int]]:
+        """Each unfinished request's work left, (prompt tokens to compute, output tokens it
+        may still generate; the scheduler plans for all of them): what a router weighs to tell
+        where a new request would finish first. Requests still on their way to the engine's
+        thread count too."""
+        work = []
+        for route in self._routes.values():
+            output = route.group.outputs[route.index]
+            generated = len(output.token_ids) if output is not None else 0
+            work.append((0 if generated else route.prompt_tokens, route.max_tokens - generated))
+        return work
+
     def submit(self, requests: list[EngineRequest]) -> RequestGroup:
         """Queue the requests of one HTTP request, all or none."""
         if not self.alive:
@@ -159,7 +173,9 @@ class EngineLoop:
             )
         group = RequestGroup([r.request_id for r in requests])
         for index, request in enumerate(requests):
-            self._routes[request.request_id] = _Route(group, index)
+            self._routes[request.request_id] = _Route(
+                group, index, len(request.prompt_token_ids), request.params.max_tokens
+            )
         self._num_submitted += len(requests)
         self._commands.put(("add", requests))
         return group
@@ -261,6 +277,7 @@ class EngineLoop:
             prefix_cache_queries=engine.kv.prefix_cache_queries,
             prefix_cache_hits=engine.kv.prefix_cache_hits,
             num_applied=self._num_applied,
+            kv_free_blocks=engine.kv.pool.num_free_blocks,
         )
         # A closed event loop raises: nobody is left to read them.
         with contextlib.suppress(RuntimeError):

@@ -38,6 +38,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up, so far (as is the one below)
     prefix_cache_hits: int = 0  # prompt tokens found
     num_applied: int = 0  # requests the engine thread has taken in so far
+    kv_free_blocks: int = 0
 
 
 class ServerMetrics:
