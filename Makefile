@@ -20,6 +20,10 @@ $(VENV)/.runtime: pyproject.toml
 
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install --quiet -e ".[test,ray]"
+	# The playground's browser test drives the system's Chromium: installed where we may.
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+		|| echo "no Chromium: the playground's browser tests will be skipped"
 	touch $@
 
 demo: $(VENV)/.runtime

@@ -26,6 +26,7 @@ from etinfer.cluster import metrics
 from etinfer.server.app import guard
 from etinfer.server.errors import APIError
 from etinfer.server.limits import default_max_request_bytes
+from etinfer.server.playground import add_playground
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 # Sends of one request before a 503: each failed one lost a replica that had not answered.
@@ -56,6 +57,7 @@ class OpenAIIngress:
             limit = default_max_request_bytes(info["max_model_len"], info["max_token_bytes"])
         app = FastAPI(title="etinfer")
         guard(app, self.api_key, limit)
+        add_playground(app)
 
         @app.get("/health")
         async def health() -> Response:

@@ -92,16 +92,23 @@ def start(
 ) -> ray.actor.ActorHandle:
     """Start (or join, with ``ray_address``) a Ray cluster and deploy; returns when serving.
     The metrics board lives as long as the handle returned."""
-    ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False)
+    if ray_address is None:
+        ray.init(namespace=NAMESPACE, include_dashboard=False)
+    else:  # settings of the cluster itself are not ours to give
+        ray.init(address=ray_address, namespace=NAMESPACE)
     board = MetricsBoard.options(name=BOARD_NAME, get_if_exists=True).remote()
     serve.start(http_options=HTTPOptions(host=host, port=port))
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
     return board
 
 
-def stop() -> None:
-    """Remove the deployment and, where this process started the cluster, the cluster."""
-    serve.shutdown()
+def stop(joined: bool) -> None:
+    """Remove the deployment. A cluster this process started goes with Serve; in one it
+    joined, only this application goes, and the cluster and its other applications stay."""
+    if joined:
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
     ray.shutdown()
 
 
@@ -115,5 +122,5 @@ def serve_replicas(
         signal.signal(sig, lambda *_: done.set())
     print(f"etinfer: {options.replicas} replicas serving on http://{host}:{port}", flush=True)
     done.wait()
-    stop()
+    stop(joined=ray_address is not None)
     del board

@@ -19,6 +19,7 @@ from etinfer.server.errors import APIError, install_handlers
 from etinfer.server.limits import BodySizeLimit, default_max_request_bytes
 from etinfer.server.memory import release_freed_memory
 from etinfer.server.metrics import ServerMetrics
+from etinfer.server.playground import add_playground
 from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from etinfer.server.serving import OpenAIServing
@@ -120,6 +121,7 @@ def create_app(
     app.state.loop = loop
     app.state.metrics = metrics
     guard(app, api_key, max_request_bytes)
+    add_playground(app)
 
     @app.get("/health")
     async def health() -> Response:

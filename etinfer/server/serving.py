@@ -27,6 +27,7 @@ from etinfer.server.engine_loop import (
 )
 from etinfer.server.errors import APIError, invalid_value
 from etinfer.server.limits import check_lists
+from etinfer.server.playground import control_layers
 from etinfer.server.prompts import EncodedPrompt, PromptEncoder
 from etinfer.server.protocol import (
     DEFAULT_COMPLETION_TOKENS,
@@ -63,6 +64,7 @@ class OpenAIServing:
                     "created": self.created,
                     "owned_by": "etinfer",
                     "max_model_len": self.engine.max_model_len,
+                    "etinfer": {"control": control_layers(self.engine.config)},
                 }
             ],
         }

@@ -23,6 +23,7 @@ from etinfer.bench.local_server import LocalServer, local_server
 from etinfer.server import create_app
 from tests.server.conftest import (
     API_KEY,
+    AUTH,
     MAX_MODEL_LEN,
     MESSAGES,
     ServerThread,
@@ -119,6 +120,27 @@ def test_greedy_answers_equal_the_single_engine_servers(deployment, single_serve
         torch.set_num_threads(threads)
     assert replicas == single
     assert all(replicas)
+
+
+def test_errors_and_the_playground_are_the_single_servers(deployment, single_server):
+    def replies(url: str) -> list[tuple[int, dict]]:
+        bad = {"model": MODEL, "prompt": "x", "max_tokens": -3}
+        shapeless = {"model": MODEL, "messages": "not a list"}
+        return [
+            (r.status_code, r.json())
+            for r in (
+                httpx2.post(f"{url}/v1/completions", json=bad, headers=AUTH),
+                httpx2.post(f"{url}/v1/chat/completions", json=shapeless, headers=AUTH),
+                httpx2.post(f"{url}/v1/completions", json=bad),  # no key
+            )
+        ]
+
+    replicas = replies(deployment.url)
+    assert [status for status, _ in replicas] == [400, 400, 401]
+    page = httpx2.get(f"{deployment.url}/")  # the playground, as a single server serves it
+    assert page.status_code == 200 and page.text == httpx2.get(f"{single_server.url}/").text
+    assert replicas[0][1]["error"]["param"] == "max_tokens"
+    assert replicas == replies(single_server.url)
 
 
 def test_concurrent_plain_and_streamed_requests_use_both_replicas(deployment):
