@@ -56,8 +56,14 @@ class BacklogRouter(RequestRouter):
         self.decisions[request_id] = decision
         while len(self.decisions) > MAX_UNROUTED:
             self.decisions.popitem(last=False)
-        rest = sorted((n for n in by_id if n != decision.replica), key=decision.finish_times.get)
-        return [[by_id[decision.replica]], [by_id[n] for n in rest]]
+        # Replicas within the margin of the best share the first rank: among them Serve takes
+        # the one with the fewest requests in flight, which it counts live.
+        best = decision.finish_times[decision.replica]
+        margin = best * (1 + self.policy.config.tie_margin)
+        ranked = sorted(by_id, key=decision.finish_times.get)
+        first = [n for n in ranked if n == decision.replica or decision.finish_times[n] <= margin]
+        rest = [n for n in ranked if n not in first]
+        return [[by_id[n] for n in first], [by_id[n] for n in rest]]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult

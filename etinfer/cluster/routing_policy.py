@@ -31,6 +31,7 @@ class RoutingConfig:
     prefill_cost: float = 0.05  # decode tokens one prompt token costs (chunked prefill, CPU)
     prefix_capacity: int = 8192  # prefix chunks remembered per replica
     default_max_tokens: int = 256  # for requests that leave max_tokens unset
+    tie_margin: float = 0.25  # estimates this close to the best tie: live queue length decides
 
 
 @dataclass

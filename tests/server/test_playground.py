@@ -15,6 +15,7 @@ from tests.server.conftest import API_KEY, COMPLETIONS, GREEDY_PROMPT, post
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs the test extra (selenium)")
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support import expected_conditions  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -99,3 +100,25 @@ def test_a_bad_field_shows_the_servers_message(browser, server, model_name: str)
     assert error.is_displayed()
     assert expected.json()["error"]["message"] in error.text
     assert "400" in error.text
+
+
+def test_a_narrow_window_keeps_the_page_within_its_width_and_the_keyboard_reaches_tokens(
+    browser, server
+):
+    browser.set_window_size(360, 800)
+    try:
+        open_page(browser, server, **{"temperature": "0", "max-tokens": "4"})
+        send_and_wait(browser)
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - window.innerWidth"
+        )
+        assert overflow <= 0
+        # Tab from Send (Stop is disabled once the answer is in) lands on the first token,
+        # which then shows its details.
+        browser.find_element(By.ID, "send").send_keys(Keys.TAB)
+        focused = browser.switch_to.active_element
+        assert focused.get_attribute("class") == "tok"
+        assert focused.get_attribute("data-index") == "0"
+        assert browser.find_element(By.ID, "token-detail").is_displayed()
+    finally:
+        browser.set_window_size(1200, 1000)
