@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -88,14 +89,25 @@ def build_app(options: ReplicaOptions) -> serve.Application:
 
 
 def start(
-    options: ReplicaOptions, *, host: str, port: int, ray_address: str | None
+    options: ReplicaOptions,
+    *,
+    host: str,
+    port: int,
+    ray_address: str | None,
+    on_signal: Callable[..., None] | None = None,
 ) -> ray.actor.ActorHandle:
     """Start (or join, with ``ray_address``) a Ray cluster and deploy; returns when serving.
-    The metrics board lives as long as the handle returned."""
+    The metrics board lives as long as the handle returned. ``on_signal`` takes SIGTERM and
+    SIGINT from the moment Ray is up (``ray.init`` installs a handler that exits at once)."""
     if ray_address is None:
+        # Serve's proxy drains for 30 s at shutdown by default; streams get our grace instead.
+        os.environ.setdefault("RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S", str(GRACE_S))
         ray.init(namespace=NAMESPACE, include_dashboard=False)
     else:  # settings of the cluster itself are not ours to give
         ray.init(address=ray_address, namespace=NAMESPACE)
+    if on_signal is not None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
     board = MetricsBoard.options(name=BOARD_NAME, get_if_exists=True).remote()
     serve.start(http_options=HTTPOptions(host=host, port=port))
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
@@ -115,12 +127,14 @@ def stop(joined: bool) -> None:
 def serve_replicas(
     options: ReplicaOptions, *, host: str, port: int, ray_address: str | None
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then stop everything."""
-    board = start(options, host=host, port=port, ray_address=ray_address)
+    """Serve until SIGTERM or SIGINT, then stop everything; a signal during start-up stops
+    it as soon as the deployment is up."""
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    print(f"etinfer: {options.replicas} replicas serving on http://{host}:{port}", flush=True)
-    done.wait()
+    board = start(
+        options, host=host, port=port, ray_address=ray_address, on_signal=lambda *_: done.set()
+    )
+    if not done.is_set():
+        print(f"etinfer: {options.replicas} replicas serving on http://{host}:{port}", flush=True)
+        done.wait()
     stop(joined=ray_address is not None)
     del board
