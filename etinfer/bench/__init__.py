@@ -9,6 +9,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench import (
         ablation,
         abuse,
+        iss_check,
         kernels,
         longcontext,
         pruning,
@@ -36,6 +37,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     abuse.add_command(kinds)
     kernels.add_command(kinds)
     longcontext.add_command(kinds)
+    iss_check.add_command(kinds)
     quantization.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)
