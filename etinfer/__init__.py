@@ -3,6 +3,7 @@
 from etinfer.config import ControlConfig, EngineConfig
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.drafting import SpeculativeConfig
+from etinfer.control.stress import StressConfig
 from etinfer.llm import LLM
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
@@ -17,4 +18,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "StressConfig",
 ]

@@ -12,6 +12,7 @@ from etinfer.control.kv_compression import KVCompressionConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.sparse_prefill import SparsePrefillConfig
+from etinfer.control.stress import StressConfig
 from etinfer.control.switching import SwitchingConfig
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.validation import check_choice, check_float, check_int
@@ -179,6 +180,13 @@ class EngineConfig:
             "ngram:4:fixed; schedules entropy, fixed, heuristic)"
         },
     )
+    stress: StressConfig | None = field(
+        default=None,
+        metadata={
+            "help": "for robustness studies only: distort the entropy the control layers read, "
+            "SCALE[:BIAS] (measured on logits times SCALE, BIAS nats added)"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
@@ -203,6 +211,8 @@ class EngineConfig:
         STEP_SHAPERS.check(self.step_shaper)
         if not isinstance(self.control, ControlConfig):
             raise ValueError(f"control must be a ControlConfig, got {self.control!r}")
+        if self.stress is not None and not isinstance(self.stress, StressConfig):
+            raise ValueError(f"stress must be a StressConfig or None, got {self.stress!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(
                 f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}"

@@ -5,7 +5,7 @@ so a field added to ``EngineConfig`` is a flag of every command that builds an e
 further code. A command chooses which fields it exposes (a benchmark that sizes the engine itself
 leaves those out; one whose own ``--seed`` seeds its workload leaves out the engine's) and may
 change their defaults. ``control`` is exposed as the named presets of ``CONTROL_PRESETS``,
-``speculative`` in the short form ``SpeculativeConfig.parse`` reads.
+``speculative`` and ``stress`` in the short forms their ``parse`` reads.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from etinfer.config import ControlConfig, EngineConfig, SpeculativeConfig
+from etinfer.control.stress import StressConfig
 
 CONTROL_PRESETS: dict[str, ControlConfig] = {
     "baseline": ControlConfig.baseline(),
@@ -75,7 +76,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if isinstance(value, bool):
             flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])
-        elif isinstance(value, SpeculativeConfig):
+        elif isinstance(value, SpeculativeConfig | StressConfig):
             flags += [_flag(name), value.as_flag()]
         elif value is not None:
             flags += [_flag(name), str(value)]
@@ -121,6 +122,8 @@ def _parsing(name: str) -> dict[str, Any]:
         return {"choices": list(CONTROL_PRESETS)}
     if name == "speculative":
         return {"type": SpeculativeConfig.parse}
+    if name == "stress":
+        return {"type": StressConfig.parse}
     kind = _TYPES[name]
     if isinstance(kind, types.UnionType):
         kinds = [k for k in typing.get_args(kind) if k is not types.NoneType]

@@ -110,6 +110,7 @@ class LLMEngine:
             if self.calibration is None
             else self.calibration.temperature,
             sparse_prefill=config.control.sparse_prefill_config,
+            stress=config.stress,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.compressor = KVCompressor.attach(config.control, self.runner, self.kv)

@@ -10,6 +10,7 @@ import torch
 
 from etinfer.control.record import StepDecisions
 from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
+from etinfer.control.stress import StressConfig
 from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
@@ -67,6 +68,7 @@ class ModelRunner:
         seed: int,
         quantization: str = "auto",
         calibration_temperature: float = 1.0,
+        stress: StressConfig | None = None,
         sparse_prefill: SparsePrefillConfig | None = None,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
@@ -110,7 +112,9 @@ class ModelRunner:
             device,
             summaries=selector.needs_summaries or prefill_selector is not None,
         )
-        self.sampler = Sampler(torch.Generator(device).manual_seed(seed), calibration_temperature)
+        self.sampler = Sampler(
+            torch.Generator(device).manual_seed(seed), calibration_temperature, stress
+        )
         self.compressor: KVCompressor | None = None  # set by the engine when compression is on
 
     def set_selector(self, selector: AttentionSelector) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.control.entropy import Distribution, estimate_entropy, softmax_entropy, topk_bounds
+from etinfer.control.stress import StressConfig
 from etinfer.engine.sampling_batch import SamplingBatch, apply_filters
 from etinfer.outputs import Logprob
 
@@ -73,11 +74,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator, calibration_temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator,
+        calibration_temperature: float = 1.0,
+        stress: StressConfig | None = None,
+    ) -> None:
         self.generator = generator  # for rows whose request gave no seed
         # Post-hoc calibration (paper section 5): the control signal is the entropy of
-        # softmax(z / T_cal). It does not change what any request samples.
+        # softmax(z / T_cal). It does not change what any request samples; nor does a stress.
         self.calibration_temperature = calibration_temperature
+        self.stress = stress
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         model = softmax_entropy(logits)
@@ -124,9 +131,12 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's entropy by its estimator on calibrated logits, and the estimate's upper
         side (the tail bound ``H_U`` for the top-k estimators, the value itself when exact)."""
-        if self.calibration_temperature == 1.0 and all(e == "exact" for e, _ in batch.estimators):
+        stress = self.stress
+        plain = self.calibration_temperature == 1.0 and stress is None
+        if plain and all(e == "exact" for e, _ in batch.estimators):
             return raw_entropy, raw_entropy
-        calibrated = logits / self.calibration_temperature
+        scale = 1.0 if stress is None else stress.logit_scale
+        calibrated = logits * (scale / self.calibration_temperature)
         estimate, upper = torch.empty_like(raw_entropy), torch.empty_like(raw_entropy)
         for (estimator, k), rows in batch.estimators.items():
             if estimator == "exact":
@@ -135,6 +145,9 @@ class Sampler:
                 bounds = topk_bounds(calibrated[rows], k)
                 estimate[rows] = bounds.topk if estimator == "topk" else bounds.midpoint
                 upper[rows] = bounds.upper
+        if stress is not None and stress.entropy_bias:
+            estimate = (estimate + stress.entropy_bias).clamp(min=0.0)
+            upper = (upper + stress.entropy_bias).clamp(min=0.0)
         return estimate, upper
 
     @staticmethod
