@@ -54,6 +54,9 @@ def test_greedy_equals_plain_greedy_alone_and_in_mixed_batches(make_llm, quantiz
     assert copy.num_accepted_tokens >= 20 and copy.num_draft_tokens >= copy.num_accepted_tokens
     # One entropy, temperature and so on per emitted token, as without speculation.
     assert len(copy.entropies) == len(copy.temperatures) == len(copy.token_ids) == 40
+    # Who wrote each token: the accepted drafts, and the model's own samples.
+    assert copy.token_models.count("draft:ngram") == copy.num_accepted_tokens
+    assert len(copy.token_models) == 40 and copy.token_models[0] == "target"
     assert_pool_free(speculative)
 
 

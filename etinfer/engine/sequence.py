@@ -157,6 +157,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def writes_models(self) -> bool:
+        """Whether outputs name the model that wrote each token: under switching, and under
+        speculation (which records every sampled token's writer)."""
+        return self.switch is not None or bool(self.token_models)
+
+    @property
     def num_full_tokens(self) -> int:
         """Tokens whose keys and values are in the cache in every layer."""
         if self.exit_start is None:
@@ -207,7 +213,7 @@ class Sequence:
             dropped_mass=self.dropped_mass[blocks:] or None,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            token_models=self.token_models[tokens:] if self.switch else None,
+            token_models=self.token_models[tokens:] if self.writes_models else None,
             attention_profile=self.attention_profile,
             delta=True,
         )
@@ -233,6 +239,6 @@ class Sequence:
             dropped_mass=list(self.dropped_mass) or None,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            token_models=list(self.token_models) if self.switch else None,
+            token_models=list(self.token_models) if self.writes_models else None,
             attention_profile=self.attention_profile,
         )

@@ -23,7 +23,7 @@ import torch
 
 from etinfer.config import EngineConfig
 from etinfer.control.drafting import SpeculativeConfig, next_draft_length
-from etinfer.control.record import StepShape
+from etinfer.control.record import TARGET_MODEL, StepShape
 from etinfer.engine.draft_model import DraftModelProposer
 from etinfer.engine.drafter import make_proposer
 from etinfer.engine.kv_cache_manager import KVCacheManager
@@ -54,6 +54,7 @@ class Speculator:
         """For an engine whose ``speculative`` is set; a drafter that needs fitting (an early
         exit's adapter) is fitted here, at load."""
         self.config: SpeculativeConfig = engine.speculative
+        self.drafter = f"draft:{self.config.method}"  # how token_models names accepted drafts
         self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
         self.kv = kv
         self.max_model_len = runner.max_model_len
@@ -89,10 +90,14 @@ class Speculator:
 
     def record(self, batch: ScheduledBatch, emitted: Emitted) -> None:
         """Count each sampled sequence's drafts and acceptances; move its heuristic length."""
-        for index, accepted in zip(batch.sampled, emitted.accepted, strict=True):
+        for index, accepted, count in zip(
+            batch.sampled, emitted.accepted, emitted.counts, strict=True
+        ):
             seq, drafted = batch.seqs[index], len(batch.drafts[index])
             seq.num_draft_tokens += drafted
             seq.num_accepted_tokens += accepted
+            # Who wrote each token: the drafter's accepted ones come first, then the model's.
+            seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)
             seq.draft_length = next_draft_length(self.config, seq.draft_length, drafted, accepted)
 
 
