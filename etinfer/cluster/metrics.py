@@ -19,7 +19,8 @@ ROUTER_METRICS = CollectorRegistry()
 DECISIONS = Counter(
     "etinfer:router_decisions",
     "Requests routed, by replica and why: backlog (least work ahead), prefix (a cached "
-    "opening outweighed a shorter backlog), fallback (the chosen replica was full).",
+    "opening outweighed a shorter backlog), tie (within the margin of the best, fewer in "
+    "flight), fallback (every close one was full).",
     ["replica", "reason"],
     registry=ROUTER_METRICS,
 )

@@ -52,8 +52,8 @@ class EngineReplica:
     ) -> None:
         torch.set_num_threads(num_threads)
         engine = LLMEngine(EngineConfig(**engine_kwargs))
-        self.model_name = model_name or default_model_name(engine)
-        self.stack = ServingStack(engine, self.model_name, max_waiting_requests)
+        name = model_name or default_model_name(engine)
+        self.stack = ServingStack(engine, name, max_waiting_requests)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.limits = {
             "max_model_len": engine.max_model_len,
@@ -93,7 +93,7 @@ class EngineReplica:
         return self.stack.serving.models()
 
     async def limits_info(self) -> dict:
-        return {"model_name": self.model_name, **self.limits}
+        return self.limits
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine thread died is restarted."""

@@ -2,8 +2,9 @@
 
 Serve calls ``choose_replicas`` for each request the ingress sends through its handle to the
 engine replicas, and hands the router each replica's latest ``record_routing_stats``. The
-answer ranks the replicas: the one where the request would finish soonest alone in the first
-rank, the rest after it, so that Serve falls back in that order when a replica refuses (full).
+answer ranks the replicas: those where the request would finish soonest (within the policy's
+tie margin) in the first rank, where Serve picks by its live count of requests in flight, the
+rest after it, so that Serve falls back in that order when a replica refuses (full).
 Calls that carry no request (models, health) go to any replica.
 """
 
@@ -56,14 +57,8 @@ class BacklogRouter(RequestRouter):
         self.decisions[request_id] = decision
         while len(self.decisions) > MAX_UNROUTED:
             self.decisions.popitem(last=False)
-        # Replicas within the margin of the best share the first rank: among them Serve takes
-        # the one with the fewest requests in flight, which it counts live.
-        best = decision.finish_times[decision.replica]
-        margin = best * (1 + self.policy.config.tie_margin)
-        ranked = sorted(by_id, key=decision.finish_times.get)
-        first = [n for n in ranked if n == decision.replica or decision.finish_times[n] <= margin]
-        rest = [n for n in ranked if n not in first]
-        return [[by_id[n] for n in first], [by_id[n] for n in rest]]
+        rest = sorted((n for n in by_id if n not in decision.ties), key=decision.finish_times.get)
+        return [[by_id[n] for n in decision.ties], [by_id[n] for n in rest]]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -73,7 +68,10 @@ class BacklogRouter(RequestRouter):
             return
         name, request_id = replica_id.unique_id, pending_request.metadata.request_id
         decision = self.decisions.pop(request_id, None)
-        reason = decision.reason if decision and decision.replica == name else "fallback"
+        if decision is None or name not in decision.ties:
+            reason = "fallback"
+        else:
+            reason = decision.reason if name == decision.replica else "tie"
         metrics.DECISIONS.labels(name, reason).inc()
         self.policy.routed(request_id, name, body)
 

@@ -125,6 +125,9 @@ class Decision:
     replica: str
     reason: str  # "backlog": the least work ahead; "prefix": a cached opening outweighed it
     finish_times: dict[str, float]
+    # The replicas whose estimate is within ``tie_margin`` of the best, best first: among them
+    # Serve takes the one with the fewest requests in flight, which it counts live.
+    ties: list[str]
 
 
 class RoutingPolicy:
@@ -159,7 +162,10 @@ class RoutingPolicy:
         prefix = times[best] < plain[best] and others and min(others) <= plain[best]
         reason = "prefix" if prefix else "backlog"
         self.replicas[best].sent[request_id] = (time.time(), sizes[best])
-        return Decision(best, reason, times)
+        margin = times[best] * (1 + self.config.tie_margin)
+        close = (name for name in candidates if name != best and times[name] <= margin)
+        ties = [best, *sorted(close, key=times.get)]
+        return Decision(best, reason, times, ties)
 
     def routed(self, request_id: str, replica: str, body: dict) -> None:
         """Serve sent the request to ``replica``: it counts there until a report includes
