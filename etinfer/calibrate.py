@@ -55,26 +55,47 @@ def collect(
     return torch.cat(logits)[:num_tokens], torch.cat(targets)[:num_tokens]
 
 
-def calibrate(
+def corpus_logits(
     engine: LLMEngine, fit_tokens: int = 4096, eval_tokens: int = 4096, window: int = 256
-) -> Calibration:
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Logits and next tokens of the fitting windows and of the held-out ones."""
     windows = list(corpus_windows(engine.tokenizer, window))
-    fit_logits, fit_targets = collect(engine, iter(windows[0::2]), fit_tokens)
-    temperature = fit_temperature(fit_logits, fit_targets)
-    del fit_logits
-    logits, targets = collect(engine, iter(windows[1::2]), eval_tokens)
+    fit = collect(engine, iter(windows[0::2]), fit_tokens)
+    return fit, collect(engine, iter(windows[1::2]), eval_tokens)
+
+
+def fit_calibration(
+    engine: LLMEngine,
+    fit: tuple[torch.Tensor, torch.Tensor],
+    held_out: tuple[torch.Tensor, torch.Tensor],
+    logit_scale: float = 1.0,
+) -> Calibration:
+    """The post-hoc temperature of ``logit_scale`` times the model's logits (a stress study's
+    distorted model; 1 for the model itself), fitted on ``fit``, scored on ``held_out``."""
+    temperature = fit_temperature(fit[0] * logit_scale, fit[1])
+    logits, targets = held_out[0] * logit_scale, held_out[1]
     return Calibration(
         temperature=temperature,
         model=str(engine.config.model or "default"),
         vocab_size=engine.model_config.vocab_size,
         corpus=CORPUS,
-        fit_tokens=fit_tokens,
-        eval_tokens=eval_tokens,
+        fit_tokens=len(fit[1]),
+        eval_tokens=len(targets),
         nll_before=nll(logits, targets),
         nll_after=nll(logits, targets, temperature),
         ece_before=expected_calibration_error(logits, targets),
         ece_after=expected_calibration_error(logits, targets, temperature),
     )
+
+
+def calibrate(
+    engine: LLMEngine, fit_tokens: int = 4096, eval_tokens: int = 4096, window: int = 256
+) -> Calibration:
+    """Fit on the engine's model, or on its stressed logits when the engine has a stress (the
+    control layers then read ``logit_scale * z / T_cal``)."""
+    fit, held_out = corpus_logits(engine, fit_tokens, eval_tokens, window)
+    stress = engine.config.stress
+    return fit_calibration(engine, fit, held_out, 1.0 if stress is None else stress.logit_scale)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         serving_sweep,
         speculative,
         speed,
+        stress,
         switching,
     )
 
@@ -38,6 +39,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     kernels.add_command(kinds)
     longcontext.add_command(kinds)
     iss_check.add_command(kinds)
+    stress.add_command(kinds)
     quantization.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)

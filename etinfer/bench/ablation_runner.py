@@ -6,7 +6,8 @@ time), and a meter of the work each step does.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
@@ -113,6 +114,7 @@ class Run(EngineRun):
     preemptions: int
     recomputed_tokens: int
     load: tuple[float, float]  # 1-minute load average before and after
+    meters: list = field(default_factory=list)  # the extra observers the caller asked for
 
 
 def run_once(
@@ -124,12 +126,15 @@ def run_once(
     engine_kwargs: dict,
     clock: str,
     bar: tqdm,
+    meters: Sequence[Callable[[LLMEngine], object]] = (),
 ) -> Run:
-    """One configuration's pass, on a fresh engine warmed up first."""
+    """One configuration's pass, on a fresh engine warmed up first; ``meters`` build extra
+    observers of its steps (each adds itself to the engine)."""
     before = os.getloadavg()[0]
     engine = LLM(loaded, control=control, **engine_kwargs).engine
     warm_up(engine)
     meter = StepMeter(engine)
+    extra = [make(engine) for make in meters]
     driven = drive_engine(engine, requests, clock, bar)
     refused = next((r.error for r in driven.records if r.error), None)
     if refused:
@@ -143,4 +148,5 @@ def run_once(
         preemptions=scheduler.num_preemptions,
         recomputed_tokens=scheduler.num_recomputed_tokens,
         load=(before, os.getloadavg()[0]),
+        meters=extra,
     )

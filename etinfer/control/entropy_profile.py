@@ -11,7 +11,7 @@ by). Until it has seen reductions, a sequence is ranked by a prior for that expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,6 +25,7 @@ class EntropyProfile:
     # decisions that prune or deprioritise read, so that an underestimate never makes them
     # more aggressive.
     predictive_entropy_upper: float | None = None
+    estimates: list[float] = field(default_factory=list)  # every step's, for windowed laws
 
     def update(self, predictive_entropy: float, upper: float | None = None) -> float:
         """Record one step's estimate (and its upper side); return its irreversible reduction."""
@@ -36,6 +37,7 @@ class EntropyProfile:
                 self.decay * self.expected_reduction + (1 - self.decay) * reduction
             )
         self.predictive_entropy = predictive_entropy
+        self.estimates.append(predictive_entropy)
         self.predictive_entropy_upper = predictive_entropy if upper is None else upper
         self.steps += 1
         return reduction

@@ -88,7 +88,7 @@ class ModelSwitcher:
             seq.token_models.append(EXIT_MODEL if i in small else TARGET_MODEL)
             if seq.finish_reason is not None:
                 continue
-            state = next_switch_state(self.config, seq.switch, seq.entropies)
+            state = next_switch_state(self.config, seq.switch, seq.profile.estimates)
             if seq.switch.model == EXIT_MODEL and state.model == TARGET_MODEL:
                 seq.num_computed_tokens = seq.exit_start  # catch up from there
                 seq.exit_start = None
