@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from etinfer import EngineConfig, SamplingParams, StressConfig
+from etinfer import ControlConfig, EngineConfig, SamplingParams, StressConfig
+from etinfer.calibrate import calibrate
 from etinfer.cli import build_parser
 from etinfer.options import engine_flags, engine_kwargs
 
@@ -61,3 +62,30 @@ def test_a_stress_moves_the_signal_not_the_tokens(make_llm):
     # ...while the control signal reads over-confident, or shifted by the bias.
     assert all(s < p for s, p in zip(sharp[2], predictive, strict=True) if p > 0.05)
     assert biased[2] == pytest.approx([p + 0.5 for p in predictive], abs=1e-4)
+
+
+def test_calibrate_fits_the_stressed_logits(llm, make_llm):
+    """`etinfer calibrate --stress 2` fits on twice the logits: the refitted temperature doubles,
+    which undoes the scale exactly."""
+    plain = calibrate(llm.engine, fit_tokens=256, eval_tokens=256, window=128)
+    sharp = calibrate(make_llm(stress=StressConfig(logit_scale=2.0)).engine, 256, 256, window=128)
+    assert sharp.temperature == pytest.approx(2 * plain.temperature, rel=1e-3)
+    assert sharp.ece_before > plain.ece_before  # the stressed model is miscalibrated...
+    assert sharp.nll_after == pytest.approx(plain.nll_after, abs=1e-4)  # ...until refitted
+
+
+def test_switching_reads_the_stressed_signal(make_llm):
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    def large_share(bias: float) -> float:
+        llm = make_llm(
+            draft_model="self:22",
+            control=ControlConfig(switching=True),
+            stress=StressConfig(entropy_bias=bias),
+        )
+        return llm.generate([PROMPT], params)[0].large_model_share
+
+    # Read as certain, the small model takes over after its first stretch; read as uncertain,
+    # the large model keeps every token.
+    assert large_share(-5.0) < 0.5
+    assert large_share(5.0) == 1.0

@@ -56,6 +56,7 @@ MIXES: dict[str, dict[str, int]] = {
     "mixed": {"retrieval": 4, "documents": 4, "instruction": 8, "chat": 8},
     "long": {"retrieval": 6, "documents": 6},
     "chat": {"instruction": 12, "chat": 12},
+    "retrieval": {"retrieval": 12},
 }
 
 

@@ -129,10 +129,13 @@ def settings(pruning: PruningConfig, points: dict, calibrations: dict[float, str
     return runs
 
 
-def refit_calibrations(loaded: LoadedModel, scales: set[float], out: Path) -> dict[float, dict]:
-    """The post-hoc temperature of each stressed model, written as ``etinfer calibrate`` does."""
+def refit_calibrations(
+    loaded: LoadedModel, scales: set[float], out: Path, tokens: int
+) -> dict[float, dict]:
+    """The post-hoc temperature of each stressed model, written as ``etinfer calibrate`` does
+    (``tokens`` to fit, as many held out)."""
     engine = LLM(loaded).engine
-    fit, held_out = corpus_logits(engine)
+    fit, held_out = corpus_logits(engine, tokens, tokens)
     found = {}
     for scale in sorted(scales):
         calibration = fit_calibration(engine, fit, held_out, scale)
@@ -170,7 +173,9 @@ def run_grid(
                     tqdm(disable=True), meters=[stress_metrics.DecisionShadow],
                 )  # fmt: skip
                 record = run_figures(ours, run, tokenizer)
-                record["figures"]["decisions_changed"] = run.meters[0].share_changed
+                shadow = run.meters[0]
+                record["figures"]["decisions_changed"] = shadow.share_changed
+                record["figures"]["scheduling_decisions"] = shadow.decisions
                 records.append(record | {"arm": setting.arm, "stress": setting.stress})
                 bar.update()
                 gc.collect()
@@ -183,14 +188,16 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     sizes = QUICK if args.quick else SIZES
+    if args.cap is not None:
+        sizes = replace(sizes, cap=args.cap)
     pruning = PruningConfig(min_context=QUICK_MIN_CONTEXT) if args.quick else PruningConfig()
     points = stress_points(args.scales, args.biases)
     started = time.strftime("%Y-%m-%d %H:%M")
     calibrations = refit_calibrations(
-        loaded, {1.0} | {p.logit_scale for p in points.values() if p}, out
+        loaded, {1.0} | {p.logit_scale for p in points.values() if p}, out, args.calibration_tokens
     )
     paths = {scale: c["path"] for scale, c in calibrations.items()}
-    requests = ablation_workload.build(loaded.tokenizer, "long", sizes, args.seed)
+    requests = ablation_workload.build(loaded.tokenizer, args.workload, sizes, args.seed)
     engine_kwargs = options.engine_kwargs(args)
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or 1024
     records = run_grid(
@@ -204,6 +211,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
             "date": started,
             "machine": machine() | {"cpu_flags": cpu_flags()},
             "quick": args.quick,
+            "workload": args.workload,
             "repeats": args.repeats,
             "seed": args.seed,
             "engine": {k: str(v) for k, v in engine_kwargs.items()},
@@ -226,10 +234,12 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    parts = ["etinfer bench stress", "--quick" if args.quick else ""]
+    parts = ["etinfer bench stress", f"--workload {args.workload}", "--quick" if args.quick else ""]
+    parts += [] if args.cap is None else [f"--cap {args.cap}"]
     parts += [f"--scales {' '.join(f'{s:g}' for s in args.scales)}"]
     parts += [f"--biases {' '.join(f'{b:g}' for b in args.biases)}"]
     parts += [f"--repeats {args.repeats}", f"--seed {args.seed}", f"--threads {args.threads}"]
+    parts += [f"--calibration-tokens {args.calibration_tokens}"]
     parts += ["--skip-layers" if args.skip_layers else ""]
     return " ".join(
         p for p in [*parts, *options.engine_flags(args), f"--output {args.output}"] if p
@@ -242,10 +252,20 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output", required=True, help="directory for the report and plots")
     parser.add_argument("--quick", action="store_true", help="a small run, for tests")
+    parser.add_argument(
+        "--workload",
+        choices=("long", "retrieval"),
+        default="long",
+        help="the ablation's mix: passkeys and documents, or passkeys only",
+    )
+    parser.add_argument("--cap", type=int, help="requests of each kind (default: 4)")
     parser.add_argument("--scales", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5, 2.0])
     parser.add_argument("--biases", type=float, nargs="+", default=[-1.0, 1.0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--calibration-tokens", type=int, default=4096, help="to refit on, as many held out"
+    )
     parser.add_argument(
         "--skip-layers", action="store_true", help="leave out speculative drafting and EAD"
     )

@@ -28,6 +28,7 @@ def write(report: dict, out: Path) -> None:
     (out / "stress.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "stress.md").write_text(markdown(report))
     plot(report, out / "stress.png")
+    plot_estimators(report["summary"], out / "stress_estimators.png")
 
 
 def cell(entry: dict | None, form: str) -> str:
@@ -52,14 +53,18 @@ def arm_table(summary: dict, arm: str) -> str:
     return "\n".join(lines)
 
 
-def estimator_table(summary: dict) -> str:
-    """Section 6.1: each estimator driving the three layers, against exact (the guarded arm
-    unstressed is the tail estimator's run)."""
-    runs = {
-        "exact": summary.get("estimator exact | none"),
-        "topk": summary.get("estimator topk | none"),
-        "tail": summary.get("guards | none"),
+def estimator_runs(summary: dict) -> dict[str, dict]:
+    """Section 6.1's runs: each estimator driving the three layers with the default guards (the
+    guarded arm unstressed is the tail estimator's run)."""
+    return {
+        "exact": summary["estimator exact | none"],
+        "topk": summary["estimator topk | none"],
+        "tail": summary["guards | none"],
     }
+
+
+def estimator_table(summary: dict) -> str:
+    runs = estimator_runs(summary)
     exact = runs["exact"]["figures"]
     lines = [
         "| estimator | blocks read | decisions changed | tok/s vs exact | passkey | "
@@ -187,3 +192,30 @@ def _position(stress: str, kind: str) -> float | None:
         return 1.0 if kind == "scale" else 0.0
     name, _, value = stress.partition(" ")
     return float(value) if name == kind else None
+
+
+def plot_estimators(summary: dict, path: Path) -> None:
+    """Section 6.1: per estimator, blocks read, decisions changed and throughput against exact."""
+    plt = _pyplot()
+    runs = estimator_runs(summary)
+    exact = runs["exact"]["figures"]["throughput"]["mean"]
+    panels = {
+        "blocks read (share of context)": [r["figures"]["kv_read_share"] for r in runs.values()],
+        "scheduling decisions changed": [r["figures"]["decisions_changed"] for r in runs.values()],
+        "throughput / exact's": [
+            {k: v / exact if k in ("mean", "min", "max") else v
+             for k, v in r["figures"]["throughput"].items()}
+            for r in runs.values()
+        ],
+    }  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, entries) in zip(axes, panels.items(), strict=True):
+        means = [e["mean"] for e in entries]
+        spread = [[m - e["min"] for m, e in zip(means, entries, strict=True)],
+                  [e["max"] - m for m, e in zip(means, entries, strict=True)]]  # fmt: skip
+        ax.bar(list(runs), means, yerr=spread, capsize=4, color="#4c72b0")
+        ax.set_title(title, fontsize=9)
+    fig.suptitle("Estimators driving the three layers (section 6.1; bars: mean, whiskers: range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,65 @@
+"""`etinfer bench stress` end to end on its quick workload: the grid runs, over-confidence
+prunes harder without guards, a refitted calibration undoes a logit scale, and the shadow of the
+scheduling law agrees with the law when the signal is unstressed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from etinfer.bench import stress
+from etinfer.cli import build_parser
+from etinfer.control.block_selection import PruningConfig, block_budget
+
+
+def test_unguarded_pruning_keeps_the_budget_line_above_the_floor():
+    guarded = PruningConfig()
+    bare = stress.unguarded(guarded)
+    assert (bare.min_blocks, bare.max_shrink, bare.entropy_floor) == (3, 1.0, 0.0)
+    for entropy in (0.5, 1.0, 2.5, 4.0):
+        assert block_budget(entropy, 1000, None, bare) == block_budget(entropy, 1000, None, guarded)
+    assert block_budget(0.0, 1000, None, bare) < block_budget(0.0, 1000, None, guarded)
+
+
+@pytest.fixture(scope="module")
+def report(loaded_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stress")
+    argv = ["bench", "stress", "--quick", "--scales", "2", "--biases", "0", "--repeats", "1"]
+    argv += ["--skip-layers", "--calibration-tokens", "256", "--output", str(out)]
+    return stress.run(build_parser().parse_args(argv), loaded_model), out
+
+
+def figures(report: dict, arm: str, point: str) -> dict:
+    return report["summary"][f"{arm} | {point}"]["figures"]
+
+
+def test_the_grid_writes_its_report(report):
+    result, out = report
+    assert json.loads((out / "stress.json").read_text())["arms"] == list(stress.ARMS)
+    text = (out / "stress.md").read_text()
+    assert "## no guards" in text and "| scale 2 |" in text and "(6.1)" in text
+    assert (out / "stress.png").stat().st_size > 10_000
+    expected = 1 + len(stress.ARMS) * 2 + len(stress.ESTIMATORS)
+    assert len(result["runs"]) == expected
+
+
+def test_over_confidence_prunes_harder_and_calibration_undoes_it(report):
+    result, _ = report
+    plain = figures(result, "no guards", "none")["kv_read_share"]["mean"]
+    sharp = figures(result, "no guards", "scale 2")["kv_read_share"]["mean"]
+    assert sharp < plain
+    calibrations = result["calibrations"]
+    assert calibrations[2.0]["temperature"] == pytest.approx(
+        2 * calibrations[1.0]["temperature"], rel=1e-3
+    )
+    undone = figures(result, "calibration", "scale 2")["kv_read_share"]["mean"]
+    assert undone == pytest.approx(figures(result, "calibration", "none")["kv_read_share"]["mean"])
+
+
+def test_the_shadow_agrees_with_the_law_on_the_unstressed_exact_signal(report):
+    result, _ = report
+    for arm in ("no guards", "estimator exact"):
+        run = figures(result, arm, "none")
+        assert run["scheduling_decisions"]["mean"] > 0
+        assert run["decisions_changed"]["mean"] == 0.0
