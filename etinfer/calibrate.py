@@ -55,13 +55,23 @@ def collect(
     return torch.cat(logits)[:num_tokens], torch.cat(targets)[:num_tokens]
 
 
+def split_windows(engine: LLMEngine, window: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The corpus's windows, alternately to fit on and held out."""
+    windows = list(corpus_windows(engine.tokenizer, window))
+    return windows[0::2], windows[1::2]
+
+
 def corpus_logits(
     engine: LLMEngine, fit_tokens: int = 4096, eval_tokens: int = 4096, window: int = 256
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Logits and next tokens of the fitting windows and of the held-out ones."""
-    windows = list(corpus_windows(engine.tokenizer, window))
-    fit = collect(engine, iter(windows[0::2]), fit_tokens)
-    return fit, collect(engine, iter(windows[1::2]), eval_tokens)
+    """Logits and next tokens of the fitting windows and of the held-out ones (to fit several
+    temperatures on one collection)."""
+    fit, held_out = split_windows(engine, window)
+    return collect(engine, iter(fit), fit_tokens), collect(engine, iter(held_out), eval_tokens)
+
+
+def scaled(logits: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    return logits if logit_scale == 1.0 else logits * logit_scale
 
 
 def fit_calibration(
@@ -72,19 +82,31 @@ def fit_calibration(
 ) -> Calibration:
     """The post-hoc temperature of ``logit_scale`` times the model's logits (a stress study's
     distorted model; 1 for the model itself), fitted on ``fit``, scored on ``held_out``."""
-    temperature = fit_temperature(fit[0] * logit_scale, fit[1])
-    logits, targets = held_out[0] * logit_scale, held_out[1]
+    temperature = fit_temperature(scaled(fit[0], logit_scale), fit[1])
+    return scored(engine, temperature, len(fit[1]), held_out, logit_scale)
+
+
+def scored(
+    engine: LLMEngine,
+    temperature: float,
+    fit_tokens: int,
+    held_out: tuple[torch.Tensor, torch.Tensor],
+    logit_scale: float,
+) -> Calibration:
+    """A fitted temperature with its NLL and ECE before and after, on the held-out text."""
+    logits, targets = scaled(held_out[0], logit_scale), held_out[1]
     return Calibration(
         temperature=temperature,
         model=str(engine.config.model or "default"),
         vocab_size=engine.model_config.vocab_size,
         corpus=CORPUS,
-        fit_tokens=len(fit[1]),
+        fit_tokens=fit_tokens,
         eval_tokens=len(targets),
         nll_before=nll(logits, targets),
         nll_after=nll(logits, targets, temperature),
         ece_before=expected_calibration_error(logits, targets),
         ece_after=expected_calibration_error(logits, targets, temperature),
+        logit_scale=logit_scale,
     )
 
 
@@ -93,9 +115,13 @@ def calibrate(
 ) -> Calibration:
     """Fit on the engine's model, or on its stressed logits when the engine has a stress (the
     control layers then read ``logit_scale * z / T_cal``)."""
-    fit, held_out = corpus_logits(engine, fit_tokens, eval_tokens, window)
-    stress = engine.config.stress
-    return fit_calibration(engine, fit, held_out, 1.0 if stress is None else stress.logit_scale)
+    scale = 1.0 if engine.config.stress is None else engine.config.stress.logit_scale
+    fit_windows, held_windows = split_windows(engine, window)
+    fit = collect(engine, iter(fit_windows), fit_tokens)
+    temperature = fit_temperature(scaled(fit[0], scale), fit[1])
+    del fit  # the held-out logits take its place: hundreds of MB each
+    held_out = collect(engine, iter(held_windows), eval_tokens)
+    return scored(engine, temperature, fit_tokens, held_out, scale)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,7 +64,7 @@ def test_a_stress_moves_the_signal_not_the_tokens(make_llm):
     assert biased[2] == pytest.approx([p + 0.5 for p in predictive], abs=1e-4)
 
 
-def test_calibrate_fits_the_stressed_logits(llm, make_llm):
+def test_calibrate_fits_the_stressed_logits(llm, make_llm, tmp_path):
     """`etinfer calibrate --stress 2` fits on twice the logits: the refitted temperature doubles,
     which undoes the scale exactly."""
     plain = calibrate(llm.engine, fit_tokens=256, eval_tokens=256, window=128)
@@ -72,6 +72,12 @@ def test_calibrate_fits_the_stressed_logits(llm, make_llm):
     assert sharp.temperature == pytest.approx(2 * plain.temperature, rel=1e-3)
     assert sharp.ece_before > plain.ece_before  # the stressed model is miscalibrated...
     assert sharp.nll_after == pytest.approx(plain.nll_after, abs=1e-4)  # ...until refitted
+    # The file says which stress it was fitted under, and an engine must read it under the same.
+    path = tmp_path / "stressed.json"
+    sharp.save(path)
+    with pytest.raises(ValueError, match="logit_scale is 1"):
+        make_llm(calibration=str(path))
+    make_llm(calibration=str(path), stress=StressConfig(logit_scale=2.0), num_kvcache_blocks=8)
 
 
 def test_switching_reads_the_stressed_signal(make_llm):

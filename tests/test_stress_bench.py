@@ -8,9 +8,12 @@ import json
 
 import pytest
 
-from etinfer.bench import stress
+from etinfer.bench import stress, stress_metrics
 from etinfer.cli import build_parser
+from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig, block_budget
+from etinfer.control.record import ControlRecord
+from tests.scheduling_helpers import decoding, make_seq
 
 
 def test_unguarded_pruning_keeps_the_budget_line_above_the_floor():
@@ -63,3 +66,19 @@ def test_the_shadow_agrees_with_the_law_on_the_unstressed_exact_signal(report):
         run = figures(result, arm, "none")
         assert run["scheduling_decisions"]["mean"] > 0
         assert run["decisions_changed"]["mean"] == 0.0
+
+
+def test_the_shadow_counts_an_order_the_stressed_signal_changed(make_llm):
+    engine = make_llm(control=ControlConfig(scheduling=True), num_kvcache_blocks=64).engine
+    shadow = stress_metrics.DecisionShadow(engine)
+    assert engine.scheduler.policy is shadow  # the scheduler asks the shadow, which defers
+    early, late = (decoding(make_seq(arrival=t), 4) for t in (0.0, 1.0))
+    for h in (3.0, 1.0):  # the law reads a falling entropy for the later arrival only
+        late.profile.update(h)
+    shadow.begin_step(ControlRecord.build(1, (early, late), ()))
+    assert shadow.order([early, late]) == [late, early]  # the real policy's answer
+    assert (shadow.decisions, shadow.changed) == (1, 1)  # unmeasured in the shadow: arrival wins
+    shadow.profiles[late.request_id] = late.profile
+    shadow.begin_step(ControlRecord.build(2, (early, late), ()))
+    shadow.order([early, late])
+    assert (shadow.decisions, shadow.changed) == (2, 1)  # the same signal: the same order

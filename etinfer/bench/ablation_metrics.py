@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from etinfer.bench import quality
-from etinfer.bench.ablation_workload import AblationRequest, answer_tokens
+from etinfer.bench.ablation_workload import AblationRequest, answers
 from etinfer.bench.serving import summarize
 from etinfer.bench.stats import mean
 from etinfer.model.tokenizer import Tokenizer
@@ -87,8 +87,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
     latency = summarize(run.records, run.makespan)
     tokens = sum(len(o.token_ids) for o in outs)
     tau = sum(o.entropic_time for o in outs)
-    eos = tokenizer.eos_token_ids
-    answers = [answer_tokens(r, o.token_ids, eos) for r, o in zip(requests, outs, strict=True)]
+    answered = answers(requests, outs, tokenizer.eos_token_ids)
     sampled = [i for i, r in enumerate(requests) if not r.greedy]
     figures = {
         "latency_per_token": statistics.fmean(r.e2e / r.output_tokens for r in run.records),
@@ -111,8 +110,8 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "decode_pairs_in_context": run.work["decode_pairs_in_context"],
         "preemptions": run.preemptions,
         "recomputed_tokens": run.recomputed_tokens,
-        **task_quality(requests, answers, tokenizer),
-        **_sampled_figures([outs[i] for i in sampled], [answers[i] for i in sampled]),
+        **task_quality(requests, answered, tokenizer),
+        **_sampled_figures([outs[i] for i in sampled], [answered[i] for i in sampled]),
     }
     order = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_scheduled_time)
     return {
@@ -122,7 +121,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "figures": figures,
         "admission_order": order,
         "greedy_answers": {
-            str(i): tokenizer.decode(a) for i, a in enumerate(answers) if requests[i].greedy
+            str(i): tokenizer.decode(a) for i, a in enumerate(answered) if requests[i].greedy
         },
     }
 
@@ -164,7 +163,7 @@ def add_baseline_comparisons(records: list[dict]) -> None:
     for record in records:
         base = baselines[record["repeat"]]
         ours = record["figures"]
-        ours["rouge_l_baseline"] = _answers_rouge(record, base)
+        ours["rouge_l_baseline"] = answers_rouge(record, base)
         parts = [
             ours[k] / base["figures"][k]
             for k in ("passkey_accuracy", "rouge_l_human")
@@ -173,7 +172,7 @@ def add_baseline_comparisons(records: list[dict]) -> None:
         ours["quality"] = statistics.fmean(parts) if parts else ours["rouge_l_baseline"]
 
 
-def _answers_rouge(record: dict, base: dict) -> float | None:
+def answers_rouge(record: dict, base: dict) -> float | None:
     pairs = [(a, base["greedy_answers"][i]) for i, a in record["greedy_answers"].items()]
     return mean([rouge_l(words(a), words(b)) for a, b in pairs])
 
@@ -278,7 +277,7 @@ def baseline_self_rouge(records: list[dict]) -> float | None:
     """ROUGE-L of the baseline's greedy answers in later repeats against the first: the noise
     floor of ``rouge_l_baseline`` (batches differ from run to run, and so can near-ties)."""
     base = sorted((r for r in records if r["config"] == "baseline"), key=lambda r: r["repeat"])
-    return mean([_answers_rouge(r, base[0]) for r in base[1:]])
+    return mean([answers_rouge(r, base[0]) for r in base[1:]])
 
 
 def trace(requests: list[AblationRequest], runs: list[Run], config: str = "full") -> dict | None:

@@ -234,7 +234,7 @@ def markdown(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,7 +246,7 @@ def _pyplot():
 def plot_bars(report: dict, path: Path) -> None:
     """Per configuration, each figure relative to the baseline: the mean of the repeats and
     their range (error bars); the paper's values where it gives them."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = report["summary"]
     configs = list(summary)
     paper_columns = {name: i for i, (name, _) in enumerate(TABLE1.values())}
@@ -281,7 +281,7 @@ def plot_bars(report: dict, path: Path) -> None:
 def plot_trace(trace: dict, path: Path) -> None:
     """One sampled request under the full loop: entropy (with the baseline's), temperature and
     the share of KV blocks attention kept, step by step."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     top.plot(trace["baseline_entropies"], color="gray", linewidth=0.8, label="baseline, H (T=1)")
     top.plot(trace["entropies"], linewidth=1, label="full system, H (T=1)")

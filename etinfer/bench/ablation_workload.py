@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,11 +129,17 @@ def for_repeat(requests: list[AblationRequest], repeat: int) -> list[AblationReq
     ]
 
 
-def answer_tokens(request: AblationRequest, token_ids: list[int], eos: tuple[int, ...]) -> list:
-    """What a request answered: its tokens after the forced ones, up to the first EOS."""
-    tokens = token_ids[len(request.forced) :]
-    ends = [i for i, t in enumerate(tokens) if t in eos]
-    return tokens[: ends[0]] if ends else tokens
+def answers(
+    requests: Sequence[AblationRequest], outputs: Sequence, eos: tuple[int, ...]
+) -> list[list[int]]:
+    """What each request answered: its output's tokens after the forced ones, up to the first
+    EOS."""
+    found = []
+    for request, output in zip(requests, outputs, strict=True):
+        tokens = output.token_ids[len(request.forced) :]
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        found.append(tokens[: ends[0]] if ends else tokens)
+    return found
 
 
 class _Makers:

@@ -2,12 +2,14 @@
 
     etinfer bench stress --output results/stress
     etinfer bench stress --quick --output results/stress-quick
+    etinfer bench stress --workload retrieval --cap 12 --skip-layers --output results/passkeys
 
 The model is made to look over-confident (logits scaled up, entropy biased low) or
 under-confident, or its entropy estimate is shifted by a constant (``StressConfig``: the control
 layers read the distorted signal, requests sample from the model as it is). Each stress point
 runs the paper's three layers on the ablation's long-context workload (passkey retrieval and
-human-written documents, ``bench/ablation_workload.py``) under four arms:
+human-written documents, ``bench/ablation_workload.py``; ``--workload retrieval``: passkeys
+only) under four arms:
 
 - ``no guards``: the exact estimator, and pruning without its guards: no entropy floor (the
   budget's line goes on below it, down to ``budget_low`` at 0 nats minus the floor's share),
@@ -19,9 +21,10 @@ human-written documents, ``bench/ablation_workload.py``) under four arms:
   temperatures are reported;
 - ``both``.
 
-Each repeat also runs the layer-off engine (every figure of quality is against it) and section
-6.1's estimators: the three layers with the default guards and the ``exact`` or ``topk``
-estimator (the guarded arm unstressed is the ``tail`` one). The speculative drafter's length and
+Each repeat also runs the layer-off engine (the reference of ROUGE-L between answers; passkeys
+and human text are scored on their own) and section 6.1's estimators: the three layers with the
+default guards and the ``exact`` or ``topk`` estimator (the guarded arm unstressed is the
+``tail`` one). The speculative drafter's length and
 Entropy Adaptive Decoding's switch read the same signal: ``bench/stress_layers.py`` runs them
 under the same stresses. EntropyInfer's layers read attention entropy, which the stress does not
 touch, and are left out.

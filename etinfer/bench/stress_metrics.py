@@ -1,100 +1,99 @@
 """The stress test's figures: what each stressed run changed, against the layer-off engine and
 against its own arm unstressed.
 
-Scheduling decisions are counted by a shadow of the scheduling law (``DecisionShadow``): the law's
-decisions at a step are two orders, of the running sequences (who gets the step's token budget
-first) and of the waiting ones (who is admitted first); at every step with two or more sequences
-to order, the shadow orders the same sequences twice, once with the record the law really read
-and once with each sequence's expected entropy reduction recomputed from the model's own exact,
-uncalibrated entropy (the signal without stress, estimator or calibration). A decision changed
-when either order differs. Counting within one run avoids comparing two runs whose batches have
-drifted apart for other reasons (timing, sampled tokens). The orders are taken after the step ran
-(observers see it then), so the sequences' lengths have moved by the step's tokens: both orders
-see the same lengths, and only the entropy term differs.
+Scheduling decisions are counted by a shadow of the scheduling law (``DecisionShadow``). It
+stands in for the engine's policy and answers every question with the real policy's answer, and
+each time the scheduler asks for an order of two or more sequences (the running ones, for the
+step's token budget; the waiting ones, for admission) it also asks a twin of the law, whose
+record carries each sequence's expected entropy reduction recomputed from the model's own
+exact, uncalibrated entropy (the signal without stress, estimator or calibration). A decision
+changed where the two orders differ. Both orders are taken at the moment the scheduler asks,
+from the same sequences, so only the entropy term differs; counting within one run avoids
+comparing two runs whose batches drift apart for other reasons (timing, sampled tokens). An
+order can change without changing the batch (when the budget covers every running sequence):
+the figure counts what the law decides, an upper bound on what the scheduler does with it.
 """
 
 from __future__ import annotations
 
-from etinfer.bench.ablation_metrics import _answers_rouge, spread
+from collections.abc import Sequence
+
+from etinfer.bench.ablation_metrics import answers_rouge, spread
 from etinfer.control.entropy_profile import EntropyProfile
-from etinfer.control.record import ControlRecord
+from etinfer.control.record import Controlled, ControlRecord
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.engine.observer import StepRecord
 
-# The figures a stressed run is judged by, and whether lower is better (None: neither).
-FIGURES = {
-    "kv_read_share": True,  # blocks decode attention read, share of the context's
-    "passkey_accuracy": False,
-    "rouge_l_baseline": False,  # greedy answers against the layer-off engine's
-    "rouge_l_human": False,
-    "decisions_changed": True,
-    "sampled_entropy_sd": None,  # spread of the entropy sampled text was drawn at
-    "sampled_temperature_mean": None,
-    "throughput": False,
-}
-
 
 class DecisionShadow:
-    """Counts the steps whose scheduling orders the stress (or estimator) changed."""
+    """Counts the scheduling orders the stress (or estimator) changed; see the module."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        policy = engine.scheduler.policy
+        self.policy = policy = engine.scheduler.policy
         # A second instance: ordering moves a policy's state (its step, aging horizon).
-        self.policy = type(policy)(policy.config, chunk_tokens=policy.chunk_tokens)
+        self.twin = type(policy)(
+            policy.config, chunk_tokens=policy.chunk_tokens, clock=policy.clock
+        )
         self.profiles: dict[str, EntropyProfile] = {}
         self.decisions = 0
         self.changed = 0
+        engine.scheduler.policy = self
         engine.add_observer(self)
 
-    def __call__(self, step: StepRecord) -> None:
-        record = step.control
-        if len(record.running) > 1 or len(record.waiting) > 1:
-            entries = {
-                seq: entry._replace(
-                    expected_reduction=(
-                        p := self.profiles.get(seq.request_id, EntropyProfile())
-                    ).expected_reduction,
-                    prior_weight=p.prior_weight,
-                )
-                for seq, entry in record.seqs.items()
-            }
-            shadow = ControlRecord(record.step, record.running, record.waiting, entries)
+    def begin_step(self, record: ControlRecord) -> None:
+        self.policy.begin_step(record)
+        entries = {
+            seq: entry._replace(
+                expected_reduction=(
+                    p := self.profiles.get(seq.request_id, EntropyProfile())
+                ).expected_reduction,
+                prior_weight=p.prior_weight,
+            )
+            for seq, entry in record.seqs.items()
+        }
+        self.twin.begin_step(ControlRecord(record.step, record.running, record.waiting, entries))
+
+    def order(self, seqs: Sequence[Controlled]) -> list[Controlled]:
+        ordered = self.policy.order(seqs)
+        if len(seqs) > 1:
             self.decisions += 1
-            self.changed += self._orders(record) != self._orders(shadow)
+            self.changed += ordered != self.twin.order(seqs)
+        return ordered
+
+    def victim(self, candidates: Sequence[Controlled]) -> Controlled:
+        return self.policy.victim(candidates)
+
+    def growth_reserve(self, seqs: Sequence[Controlled], block_size: int) -> int:
+        return self.policy.growth_reserve(seqs, block_size)
+
+    def __call__(self, step: StepRecord) -> None:
+        """After each step: the model's entropies into the twin's profiles."""
         if step.measured is not None:
             for row, entropy in zip(step.sampled, step.measured.entropies, strict=True):
                 profile = self.profiles.setdefault(step.request_ids[row], EntropyProfile())
                 profile.update(entropy)
 
-    def _orders(self, record: ControlRecord) -> tuple[list[str], list[str]]:
-        self.policy.begin_step(record)
-        return tuple(
-            [s.request_id for s in self.policy.order(group)]
-            for group in (record.running, record.waiting)
-        )
-
     @property
-    def share_changed(self) -> float:
-        return self.changed / self.decisions if self.decisions else 0.0
+    def share_changed(self) -> float | None:
+        return self.changed / self.decisions if self.decisions else None
 
 
 def compare(records: list[dict]) -> None:
     """Into each record's figures: ROUGE-L against the layer-off engine's greedy answers of the
-    same repeat, and the ratios to its own arm unstressed (``*_vs_unstressed``): the efficiency
-    kept is the share of the unstressed arm's saving in blocks read that the stressed run keeps
-    (above 1: it prunes harder)."""
+    same repeat; the throughput against the layer-off engine's; and the efficiency kept: the
+    share of its own arm's unstressed saving in blocks read that the run keeps (above 1: it
+    prunes harder)."""
     off = {r["repeat"]: r for r in records if r["arm"] == "layers off"}
     plain = {(r["arm"], r["repeat"]): r for r in records if r["stress"] == "none"}
     for record in records:
         figures = record["figures"]
-        figures["rouge_l_baseline"] = _answers_rouge(record, off[record["repeat"]])
+        figures["rouge_l_baseline"] = answers_rouge(record, off[record["repeat"]])
         own = plain.get((record["arm"], record["repeat"]))
         if own is None:
             continue
         base = own["figures"]
         saving = 1 - base["kv_read_share"]
         figures["efficiency_kept"] = (1 - figures["kv_read_share"]) / saving if saving else None
-        figures["throughput_vs_unstressed"] = figures["throughput"] / base["throughput"]
         figures["throughput_vs_layers_off"] = (
             figures["throughput"] / off[record["repeat"]]["figures"]["throughput"]
         )

@@ -24,7 +24,7 @@ import torch
 from etinfer import LLM, ControlConfig, options
 from etinfer.bench.ablation_metrics import task_quality
 from etinfer.bench.ablation_runner import matmul_params
-from etinfer.bench.ablation_workload import Sizes, answer_tokens, build
+from etinfer.bench.ablation_workload import Sizes, answers, build
 from etinfer.bench.kernels import cpu_flags
 from etinfer.control.switching import EXIT_MODEL, SwitchingConfig
 from etinfer.model.loader import load_model
@@ -54,11 +54,7 @@ def run(llm: LLM, requests: list) -> tuple[list, float, int]:
 def figures(llm: LLM, scorer: LLM, requests: list, exit_layers: int) -> dict:
     outs, wall, rows = run(llm, requests)
     tok = llm.tokenizer
-    answers = [
-        answer_tokens(r, o.token_ids, tok.eos_token_ids)
-        for r, o in zip(requests, outs, strict=True)
-    ]
-    scores = task_quality(requests, answers, tok)
+    scores = task_quality(requests, answers(requests, outs, tok.eos_token_ids), tok)
     nll, count = 0.0, 0
     for r, o in zip(requests, outs, strict=True):
         ids = list(r.prompt) + o.token_ids

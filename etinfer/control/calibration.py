@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from etinfer.control.stress import StressConfig
+
 
 def nll(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> float:
     """Mean negative log-likelihood (nats per token) of ``targets`` under ``softmax(z / T)``."""
@@ -66,6 +68,9 @@ class Calibration:
     nll_after: float
     ece_before: float
     ece_after: float
+    # The stress the logits were fitted under (`etinfer calibrate --stress`): an engine must
+    # read them with the same scale. 1 for the model itself (and for files without the field).
+    logit_scale: float = 1.0
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -86,12 +91,22 @@ class Calibration:
         return calibration
 
     @classmethod
-    def for_model(cls, path: str | Path, vocab_size: int) -> Calibration:
-        """``load``, checked against the vocabulary of the model it is to rescale."""
+    def for_model(
+        cls, path: str | Path, vocab_size: int, stress: StressConfig | None = None
+    ) -> Calibration:
+        """``load``, checked against the vocabulary of the model it is to rescale and the logit
+        scale of the engine's stress."""
         calibration = cls.load(path)
+        logit_scale = 1.0 if stress is None else stress.logit_scale
         if calibration.vocab_size != vocab_size:
             raise ValueError(
                 f"{path}: calibrated for a vocabulary of {calibration.vocab_size} tokens, but "
                 f"this model has {vocab_size}"
+            )
+        if calibration.logit_scale != logit_scale:
+            raise ValueError(
+                f"{path}: fitted on logits scaled by {calibration.logit_scale:g} "
+                f"(etinfer calibrate --stress), but this engine's stress.logit_scale is "
+                f"{logit_scale:g}"
             )
         return calibration

@@ -3,9 +3,10 @@
 Generate with the small model while the rolling entropy of the predictions stays low, hand over
 to the large model when it rises, hand back when it falls again. Lossy by design: the small
 model's tokens are its own, not checked by the large model. The law reads the predictive entropy
-of the tokens written so far (the signal every law reads: the request's estimator on calibrated
-logits, each measured on the distribution of the model that wrote it) and the sequence's
-current stretch; it is pure, and the engine applies its answer after each token.
+of the tokens written so far (the control signal pruning, scheduling and drafting read too: the
+request's estimator on calibrated logits, each measured on the distribution of the model that
+wrote it) and the sequence's current stretch; it is pure, and the engine applies its answer
+after each token.
 
 The paper's abstract (all of it we hold) gives no window or threshold values; ours are chosen
 from the measured curve of large-model share against quality (``etinfer bench switching``,

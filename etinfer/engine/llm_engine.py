@@ -60,7 +60,8 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         self.calibration = None
         if config.calibration is not None:
-            self.calibration = Calibration.for_model(config.calibration, loaded.config.vocab_size)
+            vocab, stress = loaded.config.vocab_size, config.stress
+            self.calibration = Calibration.for_model(config.calibration, vocab, stress)
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
         self.block_size = config.block_size
         self.num_blocks = config.resolve_num_blocks(
