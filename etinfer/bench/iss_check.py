@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from etinfer import options
+from etinfer.bench.ablation_report import pyplot
 from etinfer.bench.fidelity import corpus_tokens, forced_log_probs
 from etinfer.control.entropy import TemperedEntropy, estimate_entropy
 from etinfer.control.temperature import feedback_step, solve_log_temperature
@@ -121,11 +122,7 @@ def verdict(result: dict) -> dict:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 5))
     for name, result in results.items():
         ok = result["reachable"] & (result["eps"] > 0)

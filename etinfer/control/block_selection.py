@@ -217,7 +217,7 @@ class EntropicSelector(BlockSelector):
         """Each block's share of each KV head's attention, [seqs, kv_heads, max_blocks],
         comparable across heads: the softmax of the scaled key bounds ``logits`` [seqs,
         kv_heads, group, max_blocks], the largest of the group's query heads."""
-        exists = blocks.block_tokens() > 0
+        exists = blocks.present
         return logits.masked_fill(~exists[:, None, None], -torch.inf).softmax(-1).amax(2)
 
     def head_budgets(
@@ -227,7 +227,7 @@ class EntropicSelector(BlockSelector):
         counted out of one ranking of all its (head, block) pairs by ``mass``, after each
         head's first ``head_floor`` share of the budget in its own order (``keep_best``'s)."""
         seqs, kv_heads, width = mass.shape
-        exists = blocks.block_tokens() > 0
+        exists = blocks.present
         # Top-k at the largest budget, not a sort of every block (no host sync: the largest
         # budget is known on the host).
         floor = (blocks.budgets * self.config.head_floor).long()
@@ -249,7 +249,7 @@ class EntropicSelector(BlockSelector):
 
     def forced_blocks(self, blocks: DecodeBlocks) -> torch.Tensor:
         """The sink and the most recent blocks of each row, [seqs, max_blocks]."""
-        counts = (blocks.block_tokens() > 0).sum(1)
+        counts = blocks.present.sum(1)
         positions = torch.arange(blocks.block_tables.shape[1], device=counts.device)
         config = self.config
         return (positions < config.sink_blocks) | (
@@ -259,7 +259,7 @@ class EntropicSelector(BlockSelector):
     def ranked(self, scores: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
         """``scores`` with the forced blocks strictly first and missing ones last: blocks never
         attended to yet have an infinite mass, which is clamped just below the forced ones."""
-        exists = blocks.block_tokens() > 0
+        exists = blocks.present
         scores = scores.clamp(max=torch.finfo(scores.dtype).max)
         scores = scores.masked_fill(self.forced_blocks(blocks)[:, None, :], torch.inf)
         return scores.masked_fill(~exists[:, None, :], -torch.inf)
@@ -269,7 +269,7 @@ class EntropicSelector(BlockSelector):
     ) -> torch.Tensor:
         """The mask of each row's ``budget`` best blocks (each head's, with ``head_budgets``),
         the forced ones (sink and recent) first."""
-        exists = blocks.block_tokens() > 0  # [seqs, max_blocks]
+        exists = blocks.present
         scores = self.ranked(scores, blocks)
         # One top-k at the largest budget; each row keeps its own budget's worth of it. A head's
         # budget may pass the row's: then every block is ranked (no host sync for the largest).
@@ -292,7 +292,7 @@ def value_weighted(
 ) -> torch.Tensor:
     """``log(bound mass) + log ||v_b - o||`` per row, KV head and block: ``logits`` [seqs,
     kv_heads, max_blocks] are the scaled key bounds; ``o`` is the output they predict."""
-    tokens = blocks.block_tokens()  # [seqs, max_blocks]
+    tokens = blocks.block_tokens  # [seqs, max_blocks]
     sums = summaries.value_sums[:, blocks.block_tables].transpose(0, 1)  # [seqs, kv, b, dim]
     means = sums / tokens.clamp(min=1)[:, None, :, None]
     mass = logits + tokens.log()[:, None, :]  # a block's bound times its tokens, in logs

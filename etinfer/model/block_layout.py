@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,11 +27,18 @@ class DecodeBlocks:
     budgets: torch.Tensor | None = None
     max_budget: int = 0
 
+    # Derived once a step (the layout does not change within it), though every layer reads them.
+    @cached_property
     def block_tokens(self) -> torch.Tensor:
         """[num_seqs, max_blocks]: tokens of context in each table entry (0 in padding)."""
         width = self.block_tables.shape[1]
         offsets = torch.arange(width, device=self.context_lens.device) * self.block_size
         return (self.context_lens[:, None] - offsets).clamp(0, self.block_size)
+
+    @cached_property
+    def present(self) -> torch.Tensor:
+        """[num_seqs, max_blocks]: the table entries that hold context."""
+        return self.block_tokens > 0
 
 
 @dataclass

@@ -67,7 +67,7 @@ class PruningTelemetry:
     def empty(cls, layers: int, blocks: DecodeBlocks, in_context: torch.Tensor) -> PruningTelemetry:
         """Before the step; ``in_context`` is what dense attention reads. What every layer's
         record shares is built here, once per step."""
-        log_tokens = blocks.block_tokens().log()
+        log_tokens = blocks.block_tokens.log()
         total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
         return cls(in_context, log_tokens, torch.zeros_like(total), total, torch.zeros_like(total))
 
