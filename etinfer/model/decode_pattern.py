@@ -27,8 +27,7 @@ class DecodePattern:
 
     crow: torch.Tensor  # [rows + 1] int32
     cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
-    row_ids: torch.Tensor  # [nnz] the row of each entry, for the row-wise max
-    row_lens: torch.Tensor  # [rows]
+    row_ids: torch.Tensor  # [nnz] the row of each entry, to subtract its row's max
     zeros: torch.Tensor  # [nnz] placeholder values; sampled_addmm needs some
     masked: torch.Tensor  # [few] entries outside the context
 
@@ -103,14 +102,11 @@ def build_decode_pattern(
     offsets = torch.arange(bs, device=device, dtype=torch.int32)
     cols = (start[which, None] + offsets).view(-1)
     row_ids = run_row[:, None].expand(-1, bs).reshape(-1)
-    row_lens = row_runs * bs
     crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-    torch.cumsum(row_lens, 0, out=crow[1:])
+    torch.cumsum(row_runs * bs, 0, out=crow[1:])
     # Entries outside the context: only in the few runs whose block is cut.
     end, skip = end[which], skip[which]
     (cut,) = ((end < bs) | (skip > 0)).nonzero(as_tuple=True)
     outside = (offsets >= end[cut, None]) | (offsets < skip[cut, None])
     masked = (cut[:, None] * bs + offsets)[outside]
-    return DecodePattern(
-        crow, cols, row_ids, row_lens, torch.zeros(cols.numel(), device=device), masked
-    )
+    return DecodePattern(crow, cols, row_ids, torch.zeros(cols.numel(), device=device), masked)

@@ -86,7 +86,7 @@ class Int4Linear:
         self.scales = self.scales.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(self.dtype)
+        h = x if x.dtype == self.dtype else x.to(self.dtype)
         if self.planes > 1:
             h = h.repeat(1, self.planes)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.weight, self.group_size, self.scales)

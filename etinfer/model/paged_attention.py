@@ -115,10 +115,13 @@ class PagedAttention:
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)  # no-ops in float32
+        if q.dtype != cache.dtype:  # a call per tensor even when it is a no-op: 30 layers add up
+            q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         if meta.capture_rows is not None:
             meta.captured[layer] = q[meta.capture_rows]
         cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
+        if not meta.prefills:
+            return self._decode(layer, q, cache, meta).flatten(1)
         out = torch.empty_like(q)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(layer, q[: meta.num_decode], cache, meta)
@@ -163,11 +166,8 @@ class PagedAttention:
             structure, q.reshape(rows, self.head_dim), keys.t(), beta=0.0, alpha=self.scale
         ).values()
         scores.index_fill_(0, pattern.masked, -torch.inf)
-        row_max = torch.full((rows,), -torch.inf, device=q.device, dtype=scores.dtype)
-        row_max.scatter_reduce_(0, pattern.row_ids, scores, "amax")
-        weights = scores.sub_(
-            row_max.repeat_interleave(pattern.row_lens, output_size=pattern.nnz)
-        ).exp_()
+        row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
+        weights = scores.sub_(row_max[pattern.row_ids]).exp_()
         denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
         out = F.embedding_bag(
             pattern.cols,
