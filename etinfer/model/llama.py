@@ -103,11 +103,13 @@ class DecoderLayer:
     ) -> torch.Tensor:
         rows, hidden = x.shape
         h = F.rms_norm(x, (hidden,), self.input_norm, self.eps)
-        qkv = self.qkv(h).to(x.dtype)
-        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qk = rope.apply(qkv[:, :qk_width].view(rows, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_width:].view(rows, self.num_kv_heads, self.head_dim)
+        # As heads: [rows, q heads + k heads + v heads, head_dim], views taken in few calls.
+        qkv = self.qkv(h).to(x.dtype).view(rows, -1, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        q, k = rope.apply(qkv[:, :qk_heads], cos, sin).split(
+            (self.num_heads, self.num_kv_heads), dim=1
+        )
+        v = qkv[:, qk_heads:]
         x = x + self.o(attention(index, q, k, v, cache, meta).to(x.dtype))
         h = F.rms_norm(x, (hidden,), self.post_attention_norm, self.eps)
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
