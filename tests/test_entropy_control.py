@@ -115,6 +115,36 @@ def test_exact_solver_returns_the_nearer_bound_when_out_of_reach():
     torch.testing.assert_close(u, torch.stack([u_min[0], u_max[1]]), atol=1e-3, rtol=0)
 
 
+class NoisyLine:
+    """H(u) = 2 + 4 (u - root), except at two points just either side of the root, where float
+    rounding of the entropy makes it read 1e-4 low and 2e-4 high (what the 4-bit default's logits
+    gave at one step: there Newton points just past the narrowed bracket)."""
+
+    root, below, above = -0.0299875, -0.03, -0.029975
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, u):
+        self.calls.append(u.item())
+        readings = {self.below: 1.9999, self.above: 2.0002}
+        h = [readings.get(round(x, 7), 2 + 4 * (x - self.root)) for x in u.tolist()]
+        return torch.tensor(h), torch.full_like(u, 4.0)
+
+    def restrict(self, rows):
+        return self
+
+
+def test_exact_solver_stays_in_a_bracket_narrowed_near_the_root():
+    curve = NoisyLine()
+    u = solve_log_temperature(
+        curve, torch.tensor([2.0]), torch.tensor([-2.3]), torch.tensor([0.4]), torch.tensor([-0.03])
+    )
+    # The bound is not where the root is: the solver bisects the bracket instead of jumping there.
+    assert min(curve.calls) >= NoisyLine.below
+    assert abs(u.item() - NoisyLine.root) < 1e-5
+
+
 def equilibrium(logits, target):
     """u* with H(u*) = target, and the varentropy (loop gain per unit gain) there."""
     u = solve_log_temperature(

@@ -93,11 +93,13 @@ def solve_log_temperature(
         newton = at - error / slope.clamp(min=1e-12)
         # Closed bracket: a row exactly at its root must stay where it is.
         inside = (newton >= low) & (newton <= high) & (slope > 1e-12)
-        step = torch.where(
-            (newton < low) & ~tried_floor[active],
-            floor,
-            torch.where((newton > high) & ~tried_ceiling[active], ceiling, (low + high) / 2),
-        )
+        # A bound is tried only while the bracket still reaches it: once an evaluation has
+        # narrowed that side, Newton past it is rounding noise near the root (entropy is
+        # evaluated to about 1e-4 nats), and jumping to the bound would leave bisection too
+        # few iterations to come back.
+        to_floor = (newton < low) & ~tried_floor[active] & (low <= floor)
+        to_ceiling = (newton > high) & ~tried_ceiling[active] & (high >= ceiling)
+        step = torch.where(to_floor, floor, torch.where(to_ceiling, ceiling, (low + high) / 2))
         step = torch.where(inside, newton, step)
         tried_floor[active] |= step <= floor
         tried_ceiling[active] |= step >= ceiling
