@@ -9,6 +9,7 @@ less, not just mask more.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,9 +28,21 @@ class DecodePattern:
 
     crow: torch.Tensor  # [rows + 1] int32
     cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
-    row_ids: torch.Tensor  # [nnz] the row of each entry, to subtract its row's max
-    zeros: torch.Tensor  # [nnz] placeholder values; sampled_addmm needs some
     masked: torch.Tensor  # [few] entries outside the context
+    outside: torch.Tensor  # [nnz] uint8, 1 at the entries of ``masked`` (the native kernel's form)
+
+    # Built when first asked for (the torch path and the mass scorer ask): the native kernel
+    # needs neither, and a prefill chunk's pattern has tens of millions of entries.
+    @cached_property
+    def row_ids(self) -> torch.Tensor:
+        """[nnz] the row of each entry, to subtract its row's max."""
+        rows = torch.arange(self.crow.numel() - 1, device=self.crow.device)
+        return rows.repeat_interleave(self.crow.diff(), output_size=self.nnz)
+
+    @cached_property
+    def zeros(self) -> torch.Tensor:
+        """[nnz] placeholder values; sampled_addmm needs some."""
+        return torch.zeros(self.nnz, device=self.cols.device)
 
     @property
     def nnz(self) -> int:
@@ -101,7 +114,6 @@ def build_decode_pattern(
     which = segment_start.repeat_interleave(queries_per_kv)[run_row] + run_in_row
     offsets = torch.arange(bs, device=device, dtype=torch.int32)
     cols = (start[which, None] + offsets).view(-1)
-    row_ids = run_row[:, None].expand(-1, bs).reshape(-1)
     crow = torch.zeros(rows + 1, dtype=torch.int32, device=device)
     torch.cumsum(row_runs * bs, 0, out=crow[1:])
     # Entries outside the context: only in the few runs whose block is cut.
@@ -109,4 +121,5 @@ def build_decode_pattern(
     (cut,) = ((end < bs) | (skip > 0)).nonzero(as_tuple=True)
     outside = (offsets >= end[cut, None]) | (offsets < skip[cut, None])
     masked = (cut[:, None] * bs + offsets)[outside]
-    return DecodePattern(crow, cols, row_ids, torch.zeros(cols.numel(), device=device), masked)
+    flags = torch.zeros(cols.numel(), dtype=torch.uint8, device=device).index_fill_(0, masked, 1)
+    return DecodePattern(crow, cols, masked, flags)

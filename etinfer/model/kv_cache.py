@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from etinfer.model import native_kernels
 from etinfer.model.block_layout import BlockSummaries
 
 # index_reduce is stable in the pinned torch; the notice would only confuse.
@@ -54,6 +55,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
+        self.native = device.type == "cpu" and native_kernels.available()
         self.key_bounds = self.mass = self.value_sums = None
         if summaries:
             per_block = (num_layers, num_kv_heads, num_blocks)
@@ -76,7 +78,6 @@ class KVCache:
         keys: torch.Tensor,  # [rows, kv_heads, head_dim]
         values: torch.Tensor,
     ) -> None:
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         if fresh_blocks is not None and fresh_blocks.numel():
             # Decode reads a kept block whole and gives its slots past the context zero weight;
             # zero times a NaN left in reused memory is NaN, so a block's values start at zero.
@@ -84,10 +85,16 @@ class KVCache:
                 self.values.shape[1], self.num_blocks, self.block_size, -1
             )
             blocks.index_fill_(1, fresh_blocks, 0.0)
-        self.keys[layer].index_copy_(1, slots, keys)
-        self.values[layer].index_copy_(1, slots, values)
+        key_cache, value_cache = self.keys[layer], self.values[layer]
+        native = self.native and native_kernels.write_cache(
+            key_cache, value_cache, keys, values, slots
+        )
+        if not native:
+            key_cache.index_copy_(1, slots, keys.transpose(0, 1))
+            value_cache.index_copy_(1, slots, values.transpose(0, 1))
         if self.key_bounds is None:
             return
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         key_max, key_min = self.key_bounds[layer].unbind(2)
         if fresh_blocks is not None and fresh_blocks.numel():
             # A block's first token starts its bounds afresh; its mass is unknown until it is

@@ -1,16 +1,13 @@
 """Attention over a paged KV cache (the layout is in ``kv_cache.py``).
 
 **Decode** (one query token per sequence) reads the cache in place, with no per-step copy of the
-blocks, through the CSR pattern of ``decode_pattern.py``:
-
-- the scores are a sampled dense-dense matmul (``torch.sparse.sampled_addmm``) on exactly the
-  pattern's pairs;
-- the softmax runs on the flat score vector, row by row;
-- the weighted sum of values is ``embedding_bag`` with per-entry weights (a gathered, weighted
-  row sum that FBGEMM vectorises; about twice as fast here as a CSR-dense matmul).
-
-Sequences of any lengths share one call per layer, and grouped-query heads read their KV head
-without repeating it. Each layer asks the step's :class:`AttentionSelector` which blocks to read.
+blocks, through the CSR pattern of ``decode_pattern.py``, in one call of the native kernel
+(``native_kernels.py``: scores, softmax and the weighted sum of values, each row alone). Without
+it the same runs as torch operations: the scores by ``torch.sparse.sampled_addmm`` on exactly the
+pattern's pairs, the softmax on the flat score vector, the values by ``embedding_bag`` with
+per-entry weights. Sequences of any lengths share one call per layer, and grouped-query heads
+read their KV head without repeating it. Each layer asks the step's :class:`AttentionSelector`
+which blocks to read. With ``batch_invariant`` prefill rows come here too (``model_runner.py``).
 
 **Prefill chunks** (several query tokens of one sequence) go through
 ``scaled_dot_product_attention``, one sequence at a time: there the work is quadratic in the
@@ -25,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from etinfer.model import native_kernels
 from etinfer.model.block_layout import (
     AttentionSelector,
     DecodeBlocks,
@@ -105,6 +103,11 @@ class PagedAttention:
         self.selector = selector
         self.sliding_window = sliding_window
         self.prefill_selector = prefill_selector
+        # Decode attention in one native call where the kernel takes these shapes (and runs on
+        # the CPU, checked per call); else as torch operations.
+        self.native = native_kernels.available() and native_kernels.takes(
+            head_dim, num_heads // num_kv_heads
+        )
 
     def __call__(
         self,
@@ -144,7 +147,7 @@ class PagedAttention:
     def _decode(
         self, layer: int, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        blocks = meta.decode_blocks
+        blocks, group = meta.decode_blocks, self.num_heads // self.num_kv_heads
         summaries = cache.summaries(layer) if self.selector.needs_summaries else None
         selection = self.selector.select(layer, q, blocks, summaries)
         pattern, visible = meta.dense_pattern, None
@@ -153,17 +156,40 @@ class PagedAttention:
             pattern = build_decode_pattern(
                 blocks,
                 visible,
-                self.num_heads // self.num_kv_heads,
+                group,
                 cache.num_slots,
                 self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
         keys = cache.keys[layer].view(-1, self.head_dim)  # row kv_head * num_slots + slot
+        values = cache.values[layer].view(-1, self.head_dim)
+        q = q.reshape(rows, self.head_dim)
+        if self.native and q.device.type == "cpu":
+            out, row_max, denominators, weights = native_kernels.decode_attention(
+                q, keys, values, pattern.crow, pattern.cols, pattern.outside, group, self.scale
+            )
+        else:
+            out, row_max, denominators, weights = self._decode_torch(q, keys, values, pattern)
+        if meta.telemetry is not None:
+            self._record(layer, selection, visible, row_max, denominators, meta.telemetry)
+        if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
+            self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
+        return out.view(-1, self.num_heads, self.head_dim)
+
+    def _decode_torch(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the native kernel computes, in torch operations (off the CPU, or without a C
+        compiler)."""
         structure = torch.sparse_csr_tensor(
-            pattern.crow, pattern.cols, pattern.zeros, (rows, keys.shape[0]), check_invariants=False
+            pattern.crow,
+            pattern.cols,
+            pattern.zeros,
+            (q.shape[0], keys.shape[0]),
+            check_invariants=False,
         )
         scores = torch.sparse.sampled_addmm(
-            structure, q.reshape(rows, self.head_dim), keys.t(), beta=0.0, alpha=self.scale
+            structure, q, keys.t(), beta=0.0, alpha=self.scale
         ).values()
         scores.index_fill_(0, pattern.masked, -torch.inf)
         row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
@@ -171,17 +197,13 @@ class PagedAttention:
         denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
         out = F.embedding_bag(
             pattern.cols,
-            cache.values[layer].view(-1, self.head_dim),
+            values,
             pattern.crow,
             mode="sum",
             per_sample_weights=weights,
             include_last_offset=True,
         )
-        if meta.telemetry is not None:
-            self._record(layer, selection, visible, row_max, denominators, meta.telemetry)
-        if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
-            self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
-        return out.div_(denominators[:, None]).view(q.shape)
+        return out.div_(denominators[:, None]), row_max, denominators, weights
 
     def _record(self, layer, selection, visible, row_max, denominators, telemetry) -> None:
         """Blocks kept, and an upper bound of the attention mass the dropped blocks carried.

@@ -1,0 +1,244 @@
+/* Decode attention over a CSR pattern of cache rows, in one call: scores, masking, softmax and
+ * the weighted sum of values (what paged_attention.py otherwise does in about a dozen torch
+ * operations, each of which costs a microsecond or more of dispatch at batch 1).
+ *
+ * The query heads that share a KV head read the same entries (decode_pattern.py repeats a KV
+ * head's runs for each of them), so they are taken together: each key is loaded once for the
+ * group's dot products. Every row is still computed on its own, in entry order, with a fixed
+ * order of additions: a row's result depends neither on the other rows of the call nor on how
+ * they are split among threads (batching invariance). Vectors are 8 floats wide, which AVX2
+ * has; the head dimension must be a multiple of 8 (the caller checks).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+enum { MAX_GROUP = 16, MAX_LANES = 32, MAX_THREADS = 64 };
+
+/* Entries ahead that the loops ask the memory system for: the cache of a layer is cold when the
+ * layer starts (the weights of the layers before it went through the caches since), and a run
+ * of a block's slots is 4 KB for a head size of 64, one page, where hardware prefetchers stop. */
+enum { PREFETCH = 16 };
+
+static inline void prefetch_row(const float *row, int64_t dim) {
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 0, 3);
+}
+
+static inline v8 load8(const float *p) {
+    v8 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline float lane_sum(v8 x) {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+typedef struct {
+    const float *q, *keys, *values;
+    const int32_t *crow, *cols;
+    const uint8_t *outside;
+    int64_t dim, group;
+    float scale;
+    float *out, *row_max, *denominators, *weights;
+    int64_t first_group, end_group;
+} Job;
+
+static inline v8 select(v8i mask, v8 yes, v8 no) {
+    return (v8)((mask & (v8i)yes) | (~mask & (v8i)no));
+}
+
+/* exp(x) for x <= 0 (-inf included), within about 2 ulp of expf: x = n ln2 + r with |r| <= ln2/2,
+ * exp(r) by Cephes' degree-7 expansion, 2^n put into the exponent bits. Below -87 the result
+ * would leave float's normal range and is 0. */
+static inline v8 exp8(v8 x) {
+    const v8i underflow = x < -87.0f;
+    x = select(underflow, (v8){0}, x);
+    const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return select(underflow, (v8){0}, p * (v8)exponent);
+}
+
+/* The sums of the lanes of a[0], ..., a[7], as the lanes of one vector (three rounds of
+ * pairwise additions instead of eight separate horizontal sums). */
+static inline v8 lane_sums(const v8 a[8]) {
+    const v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i low2 = {0, 1, 8, 9, 4, 5, 12, 13}, high2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i low4 = {0, 1, 2, 3, 8, 9, 10, 11}, high4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+        t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    for (int i = 0; i < 2; ++i)
+        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], low2) +
+               __builtin_shuffle(t[2 * i], t[2 * i + 1], high2);
+    return __builtin_shuffle(u[0], u[1], low4) + __builtin_shuffle(u[0], u[1], high4);
+}
+
+static inline float dot(const float *q, const float *k, int64_t lanes) {
+    v8 acc = load8(q) * load8(k);
+    for (int64_t l = 1; l < lanes; ++l) acc += load8(q + 8 * l) * load8(k + 8 * l);
+    return lane_sum(acc);
+}
+
+/* One group of `group` query rows over their shared entries. Inlined with `dim` a constant for
+ * the common head sizes, so that the accumulators live in registers. Scores are taken eight
+ * entries at a time (each key is loaded once for the whole group); a row's remaining entries one
+ * at a time. Where a row's entries fall depends on its own length only. */
+static inline __attribute__((always_inline)) void attend_group(const Job *job, int64_t g,
+                                                               const int64_t dim) {
+    const int64_t group = job->group, lanes = dim / 8, first = g * group;
+    const int32_t begin = job->crow[first], end = job->crow[first + 1];
+    const int64_t length = end - begin, whole = length - length % 8;
+    v8 best[MAX_GROUP];
+    for (int64_t j = 0; j < group; ++j) best[j] = (v8){0} - INFINITY;
+    for (int64_t e = 0; e < whole; e += 8) {
+        const float *k[8];
+        for (int i = 0; i < 8; ++i) k[i] = job->keys + (int64_t)job->cols[begin + e + i] * dim;
+        if (e + PREFETCH + 8 <= length)
+            for (int i = 0; i < 8; ++i)
+                prefetch_row(job->keys + (int64_t)job->cols[begin + e + PREFETCH + i] * dim, dim);
+        for (int64_t j = 0; j < group; ++j) {
+            const float *q = job->q + (first + j) * dim;
+            v8 acc[8];
+            const v8 q0 = load8(q);
+            for (int i = 0; i < 8; ++i) acc[i] = q0 * load8(k[i]);
+            for (int64_t l = 1; l < lanes; ++l) {
+                const v8 ql = load8(q + 8 * l);
+                for (int i = 0; i < 8; ++i) acc[i] += ql * load8(k[i] + 8 * l);
+            }
+            const int64_t at = begin + j * length + e;
+            v8 s = lane_sums(acc) * job->scale;
+            uint64_t flags;  // the eight entries' flags at once: almost always all zero
+            memcpy(&flags, job->outside + at, sizeof flags);
+            if (flags)
+                for (int i = 0; i < 8; ++i) s[i] = job->outside[at + i] ? -INFINITY : s[i];
+            memcpy(job->weights + at, &s, sizeof s);
+            const v8i greater = s > best[j];  // lanes of all ones where true (a bitwise select)
+            best[j] = (v8)((greater & (v8i)s) | (~greater & (v8i)best[j]));
+        }
+    }
+    for (int64_t j = 0; j < group; ++j) {
+        const int64_t row = first + j;
+        const float *q = job->q + row * dim;
+        float *w = job->weights + begin + j * length;
+        float top = -INFINITY;
+        for (int i = 0; i < 8; ++i) top = best[j][i] > top ? best[j][i] : top;
+        for (int64_t e = whole; e < length; ++e) {
+            const float s = dot(q, job->keys + (int64_t)job->cols[begin + e] * dim, lanes);
+            w[e] = job->outside[begin + j * length + e] ? -INFINITY : s * job->scale;
+            top = w[e] > top ? w[e] : top;
+        }
+        v8 sums = {0};
+        for (int64_t e = 0; e < whole; e += 8) {
+            const v8 p = exp8(load8(w + e) - top);
+            memcpy(w + e, &p, sizeof p);
+            sums += p;
+        }
+        float total = lane_sum(sums);
+        for (int64_t e = whole; e < length; ++e) {
+            w[e] = expf(w[e] - top);
+            total += w[e];
+        }
+        v8 acc[MAX_LANES];
+        for (int64_t l = 0; l < lanes; ++l) acc[l] = (v8){0};
+        for (int64_t e = 0; e < length; ++e) {
+            const float *v = job->values + (int64_t)job->cols[begin + e] * dim;
+            if (j == 0 && e + PREFETCH < length)  // the group's later rows find them cached
+                prefetch_row(job->values + (int64_t)job->cols[begin + e + PREFETCH] * dim, dim);
+            const v8 p = (v8){0} + w[e];
+            for (int64_t l = 0; l < lanes; ++l) acc[l] += p * load8(v + 8 * l);
+        }
+        float *o = job->out + row * dim;
+        for (int64_t l = 0; l < lanes; ++l) {
+            const v8 normalised = acc[l] / total;
+            memcpy(o + 8 * l, &normalised, sizeof normalised);
+        }
+        job->row_max[row] = top;
+        job->denominators[row] = total;
+    }
+}
+
+static void *attend_groups(void *arg) {
+    const Job *job = arg;
+    for (int64_t g = job->first_group; g < job->end_group; ++g) {
+        if (job->dim == 64)
+            attend_group(job, g, 64);
+        else if (job->dim == 128)
+            attend_group(job, g, 128);
+        else
+            attend_group(job, g, job->dim);
+    }
+    return NULL;
+}
+
+/* q [rows, dim]; keys, values [cache rows, dim]; crow [rows + 1]; cols, outside [nnz] (outside:
+ * 1 for entries beyond the context, which get zero weight). Rows come in groups of `group`
+ * consecutive rows with the same entries. Writes out [rows, dim] (normalised), row_max and
+ * denominators [rows], and weights [nnz] (each entry's exp(score - row max)). Groups are split
+ * into `threads` contiguous parts of about equal entries. Returns 0, or -1 if a limit is
+ * exceeded (nothing is written then). */
+int decode_attention(const float *q, const float *keys, const float *values, const int32_t *crow,
+                     const int32_t *cols, const uint8_t *outside, int64_t rows, int64_t dim,
+                     int64_t group, float scale, float *out, float *row_max, float *denominators,
+                     float *weights, int64_t threads) {
+    if (group < 1 || group > MAX_GROUP || rows % group || dim % 8 || dim / 8 > MAX_LANES)
+        return -1;
+    const int64_t groups = rows / group, nnz = crow[rows];
+    for (int64_t r = 0; r < rows; ++r)
+        if (crow[r + 1] - crow[r] != crow[r - r % group + 1] - crow[r - r % group]) return -1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > groups) threads = groups;
+    if (threads < 1) threads = 1;
+    Job jobs[MAX_THREADS];
+    int64_t g = 0;
+    for (int64_t t = 0; t < threads; ++t) {
+        const int64_t target = nnz * (t + 1) / threads;
+        int64_t end = g;
+        while (end < groups && (t == threads - 1 || crow[end * group] < target)) ++end;
+        jobs[t] = (Job){q,     keys, values,  crow,    cols,         outside, dim, group,
+                        scale, out,  row_max, denominators, weights, g,       end};
+        g = end;
+    }
+    pthread_t helpers[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; ++t)
+        started[t] = pthread_create(&helpers[t], NULL, attend_groups, &jobs[t]) == 0;
+    attend_groups(&jobs[0]);
+    for (int64_t t = 1; t < threads; ++t) {
+        if (started[t])
+            pthread_join(helpers[t], NULL);
+        else
+            attend_groups(&jobs[t]);
+    }
+    return 0;
+}
+
+/* The new tokens' keys and values into their cache slots: key_cache and value_cache are
+ * [kv_heads, slots, dim]; keys and values [rows, kv_heads, dim] with a row stride of their own
+ * (views into the projection's output) and heads `dim` apart. One call instead of two indexed
+ * copies, which at batch 1 cost more to set up than to run. Returns -1, writing nothing, if a
+ * slot is outside the cache. */
+int write_cache(float *key_cache, float *value_cache, const float *keys, const float *values,
+                 const int64_t *slots, int64_t rows, int64_t kv_heads, int64_t num_slots,
+                 int64_t dim, int64_t key_row_stride, int64_t value_row_stride) {
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t at = (h * num_slots + slots[r]) * dim;
+            memcpy(key_cache + at, keys + r * key_row_stride + h * dim, dim * sizeof(float));
+            memcpy(value_cache + at, values + r * value_row_stride + h * dim, dim * sizeof(float));
+        }
+    return 0;
+}

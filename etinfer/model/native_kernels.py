@@ -1,0 +1,200 @@
+"""Kernels in C, compiled for this machine on first use and called through ctypes.
+
+Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
+they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
+a ctypes call costs a few microseconds. Built with ``-march=native`` into the user's cache,
+under a name that carries the source's hash, the compiler and the CPU's flags: a cache shared by
+machines with different instruction sets never runs code built for another.
+
+Without a C compiler, or with ``ETINFER_NATIVE=0``, ``decode_attention()`` is None and callers
+take their torch path (tested against this one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("etinfer.model")
+
+_SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
+# Entries per thread below which a call runs on one: a thread's start and join take tens of
+# microseconds, and torch's own threads spin on the other core for a while after each of its
+# parallel operations, so a helper started then competes with them. Splitting a decode step of
+# 16 sequences (20K entries a layer) made it slower, 39 ms against 28.5 on one thread; a
+# batch-invariant prefill chunk (millions of entries) gains.
+_ENTRIES_PER_THREAD = 1 << 20
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and subprocess.run(["sh", "-c", f"command -v {name}"], capture_output=True).stdout:
+            return name
+    return None
+
+
+def _flags() -> list[str]:
+    """For this CPU, unless ATen is held to AVX2 (as `--isa avx2` in the benchmarks does): then
+    for AVX2 and FMA alone (x86-64-v3), so that a measurement held to AVX2 is one."""
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+    return [*_FLAGS, "-march=x86-64-v3" if held else "-march=native"]
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    flags = _flags()
+    key = hashlib.sha256(
+        "\n".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "etinfer" / "native"
+    library = cache / f"decode_attention-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes building at once never load half a file.
+    with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run(
+            [compiler, *flags, "-o", str(partial), str(_SOURCE), "-lm", "-lpthread"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(partial, library)
+    finally:
+        partial.unlink(missing_ok=True)
+    return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("ETINFER_NATIVE", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C compiler found: decode attention runs as torch operations")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning(
+            "native kernels not built (%s): decode attention runs as torch operations", detail
+        )
+        return None
+    function = library.decode_attention
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_float] + [pointer] * 4 + [i64]
+    function.restype = ctypes.c_int
+    library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
+    library.write_cache.restype = ctypes.c_int
+    return library
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def takes(head_dim: int, group: int) -> bool:
+    """Whether the decode kernel takes this head size and number of query heads per KV head
+    (the limits of decode_attention.c)."""
+    return head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= 16
+
+
+def write_cache(
+    key_cache: torch.Tensor,  # [kv_heads, slots, dim] float32, contiguous
+    value_cache: torch.Tensor,
+    keys: torch.Tensor,  # [rows, kv_heads, dim] float32, heads contiguous within a row
+    values: torch.Tensor,
+    slots: torch.Tensor,  # [rows] int64
+) -> bool:
+    """Copy each row's keys and values into its slot; False (nothing written) where the
+    tensors are not laid out as the kernel reads them."""
+    library = _library()
+    kv_heads, num_slots, dim = key_cache.shape
+    for rows in (keys, values):
+        if rows.dtype != torch.float32 or rows.stride()[1:] != (dim, 1):
+            return False
+    if library is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+        return False
+    status = library.write_cache(
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        slots.data_ptr(),
+        slots.shape[0],
+        kv_heads,
+        num_slots,
+        dim,
+        keys.stride(0),
+        values.stride(0),
+    )
+    if status != 0:
+        raise IndexError(f"a cache slot outside [0, {num_slots}) in {slots.tolist()}")
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,  # [rows, dim] float32
+    keys: torch.Tensor,  # [cache rows, dim] float32
+    values: torch.Tensor,
+    crow: torch.Tensor,  # [rows + 1] int32
+    cols: torch.Tensor,  # [nnz] int32
+    outside: torch.Tensor,  # [nnz] uint8, 1 where the entry is outside the context
+    group: int,  # consecutive rows that read the same entries (query heads of one KV head)
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query row over its pattern's cache rows: the output [rows, dim],
+    each row's largest score and softmax denominator, and each entry's ``exp(score - max)``."""
+    library = _library()
+    assert library is not None, "check available() first"
+    rows, dim = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    stats = torch.empty(2, rows, dtype=torch.float32)
+    weights = torch.empty(cols.shape[0], dtype=torch.float32)
+    threads = min(torch.get_num_threads(), 1 + cols.shape[0] // _ENTRIES_PER_THREAD)
+    status = library.decode_attention(
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        crow.data_ptr(),
+        cols.data_ptr(),
+        outside.data_ptr(),
+        rows,
+        dim,
+        group,
+        scale,
+        out.data_ptr(),
+        stats[0].data_ptr(),
+        stats[1].data_ptr(),
+        weights.data_ptr(),
+        threads,
+    )
+    if status != 0:
+        raise ValueError(
+            f"decode attention: {group} rows a group, head size {dim}, or rows of one group "
+            "with different entries are outside what the kernel takes"
+        )
+    return out, stats[0], stats[1], weights

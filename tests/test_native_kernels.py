@@ -1,0 +1,97 @@
+"""The native decode-attention kernel against the torch operations it replaces, and the
+properties the engine rests on: each row computed independently of the others, bit for bit."""
+
+import pytest
+import torch
+
+from etinfer.control.block_selection import DenseSelector
+from etinfer.model import native_kernels
+from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.paged_attention import PagedAttention
+
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="no C compiler")
+
+HEADS, KV_HEADS, BLOCK, SLOTS_BLOCKS = 12, 4, 16, 96
+GROUP = HEADS // KV_HEADS
+
+
+def case(lengths, dim=64, window=None, keep=None, seed=0):
+    """A random cache, queries, and the decode pattern and layout of sequences of ``lengths``;
+    ``keep``: the share of blocks a random selection keeps (None: all)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV_HEADS * SLOTS_BLOCKS * BLOCK, dim, generator=gen)
+    values = torch.randn(KV_HEADS * SLOTS_BLOCKS * BLOCK, dim, generator=gen)
+    width = max(-(-n // BLOCK) for n in lengths)
+    tables = torch.stack([torch.randperm(SLOTS_BLOCKS, generator=gen)[:width] for _ in lengths])
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK)
+    mask = None
+    if keep is not None:
+        mask = torch.rand(len(lengths), KV_HEADS, width, generator=gen) < keep
+    visible = visible_blocks(blocks, KV_HEADS, mask, window)
+    pattern = build_decode_pattern(blocks, visible, GROUP, SLOTS_BLOCKS * BLOCK, window)
+    q = torch.randn(len(lengths) * HEADS, dim, generator=gen)
+    return q, keys, values, pattern, blocks
+
+
+def native(q, keys, values, pattern):
+    return native_kernels.decode_attention(
+        q, keys, values, pattern.crow, pattern.cols, pattern.outside, GROUP, q.shape[1] ** -0.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("lengths", "dim", "window", "keep"),
+    [
+        ([1], 64, None, None),
+        ([37, 5, 200, 16], 64, None, None),
+        ([300, 129], 128, 50, None),
+        ([250, 90, 17], 16, None, 0.4),
+        ([1000, 1000, 1000], 64, None, None),  # enough entries to split among threads
+    ],
+)
+def test_native_matches_torch_operations(lengths, dim, window, keep):
+    q, keys, values, pattern, _ = case(lengths, dim, window, keep)
+    attention = PagedAttention(HEADS, KV_HEADS, dim, DenseSelector())
+    expected = attention._decode_torch(q, keys, values, pattern)
+    got = native(q, keys, values, pattern)
+    for name, a, b in zip(
+        ("out", "row max", "denominators", "weights"), got, expected, strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # Entries outside the context carry no weight at all.
+    assert not got[3][pattern.masked].any()
+
+
+def test_a_row_is_the_same_alone_and_in_any_batch():
+    lengths = [700, 33, 400, 1200, 64]
+    q, keys, values, pattern, blocks = case(lengths)
+    batched = native(q, keys, values, pattern)[0].view(len(lengths), HEADS, -1)
+    for i, length in enumerate(lengths):
+        alone = DecodeBlocks(blocks.block_tables[i : i + 1], blocks.context_lens[i : i + 1], BLOCK)
+        visible = visible_blocks(alone, KV_HEADS)
+        pattern = build_decode_pattern(alone, visible, GROUP, SLOTS_BLOCKS * BLOCK)
+        out = native(q[i * HEADS : (i + 1) * HEADS], keys, values, pattern)[0]
+        assert torch.equal(out.view(HEADS, -1), batched[i]), f"sequence {i} ({length} tokens)"
+
+
+def test_rows_of_a_group_with_different_entries_are_refused():
+    q, keys, values, pattern, _ = case([40, 40])
+    crow = pattern.crow.clone()
+    crow[1] -= BLOCK  # the first group's rows no longer read the same number of entries
+    with pytest.raises(ValueError, match="rows a group"):
+        native_kernels.decode_attention(
+            q, keys, values, crow, pattern.cols, pattern.outside, GROUP, 0.125
+        )
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("ETINFER_NATIVE", "0")
+    native_kernels._library.cache_clear()
+    try:
+        assert not native_kernels.available()
+        assert not PagedAttention(HEADS, KV_HEADS, 64, DenseSelector()).native
+    finally:
+        monkeypatch.delenv("ETINFER_NATIVE")
+        native_kernels._library.cache_clear()
+    assert native_kernels.available()
