@@ -161,6 +161,14 @@ class EngineConfig:
         default="plain",
         metadata={"help": "how each step is computed, by name: plain (one token a sequence)"},
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata={
+            "help": "prefill attention through decode's row kernel: a token's logits are bit for "
+            "bit the same in any prefill chunking, decode step or verification chunk (prefill "
+            "is slower; BENCHMARKS.md)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "of sampling, for requests without a seed"})
     calibration: str | None = field(
         default=None,
@@ -220,6 +228,11 @@ class EngineConfig:
         self._check_draft_model()
         if self.control.sparse_prefill_config is not None:
             self.control.sparse_prefill_config.check_block_size(self.block_size)
+            if self.batch_invariant:
+                raise ValueError(
+                    "batch_invariant and control.sparse_prefill cannot be combined: sparse "
+                    "prefill reads a chunk's own selection of blocks"
+                )
         if self.control.kv_compression_config is not None and (
             self.speculative is not None or self.control.switching_config is not None
         ):

@@ -174,8 +174,13 @@ def test_the_temperature_law_runs_per_verified_position(make_llm, loaded_model):
     gives at that position, as decoding the same tokens one step at a time gives them."""
     control = ControlConfig(sampling=True)
     speculative = make_llm(control=control, speculative=ALWAYS)
-    params = SamplingParams(max_tokens=32, seed=3, ignore_eos=True)
-    out = speculative.generate([COPYING[0]], params)[0]
+    # A sampled continuation may leave the text it was asked to copy from its first token, and
+    # then no draft is accepted: the first of a few seeds whose continuation copies is checked.
+    for seed in range(8):
+        params = SamplingParams(max_tokens=32, seed=seed, ignore_eos=True)
+        out = speculative.generate([COPYING[0]], params)[0]
+        if out.num_accepted_tokens > 0:
+            break
     assert out.num_accepted_tokens > 0
     plain = make_llm(control=control).engine
     plain.add_request(COPYING[0], params, forced_token_ids=out.token_ids)
@@ -279,23 +284,26 @@ def test_bad_draft_models_name_the_field(make_llm, kwargs, message):
         make_llm(speculative=SpeculativeConfig(method="draft"), **kwargs)
 
 
-@pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_the_model_drafting_for_itself_has_every_draft_accepted(make_llm, quantization):
+@pytest.mark.parametrize(
+    "weights", [{"quantization": "none"}, {"quantization": "auto", "batch_invariant": True}]
+)
+def test_the_model_drafting_for_itself_has_every_draft_accepted(make_llm, weights):
     """A separate draft model over its own cache: the default model drafting for itself proposes
     what the model then computes, in a mixed batch and after preemptions. Its catch-up chunks
-    run as prefill, which matches decode to float rounding only: on the 4-bit default's
-    bfloat16 activations that moves a near-tied token now and then, in float32 it did not."""
+    run as prefill, which matches decode to float rounding only, unless prefill rows attend as
+    decode rows (batch_invariant): on the 4-bit default's bfloat16 activations that rounding
+    moves a near-tied token now and then, in float32 it did not."""
     config = SpeculativeConfig(method="draft", adaptive=False, disable_batch_size=64)
     draft = str(default_model_path())
     tight = {"num_kvcache_blocks": 7, "enable_prefix_caching": False}
-    llm = make_llm(quantization=quantization, draft_model=draft, speculative=config, **tight)
+    llm = make_llm(draft_model=draft, speculative=config, **tight, **weights)
     prompts = [COPYING[0], PROMPTS[3], PROMPTS[0]]
     outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == tokens(make_llm(quantization=quantization), prompts)
+    assert [o.token_ids for o in outs] == tokens(make_llm(**weights), prompts)
     drafted, accepted = (
         sum(getattr(o, f) for o in outs) for f in ("num_draft_tokens", "num_accepted_tokens")
     )
-    assert accepted == drafted > 0 if quantization == "none" else accepted >= 0.9 * drafted > 0
+    assert accepted == drafted > 0
     assert sum(o.num_preemptions for o in outs) > 0
     assert_pool_free(llm)
 

@@ -1,7 +1,8 @@
 """The weight formats side by side (issue 15): for each ``quantization`` mode of our engine,
 transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 decode rate, the
 prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
-logits follow the float model's on real text.
+logits follow the float model's on real text. A mode may carry a variant of the engine
+(``auto+batch-invariant``, ``auto+torch-attention``), measured in the same run.
 
 Each engine runs in a process of its own (resident memory and load time are then its alone),
 one after the other, and the whole round repeats; the best round of each is kept, which is what
@@ -62,12 +63,20 @@ print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
 """
 
 
-def measure_ours(mode: str, batches: list[int], prompt_len: int, fidelity_tokens: int) -> dict:
+# A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's), or
+# torch-attention (decode attention as torch operations: the native kernel off).
+VARIANTS = ("batch-invariant", "torch-attention")
+MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES for v in VARIANTS)]
+
+
+def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_tokens: int) -> dict:
     import psutil
 
+    mode, _, variant = engine.partition("+")
     start = time.perf_counter()
     llm = LLM(
         quantization=mode,
+        batch_invariant=variant == "batch-invariant",
         max_num_seqs=max(batches),
         max_num_batched_tokens=prompt_len,
         enable_prefix_caching=False,
@@ -137,6 +146,8 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if args.isa and engine != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
         env |= ISA_ENV[args.isa]
+    if engine.endswith("+torch-attention"):
+        env["ETINFER_NATIVE"] = "0"
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         print(f"{engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -207,7 +218,12 @@ def main(args: argparse.Namespace) -> int:
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("quantization", help="weight formats against llama.cpp, side by side")
     parser.add_argument(
-        "--modes", nargs="+", choices=QUANTIZATION_MODES, default=["none", "int8", "int4", "auto"]
+        "--modes",
+        nargs="+",
+        choices=MODE_CHOICES,
+        default=["none", "int8", "int4", "auto"],
+        metavar="MODE[+VARIANT]",
+        help=f"quantization modes, each optionally with a variant: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=int, default=2048)

@@ -67,6 +67,7 @@ class DraftModelProposer:
             dtype=engine.torch_dtype(),
             seed=engine.seed,
             quantization=engine.quantization,
+            batch_invariant=engine.batch_invariant,
         )
         self.shadows: dict[Sequence, _Shadow] = {}
 

@@ -112,6 +112,7 @@ class LLMEngine:
             else self.calibration.temperature,
             sparse_prefill=config.control.sparse_prefill_config,
             stress=config.stress,
+            batch_invariant=config.batch_invariant,
         )
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.compressor = KVCompressor.attach(config.control, self.runner, self.kv)

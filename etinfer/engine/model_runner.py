@@ -70,9 +70,11 @@ class ModelRunner:
         calibration_temperature: float = 1.0,
         stress: StressConfig | None = None,
         sparse_prefill: SparsePrefillConfig | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
-        selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on."""
+        selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
+        ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig)."""
         prefill_selector = None
         if sparse_prefill is not None:
             if config.sliding_window is not None:
@@ -100,6 +102,7 @@ class ModelRunner:
             prefill_selector,
         )
         self.prefill_selector = prefill_selector
+        self.batch_invariant = batch_invariant
         self.model = LlamaModel(
             config, weights, self.attention, max_model_len, device, dtype, quantization
         )
@@ -135,7 +138,8 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         if inputs.capture is not None:
             self.compressor.store(inputs.capture)
-        for chunk, seq in zip(inputs.meta.prefills, batch.seqs[batch.num_decode :], strict=True):
+        prefilling = batch.seqs[len(batch.seqs) - len(inputs.meta.prefills) :]
+        for chunk, seq in zip(inputs.meta.prefills, prefilling, strict=True):
             if chunk.sparse is not None:
                 seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
         telemetry = inputs.meta.telemetry
@@ -222,8 +226,9 @@ class ModelRunner:
 
         # Decode rows: one per token a decoding sequence computes (its last known token and its
         # drafts), each attending to the context up to itself, so that a verified draft's row
-        # is computed exactly as the decode step of that token would compute it.
-        num_decode = batch.num_decode
+        # is computed exactly as the decode step of that token would compute it. With
+        # batch_invariant, prefill chunks' rows too.
+        num_decode = len(seqs) if self.batch_invariant else batch.num_decode
         decode_rows = sum(counts[:num_decode])
         decode_blocks = dense = telemetry = None
         if num_decode:
@@ -237,6 +242,7 @@ class ModelRunner:
                 decode_blocks, self.config.num_kv_heads, None, self.sliding_window
             )
             if budgets is not None:
+                budgets = budgets + [decode_width] * (num_decode - batch.num_decode)  # all
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
