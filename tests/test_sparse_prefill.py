@@ -81,6 +81,11 @@ def test_segments_must_be_whole_blocks():
         EngineConfig(control=config)
 
 
+def test_batch_invariant_refuses_sparse_prefill():
+    with pytest.raises(ValueError, match=r"batch_invariant and control\.sparse_prefill"):
+        EngineConfig(control=ControlConfig(sparse_prefill=True), batch_invariant=True)
+
+
 def small_selector() -> SparsePrefillSelector:
     """64-token segments over 16-token blocks, one layer, one KV head."""
     config = SparsePrefillConfig(

@@ -151,6 +151,11 @@ class TopRefinedLinear:
         return logits.scatter_(1, top, exact)
 
 
+def takes_bfloat16(layer: Linear | Int4Linear | Int8Linear) -> bool:
+    """Whether the layer's kernel wants bfloat16 input (what a norm before it may produce)."""
+    return isinstance(layer, Int4Linear | Int8Linear) and layer.dtype == torch.bfloat16
+
+
 def make_head(weight: Format) -> Linear | TopRefinedLinear:
     """The output head. An 8-bit head in groups (Q8_0) runs on the int8 kernel requantized per
     row, unlike the other layers: its two-plane form reads every weight twice and took twice as

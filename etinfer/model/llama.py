@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.linear import make_head, make_linear
+from etinfer.model.linear import make_head, make_linear, takes_bfloat16
+from etinfer.model.norm import RMSNorm
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.quantized import (
     Format,
@@ -75,9 +76,6 @@ class WeightReader:
 
 class DecoderLayer:
     def __init__(self, config: ModelConfig, read: WeightReader, prefix: str) -> None:
-        self.eps = config.rms_norm_eps
-        self.input_norm = read.vector(prefix + "input_layernorm.weight")
-        self.post_attention_norm = read.vector(prefix + "post_attention_layernorm.weight")
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([read.vector(f"{prefix}self_attn.{p}_proj.bias") for p in "qkv"])
@@ -86,6 +84,15 @@ class DecoderLayer:
         self.o = make_linear(read.matrix(attn + "o_proj.weight"))
         self.gate_up = make_linear(read.matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
         self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(
+            read.vector(prefix + "input_layernorm.weight"), eps, takes_bfloat16(self.qkv)
+        )
+        self.post_attention_norm = RMSNorm(
+            read.vector(prefix + "post_attention_layernorm.weight"),
+            eps,
+            takes_bfloat16(self.gate_up),
+        )
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.intermediate = config.intermediate_size
@@ -101,8 +108,8 @@ class DecoderLayer:
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        rows, hidden = x.shape
-        h = F.rms_norm(x, (hidden,), self.input_norm, self.eps)
+        rows = x.shape[0]
+        _, h = self.input_norm(x)
         # As heads: [rows, q heads + k heads + v heads, head_dim], views taken in few calls.
         qkv = self.qkv(h).to(x.dtype).view(rows, -1, self.head_dim)
         qk_heads = self.num_heads + self.num_kv_heads
@@ -110,8 +117,8 @@ class DecoderLayer:
             (self.num_heads, self.num_kv_heads), dim=1
         )
         v = qkv[:, qk_heads:]
-        x = x + self.o(attention(index, q, k, v, cache, meta).to(x.dtype))
-        h = F.rms_norm(x, (hidden,), self.post_attention_norm, self.eps)
+        attended = attention(index, q, k, v, cache, meta).to(x.dtype)
+        x, h = self.post_attention_norm(x, self.o(attended))
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
         return x + self.down(F.silu(gate) * up)
 

@@ -1,13 +1,15 @@
-"""Kernels in C, compiled for this machine on first use and called through ctypes.
+"""Kernels in C (``native/kernels.c``), compiled for this machine on first use and called
+through ctypes: decode attention, the cache write, the residual add with an RMS norm.
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
-a ctypes call costs a few microseconds. Built with ``-march=native`` into the user's cache,
-under a name that carries the source's hash, the compiler and the CPU's flags: a cache shared by
-machines with different instruction sets never runs code built for another.
+a ctypes call costs a few microseconds. Built with ``-march=native`` (``x86-64-v3`` when ATen is
+held to AVX2) into the user's cache, under a name that carries the source's hash, the flags, the
+compiler and the CPU's flags: a cache shared by machines with different instruction sets never
+runs code built for another.
 
-Without a C compiler, or with ``ETINFER_NATIVE=0``, ``decode_attention()`` is None and callers
-take their torch path (tested against this one).
+Without a C compiler, or with ``ETINFER_NATIVE=0``, ``available()`` is False and callers take
+their torch path (tested against these kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
+_SOURCE = Path(__file__).parent / "native" / "kernels.c"
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # Entries per thread below which a call runs on one: a thread's start and join take tens of
 # microseconds, and torch's own threads spin on the other core for a while after each of its
@@ -66,7 +68,7 @@ def _build(compiler: str) -> Path:
         "\n".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "etinfer" / "native"
-    library = cache / f"decode_attention-{key}.so"
+    library = cache / f"kernels-{key}.so"
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
@@ -92,15 +94,13 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        logger.info("no C compiler found: decode attention runs as torch operations")
+        logger.info("no C compiler found: the native kernels' work runs as torch operations")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.warning(
-            "native kernels not built (%s): decode attention runs as torch operations", detail
-        )
+        logger.warning("native kernels not built (%s): their work runs as torch operations", detail)
         return None
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -108,6 +108,8 @@ def _library() -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
     library.write_cache.restype = ctypes.c_int
+    library.residual_rms_norm.argtypes = [pointer] * 3 + [i64, i64, ctypes.c_float] + [pointer] * 2
+    library.residual_rms_norm.restype = None
     return library
 
 
@@ -117,8 +119,34 @@ def available() -> bool:
 
 def takes(head_dim: int, group: int) -> bool:
     """Whether the decode kernel takes this head size and number of query heads per KV head
-    (the limits of decode_attention.c)."""
+    (the limits of native/kernels.c)."""
     return head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= 16
+
+
+def residual_rms_norm(
+    x: torch.Tensor,  # [rows, hidden] float32
+    residual: torch.Tensor | None,  # [rows, hidden] bfloat16
+    weight: torch.Tensor,  # [hidden] float32
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (float32) and its RMS norm times ``weight`` in bfloat16, in one pass."""
+    library = _library()
+    assert library is not None, "check available() first"
+    rows, hidden = x.shape
+    x = x.contiguous()
+    out = x if residual is None else torch.empty_like(x)
+    h = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    library.residual_rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.contiguous().data_ptr(),
+        weight.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        out.data_ptr(),
+        h.data_ptr(),
+    )
+    return out, h
 
 
 def write_cache(

@@ -1,13 +1,15 @@
-/* Decode attention over a CSR pattern of cache rows, in one call: scores, masking, softmax and
- * the weighted sum of values (what paged_attention.py otherwise does in about a dozen torch
- * operations, each of which costs a microsecond or more of dispatch at batch 1).
+/* The engine's native kernels (model/native_kernels.py builds and calls them): decode attention,
+ * the cache write, and the residual add with the RMS norm before an integer kernel. Each does in
+ * one call what torch does in several operations, each of which costs a microsecond or more of
+ * dispatch at batch 1, where a step is about 6 ms.
  *
- * The query heads that share a KV head read the same entries (decode_pattern.py repeats a KV
- * head's runs for each of them), so they are taken together: each key is loaded once for the
- * group's dot products. Every row is still computed on its own, in entry order, with a fixed
- * order of additions: a row's result depends neither on the other rows of the call nor on how
- * they are split among threads (batching invariance). Vectors are 8 floats wide, which AVX2
- * has; the head dimension must be a multiple of 8 (the caller checks).
+ * Decode attention runs over a CSR pattern of cache rows: scores, masking, softmax and the
+ * weighted sum of values. The query heads that share a KV head read the same entries
+ * (decode_pattern.py repeats a KV head's runs for each of them), so they are taken together:
+ * each key is loaded once for the group's dot products. Every row is still computed on its own,
+ * in entry order, with a fixed order of additions: a row's result depends neither on the other
+ * rows of the call nor on how they are split among threads (batching invariance). Vectors are 8
+ * floats wide, which AVX2 has; the head dimension must be a multiple of 8 (the caller checks).
  */
 #include <math.h>
 #include <pthread.h>
@@ -69,20 +71,24 @@ static inline v8 exp8(v8 x) {
     return select(underflow, (v8){0}, p * (v8)exponent);
 }
 
+#if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
 /* The sums of the lanes of a[0], ..., a[7], as the lanes of one vector (three rounds of
  * pairwise additions instead of eight separate horizontal sums). */
 static inline v8 lane_sums(const v8 a[8]) {
-    const v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-    const v8i low2 = {0, 1, 8, 9, 4, 5, 12, 13}, high2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const v8i low4 = {0, 1, 2, 3, 8, 9, 10, 11}, high4 = {4, 5, 6, 7, 12, 13, 14, 15};
     v8 t[4], u[2];
     for (int i = 0; i < 4; ++i)
-        t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) +
-               __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+        t[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
     for (int i = 0; i < 2; ++i)
-        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], low2) +
-               __builtin_shuffle(t[2 * i], t[2 * i + 1], high2);
-    return __builtin_shuffle(u[0], u[1], low4) + __builtin_shuffle(u[0], u[1], high4);
+        u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 static inline float dot(const float *q, const float *k, int64_t lanes) {
@@ -241,4 +247,39 @@ int write_cache(float *key_cache, float *value_cache, const float *keys, const f
             memcpy(value_cache + at, values + r * value_row_stride + h * dim, dim * sizeof(float));
         }
     return 0;
+}
+
+static inline uint16_t to_bfloat16(float value) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  // NaN
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* x_out = x + residual (bfloat16, or none), then h = rms_norm(x_out) * weight in bfloat16: the
+ * residual add, the norm and the conversion the integer kernels' input needs, in one pass
+ * instead of three operations. `hidden` must be a multiple of 8. */
+void residual_rms_norm(const float *x, const uint16_t *residual, const float *weight, int64_t rows,
+                       int64_t hidden, float eps, float *x_out, uint16_t *h) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *in = x + r * hidden;
+        float *out = x_out + r * hidden;
+        v8 squares = {0};
+        for (int64_t i = 0; i < hidden; i += 8) {
+            v8 value = load8(in + i);
+            if (residual) {
+                const uint16_t *add = residual + r * hidden + i;
+                for (int l = 0; l < 8; ++l) {
+                    const uint32_t bits = (uint32_t)add[l] << 16;
+                    float widened;
+                    memcpy(&widened, &bits, sizeof widened);
+                    value[l] += widened;
+                }
+            }
+            memcpy(out + i, &value, sizeof value);
+            squares += value * value;
+        }
+        const float scale = 1.0f / sqrtf(lane_sum(squares) / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; ++i) h[r * hidden + i] = to_bfloat16(out[i] * scale * weight[i]);
+    }
 }
