@@ -228,11 +228,7 @@ class EngineConfig:
         self._check_draft_model()
         if self.control.sparse_prefill_config is not None:
             self.control.sparse_prefill_config.check_block_size(self.block_size)
-            if self.batch_invariant:
-                raise ValueError(
-                    "batch_invariant and control.sparse_prefill cannot be combined: sparse "
-                    "prefill reads a chunk's own selection of blocks"
-                )
+        self._check_batch_invariant()
         if self.control.kv_compression_config is not None and (
             self.speculative is not None or self.control.switching_config is not None
         ):
@@ -241,6 +237,18 @@ class EngineConfig:
             raise ValueError(
                 "control.kv_compression cannot be combined with speculative or switching yet"
             )
+
+    def _check_batch_invariant(self) -> None:
+        """Layers that choose per step which blocks a row reads decide for decode rows; taking
+        prefill rows through them too would change what they are."""
+        if not self.batch_invariant:
+            return
+        for name in ("sparse_prefill", "pruning"):
+            if getattr(self.control, f"{name}_config") is not None:
+                raise ValueError(
+                    f"batch_invariant and control.{name} cannot be combined: {name} chooses "
+                    "which blocks a row reads, so a row's result depends on its step anyway"
+                )
 
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method

@@ -5,7 +5,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from etinfer.control.entropy import (
@@ -195,6 +195,7 @@ def test_feedback_oscillates_and_grows_outside_the_stable_range(fixed_logits, lo
 
 @settings(max_examples=40, deadline=None)
 @given(st.floats(0.2, 1.0), st.floats(0.01, 0.1), st.integers(0, 1000))
+@example(1.0, 0.015625, 134)
 def test_feedback_error_stays_within_the_iss_bound_under_bounded_noise(loop_gain, eps, seed):
     logits = torch.randn(1, 400, generator=torch.Generator().manual_seed(seed)) * 2.5
     target = torch.tensor([2.0])
@@ -206,7 +207,10 @@ def test_feedback_error_stays_within_the_iss_bound_under_bounded_noise(loop_gain
     # Appendix A: steady |u - u*| <= eps / m, m the smallest slope of H in u near u*.
     around = u_star + torch.linspace(-1, 1, 21) * 3 * eps / v_star
     m = min(tempered_entropy(logits, u[None])[1].item() for u in around)
-    assert (trace[20:] - u_star).abs().max() <= eps / m + 1e-5
+    # u* itself is solved to within the solver's tolerance in H, which moves it by up to that
+    # over m: the allowance (seed 134 at eps 1/64 exceeded eps / m by 2e-6 without it).
+    solved_to = abs(tempered_entropy(logits, u_star)[0].item() - target.item())
+    assert (trace[20:] - u_star).abs().max() <= (eps + solved_to) / m + 1e-5
 
 
 def test_feedback_respects_bounds_and_rate_limit():

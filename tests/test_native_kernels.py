@@ -111,3 +111,41 @@ def test_residual_norm_matches_torch_operations(with_residual):
     # The sum of squares is taken in another order: at most one bfloat16 step apart, and rarely.
     torch.testing.assert_close(h.float(), expected, rtol=2**-7, atol=0)
     assert (h != expected.bfloat16()).float().mean() < 0.01
+
+
+def test_one_query_head_per_kv_head():
+    gen = torch.Generator().manual_seed(2)
+    lengths, dim = [45, 300], 64
+    keys, values = (torch.randn(KV_HEADS * SLOTS_BLOCKS * BLOCK, dim, generator=gen) for _ in "kv")
+    tables = torch.stack([torch.randperm(SLOTS_BLOCKS, generator=gen)[:19] for _ in lengths])
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK)
+    pattern = build_decode_pattern(
+        blocks, visible_blocks(blocks, KV_HEADS), 1, SLOTS_BLOCKS * BLOCK
+    )
+    q = torch.randn(len(lengths) * KV_HEADS, dim, generator=gen)
+    expected = PagedAttention(KV_HEADS, KV_HEADS, dim, DenseSelector())._decode_torch(
+        q, keys, values, pattern
+    )
+    got = native_kernels.decode_attention(
+        q, keys, values, pattern.crow, pattern.cols, pattern.outside, 1, dim**-0.5
+    )
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cache_write_equals_indexed_copies():
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, KV_HEADS, 64, 16, generator=gen)
+    # As the layer hands them over: views into one projection output, rows apart by its width.
+    projection = torch.randn(5, 3 * KV_HEADS, 16, generator=gen)
+    keys, values = projection[:, :KV_HEADS], projection[:, 2 * KV_HEADS :]
+    slots = torch.tensor([7, 0, 63, 12, 30])
+    expected = cache.clone()
+    expected[0].index_copy_(1, slots, keys.transpose(0, 1))
+    expected[1].index_copy_(1, slots, values.transpose(0, 1))
+    assert native_kernels.write_cache(cache[0], cache[1], keys, values, slots)
+    assert torch.equal(cache, expected)
+    # What it does not take, it leaves to the caller; a slot outside the cache is refused.
+    assert not native_kernels.write_cache(cache[0], cache[1], keys[:4], values, slots)
+    with pytest.raises(IndexError, match="outside"):
+        native_kernels.write_cache(cache[0], cache[1], keys, values, slots + 60)
+    assert torch.equal(cache, expected)

@@ -81,9 +81,10 @@ def test_segments_must_be_whole_blocks():
         EngineConfig(control=config)
 
 
-def test_batch_invariant_refuses_sparse_prefill():
-    with pytest.raises(ValueError, match=r"batch_invariant and control\.sparse_prefill"):
-        EngineConfig(control=ControlConfig(sparse_prefill=True), batch_invariant=True)
+@pytest.mark.parametrize("layer", ["sparse_prefill", "pruning"])
+def test_batch_invariant_refuses_layers_that_choose_blocks(layer):
+    with pytest.raises(ValueError, match=rf"batch_invariant and control\.{layer}"):
+        EngineConfig(control=ControlConfig(**{layer: True}), batch_invariant=True)
 
 
 def small_selector() -> SparsePrefillSelector:

@@ -2,7 +2,7 @@
 transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 decode rate, the
 prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
 logits follow the float model's on real text. A mode may carry a variant of the engine
-(``auto+batch-invariant``, ``auto+torch-attention``), measured in the same run.
+(``auto+batch-invariant``, ``auto+no-native``), measured in the same run.
 
 Each engine runs in a process of its own (resident memory and load time are then its alone),
 one after the other, and the whole round repeats; the best round of each is kept, which is what
@@ -64,8 +64,8 @@ print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
 
 
 # A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's), or
-# torch-attention (decode attention as torch operations: the native kernel off).
-VARIANTS = ("batch-invariant", "torch-attention")
+# no-native (every native kernel off, ETINFER_NATIVE=0: their work as torch operations).
+VARIANTS = ("batch-invariant", "no-native")
 MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES for v in VARIANTS)]
 
 
@@ -146,7 +146,7 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if args.isa and engine != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
         env |= ISA_ENV[args.isa]
-    if engine.endswith("+torch-attention"):
+    if engine.endswith("+no-native"):
         env["ETINFER_NATIVE"] = "0"
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:

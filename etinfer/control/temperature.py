@@ -68,8 +68,8 @@ def solve_log_temperature(
     Rows leave the loop as they come within ``tolerance`` nats (or pin at a bound), so a slow
     row costs only itself; checking reads one flag back from the device, which costs nothing on
     the CPU. Newton steps that leave the bracket fall back to bisection, except that each bound
-    is tried once when Newton points past it (the target may be out of reach there, and
-    bisection would only creep towards it).
+    is tried once when Newton points past it while no evaluation has narrowed that side yet (the
+    target may be out of reach there, and bisection would only creep towards it).
     """
     lo, hi = u_min.clone(), u_max.clone()
     u = torch.minimum(torch.maximum(u_start, lo), hi)

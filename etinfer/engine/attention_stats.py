@@ -43,12 +43,10 @@ class AttentionStats:
     @classmethod
     def of(cls, batch: ScheduledBatch, telemetry: PruningTelemetry) -> AttentionStats:
         """The step's telemetry on the host (one transfer), one row per decode row."""
-        decoding = range(batch.num_decode)
-        # With batch_invariant the prefill rows attend as decode rows too, after these.
-        decode_rows = sum(batch.num_tokens[: batch.num_decode])
         kept, total, dropped = torch.stack(
             [telemetry.kept, telemetry.total, telemetry.dropped_mass]
-        )[..., :decode_rows].tolist()
+        ).tolist()
+        decoding = range(batch.num_decode)
         rows = [(batch.seqs[i], c) for i in decoding for c in range(batch.num_tokens[i])]
         seqs, columns = map(list, zip(*rows, strict=True))
         return cls(seqs, columns, kept, total, dropped)

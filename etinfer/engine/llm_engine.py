@@ -44,6 +44,7 @@ from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.speculative import Speculator, sample_verified
 from etinfer.engine.switching import ModelSwitcher
+from etinfer.model.decode_pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
@@ -64,6 +65,8 @@ class LLMEngine:
             self.calibration = Calibration.for_model(config.calibration, vocab, stress)
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
         self.block_size = config.block_size
+        if config.batch_invariant:
+            check_batch_invariant_fits(config, loaded.config.num_heads, self.max_model_len)
         self.num_blocks = config.resolve_num_blocks(
             loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize)
         )

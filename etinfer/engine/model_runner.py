@@ -242,7 +242,6 @@ class ModelRunner:
                 decode_blocks, self.config.num_kv_heads, None, self.sliding_window
             )
             if budgets is not None:
-                budgets = budgets + [decode_width] * (num_decode - batch.num_decode)  # all
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)

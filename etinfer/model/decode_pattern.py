@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from etinfer.model.block_layout import DecodeBlocks
+
+if TYPE_CHECKING:
+    from etinfer.config import EngineConfig
 
 
 @dataclass
@@ -106,6 +110,7 @@ def build_decode_pattern(
     segment_start = torch.cumsum(per_segment, 0) - per_segment
     rows = seqs * kv_heads * queries_per_kv
     row_runs = per_segment.repeat_interleave(queries_per_kv)
+    _check_int32_entries(rows * tables.shape[1] * bs, row_runs, bs)
     run_row = torch.repeat_interleave(torch.arange(rows, device=device), row_runs)
     run_in_row = (
         torch.arange(run_row.numel(), device=device)
@@ -123,3 +128,30 @@ def build_decode_pattern(
     masked = (cut[:, None] * bs + offsets)[outside]
     flags = torch.zeros(cols.numel(), dtype=torch.uint8, device=device).index_fill_(0, masked, 1)
     return DecodePattern(crow, cols, masked, flags)
+
+
+def check_batch_invariant_fits(config: EngineConfig, num_heads: int, max_model_len: int) -> None:
+    """At construction, for ``batch_invariant``: a step's prefill rows each read their whole
+    context through the decode pattern, whose offsets must stay in int32."""
+    max_rows, block_size = config.max_num_batched_tokens, config.block_size
+    bound = max_rows * num_heads * (-(-max_model_len // block_size) + 1) * block_size
+    if bound >= 2**31:
+        raise ValueError(
+            f"batch_invariant: max_num_batched_tokens={max_rows} with {num_heads} heads and "
+            f"max_model_len={max_model_len} could make one step's attention pattern {bound:,} "
+            "entries, over the 2**31 its int32 offsets take: lower max_num_batched_tokens"
+        )
+
+
+def _check_int32_entries(bound: int, row_runs: torch.Tensor, block_size: int) -> None:
+    """Refuse, rather than wrap, a pattern whose entry offsets leave int32 (the kernels' index
+    type). Only prefill rows of long contexts (``batch_invariant``) come near it; the bound from
+    host-known shapes spares the exact count's sync every other time."""
+    if bound < 2**31:
+        return
+    entries = int(row_runs.sum()) * block_size
+    if entries >= 2**31:
+        raise ValueError(
+            f"a step's attention pattern would hold {entries:,} entries, over the 2**31 its "
+            "int32 offsets take: lower max_num_batched_tokens"
+        )

@@ -133,12 +133,14 @@ def residual_rms_norm(
     library = _library()
     assert library is not None, "check available() first"
     rows, hidden = x.shape
-    x = x.contiguous()
+    # Held in names until the call returns: a temporary's memory could be reused before it.
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = None if residual is None else residual.contiguous()
     out = x if residual is None else torch.empty_like(x)
     h = torch.empty(rows, hidden, dtype=torch.bfloat16)
     library.residual_rms_norm(
         x.data_ptr(),
-        None if residual is None else residual.contiguous().data_ptr(),
+        None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
         rows,
         hidden,
@@ -161,7 +163,9 @@ def write_cache(
     library = _library()
     kv_heads, num_slots, dim = key_cache.shape
     for rows in (keys, values):
-        if rows.dtype != torch.float32 or rows.stride()[1:] != (dim, 1):
+        if rows.shape != (slots.shape[0], kv_heads, dim) or rows.dtype != torch.float32:
+            return False
+        if rows.stride()[1:] != (dim, 1):
             return False
     if library is None or slots.dtype != torch.int64 or not slots.is_contiguous():
         return False

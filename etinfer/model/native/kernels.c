@@ -130,8 +130,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *job, i
             if (flags)
                 for (int i = 0; i < 8; ++i) s[i] = job->outside[at + i] ? -INFINITY : s[i];
             memcpy(job->weights + at, &s, sizeof s);
-            const v8i greater = s > best[j];  // lanes of all ones where true (a bitwise select)
-            best[j] = (v8)((greater & (v8i)s) | (~greater & (v8i)best[j]));
+            best[j] = select(s > best[j], s, best[j]);
         }
     }
     for (int64_t j = 0; j < group; ++j) {
