@@ -22,6 +22,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from shutil import which
 
 import torch
 
@@ -48,10 +49,7 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and subprocess.run(["sh", "-c", f"command -v {name}"], capture_output=True).stdout:
-            return name
-    return None
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and which(c)), None)
 
 
 def _flags() -> list[str]:
