@@ -1,7 +1,8 @@
 """The weight formats side by side (issue 15): for each ``quantization`` mode of our engine,
 transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 decode rate, the
 prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
-logits follow the float model's on real text. A mode may carry a variant of the engine
+logits follow the float model's on real text (llama.cpp's too, as a reference: its logits on
+the same teacher-forced windows against our ``none``). A mode may carry a variant of the engine
 (``auto+batch-invariant``, ``auto+no-native``), measured in the same run.
 
 Each engine runs in a process of its own (resident memory and load time are then its alone),
@@ -19,7 +20,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,6 +63,16 @@ times.sort()
 print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
                   "prefill_tok_s": prompt_len / prefill_s,
                   "decode_tok_s": {{"1": 1 / times[len(times) // 2]}}}}))
+if len(sys.argv) > 5:  # teacher-forced logits of our windows, for top-1 and KL against ours
+    import numpy
+    windows_path, logits_path = sys.argv[5:7]
+    del llm
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                n_batch=512, logits_all=True, verbose=False)
+    rows = []
+    for window in json.load(open(windows_path)):
+        llm.reset(); llm.eval(window); rows.append(numpy.array(llm.scores[: len(window) - 1]))
+    numpy.save(logits_path, numpy.concatenate(rows).astype(numpy.float32))
 """
 
 
@@ -94,17 +107,47 @@ def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_toke
     llm.generate(prompt, once)
     result["prefill_tok_s"] = prompt_len / (time.perf_counter() - start)
     if mode != "none":
-        windows = list(corpus_windows(llm.tokenizer, 256))[: fidelity_tokens // 255 + 1]
+        windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
         del llm
-        reference = LLM(quantization="none", num_kvcache_blocks=64)
-        expected = collect(reference.engine, iter(windows), fidelity_tokens)[0]
-        result["top1_agreement"] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
-        kl = torch.nn.functional.kl_div(
-            logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
-        )
-        result["kl_mean"] = kl.sum(-1).mean().item()
+        result |= against_float(logits, windows, fidelity_tokens)
     return result
+
+
+def fidelity_windows(llm: LLM, fidelity_tokens: int) -> list[list[int]]:
+    """The teacher-forced text every engine's logits are compared on: 256-token windows."""
+    return list(corpus_windows(llm.tokenizer, 256))[: fidelity_tokens // 255 + 1]
+
+
+def against_float(logits: torch.Tensor, windows: list[list[int]], fidelity_tokens: int) -> dict:
+    """Top-1 agreement and mean KL of ``logits`` against ``none`` on the same windows."""
+    reference = LLM(quantization="none", num_kvcache_blocks=64)
+    expected = collect(reference.engine, iter(windows), fidelity_tokens)[0]
+    kl = torch.nn.functional.kl_div(
+        logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
+    )
+    return {
+        "top1_agreement": (logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+        "kl_mean": kl.sum(-1).mean().item(),
+    }
+
+
+def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
+    """llama.cpp's logits on the same windows against our float path: how far the file's own
+    engine, which multiplies 4-bit weights by 8-bit activations, is from float32."""
+    import numpy
+
+    llm = LLM(quantization="none", num_kvcache_blocks=64)
+    windows = fidelity_windows(llm, args.fidelity_tokens)
+    del llm
+    with tempfile.TemporaryDirectory() as folder:
+        windows_path, logits_path = Path(folder, "windows.json"), Path(folder, "logits.npy")
+        windows_path.write_text(json.dumps(windows))
+        command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
+        command += [str(args.prompt_len), str(args.threads), "1", str(windows_path)]
+        subprocess.run([*command, str(logits_path)], capture_output=True, check=True)
+        logits = torch.from_numpy(numpy.load(logits_path))[: args.fidelity_tokens]
+    return against_float(logits, windows, args.fidelity_tokens)
 
 
 def measure_transformers(batches: list[int], prompt_len: int) -> dict:
@@ -209,6 +252,9 @@ def main(args: argparse.Namespace) -> int:
                 rounds[engine].append(result)
                 print(f"round {repeat + 1}, {engine}: {json.dumps(result)}", flush=True)
     results = {e: best(r) for e, r in rounds.items() if r}
+    if "llama.cpp" in results and args.fidelity_tokens:
+        torch.set_num_threads(args.threads)
+        results["llama.cpp"] |= llama_cpp_fidelity(args)
     held = f", ours held to {args.isa}" if args.isa else ""
     print(f"\n{args.threads} threads, torch {torch.__version__}, CPU flags: {cpu_flags()}{held}")
     print(table(results, args.batches, args.prompt_len))
