@@ -110,7 +110,7 @@ def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_toke
         windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
         del llm
-        result |= against_float(logits, windows, fidelity_tokens)
+        result |= against_float(logits, float_llm(), windows, fidelity_tokens)
     return result
 
 
@@ -119,9 +119,15 @@ def fidelity_windows(llm: LLM, fidelity_tokens: int) -> list[list[int]]:
     return list(corpus_windows(llm.tokenizer, 256))[: fidelity_tokens // 255 + 1]
 
 
-def against_float(logits: torch.Tensor, windows: list[list[int]], fidelity_tokens: int) -> dict:
-    """Top-1 agreement and mean KL of ``logits`` against ``none`` on the same windows."""
-    reference = LLM(quantization="none", num_kvcache_blocks=64)
+def float_llm() -> LLM:
+    return LLM(quantization="none", num_kvcache_blocks=64)
+
+
+def against_float(
+    logits: torch.Tensor, reference: LLM, windows: list[list[int]], fidelity_tokens: int
+) -> dict:
+    """Top-1 agreement and mean KL of ``logits`` against ``reference`` (``none``) on the same
+    windows."""
     expected = collect(reference.engine, iter(windows), fidelity_tokens)[0]
     kl = torch.nn.functional.kl_div(
         logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
@@ -137,17 +143,19 @@ def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
     engine, which multiplies 4-bit weights by 8-bit activations, is from float32."""
     import numpy
 
-    llm = LLM(quantization="none", num_kvcache_blocks=64)
-    windows = fidelity_windows(llm, args.fidelity_tokens)
-    del llm
+    reference = float_llm()
+    windows = fidelity_windows(reference, args.fidelity_tokens)
     with tempfile.TemporaryDirectory() as folder:
         windows_path, logits_path = Path(folder, "windows.json"), Path(folder, "logits.npy")
         windows_path.write_text(json.dumps(windows))
         command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
         command += [str(args.prompt_len), str(args.threads), "1", str(windows_path)]
-        subprocess.run([*command, str(logits_path)], capture_output=True, check=True)
+        done = subprocess.run([*command, str(logits_path)], capture_output=True, text=True)
+        if done.returncode:
+            print(f"llama.cpp's logits failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return {}
         logits = torch.from_numpy(numpy.load(logits_path))[: args.fidelity_tokens]
-    return against_float(logits, windows, args.fidelity_tokens)
+    return against_float(logits, reference, windows, args.fidelity_tokens)
 
 
 def measure_transformers(batches: list[int], prompt_len: int) -> dict:
