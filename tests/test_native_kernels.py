@@ -85,6 +85,21 @@ def test_rows_of_a_group_with_different_entries_are_refused():
         )
 
 
+def test_entries_outside_the_cache_are_refused_before_any_read():
+    q, keys, values, pattern, _ = case([40, 40])
+    cols = pattern.cols.clone()
+    cols[-1] = keys.shape[0]  # one row past the cache
+    with pytest.raises(IndexError, match="outside"):
+        native_kernels.decode_attention(
+            q, keys, values, pattern.crow, cols, pattern.outside, GROUP, 0.125
+        )
+    cols[-1] = -1
+    with pytest.raises(IndexError, match="outside"):
+        native_kernels.decode_attention(
+            q, keys, values, pattern.crow, cols, pattern.outside, GROUP, 0.125
+        )
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ETINFER_NATIVE", "0")
     native_kernels._library.cache_clear()

@@ -102,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_float] + [pointer] * 4 + [i64]
+    function.argtypes = [pointer] * 6 + [i64] * 4 + [ctypes.c_float] + [pointer] * 4 + [i64]
     function.restype = ctypes.c_int
     library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
     library.write_cache.restype = ctypes.c_int
@@ -200,6 +200,11 @@ def decode_attention(
     library = _library()
     assert library is not None, "check available() first"
     rows, dim = q.shape
+    if keys.shape != values.shape or keys.shape[1] != dim or not keys.is_contiguous():
+        raise ValueError(
+            f"decode attention: keys {keys.shape} and values {values.shape} must be "
+            f"one contiguous [cache rows, {dim}] layout"
+        )
     q = q.contiguous()
     out = torch.empty_like(q)
     stats = torch.empty(2, rows, dtype=torch.float32)
@@ -214,6 +219,7 @@ def decode_attention(
         outside.data_ptr(),
         rows,
         dim,
+        keys.shape[0],
         group,
         scale,
         out.data_ptr(),
@@ -222,6 +228,8 @@ def decode_attention(
         weights.data_ptr(),
         threads,
     )
+    if status == -2:
+        raise IndexError(f"decode attention: a pattern entry outside [0, {keys.shape[0]}) rows")
     if status != 0:
         raise ValueError(
             f"decode attention: {group} rows a group, head size {dim}, or rows of one group "

@@ -187,21 +187,27 @@ static void *attend_groups(void *arg) {
     return NULL;
 }
 
-/* q [rows, dim]; keys, values [cache rows, dim]; crow [rows + 1]; cols, outside [nnz] (outside:
+/* q [rows, dim]; keys, values [cache_rows, dim]; crow [rows + 1]; cols, outside [nnz] (outside:
  * 1 for entries beyond the context, which get zero weight). Rows come in groups of `group`
  * consecutive rows with the same entries. Writes out [rows, dim] (normalised), row_max and
  * denominators [rows], and weights [nnz] (each entry's exp(score - row max)). Groups are split
- * into `threads` contiguous parts of about equal entries. Returns 0, or -1 if a limit is
- * exceeded (nothing is written then). */
+ * into `threads` contiguous parts of about equal entries. Returns 0; -1 if a limit is exceeded,
+ * -2 if the pattern is malformed or reads outside the cache (nothing is written then: the
+ * pattern is checked first, a pass over int32s that costs far less than the attention). */
 int decode_attention(const float *q, const float *keys, const float *values, const int32_t *crow,
                      const int32_t *cols, const uint8_t *outside, int64_t rows, int64_t dim,
-                     int64_t group, float scale, float *out, float *row_max, float *denominators,
-                     float *weights, int64_t threads) {
+                     int64_t cache_rows, int64_t group, float scale, float *out, float *row_max,
+                     float *denominators, float *weights, int64_t threads) {
     if (group < 1 || group > MAX_GROUP || rows % group || dim % 8 || dim / 8 > MAX_LANES)
         return -1;
     const int64_t groups = rows / group, nnz = crow[rows];
     for (int64_t r = 0; r < rows; ++r)
         if (crow[r + 1] - crow[r] != crow[r - r % group + 1] - crow[r - r % group]) return -1;
+    if (crow[0] != 0) return -2;
+    for (int64_t r = 0; r < rows; ++r)
+        if (crow[r + 1] < crow[r]) return -2;
+    for (int64_t i = 0; i < nnz; ++i)
+        if (cols[i] < 0 || cols[i] >= cache_rows) return -2;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > groups) threads = groups;
     if (threads < 1) threads = 1;
