@@ -98,6 +98,12 @@ def test_entries_outside_the_cache_are_refused_before_any_read():
         native_kernels.decode_attention(
             q, keys, values, pattern.crow, cols, pattern.outside, GROUP, 0.125
         )
+    crow = pattern.crow.clone()
+    crow[-1] -= 1  # offsets that no longer count the entries
+    with pytest.raises(IndexError, match="count"):
+        native_kernels.decode_attention(
+            q, keys, values, crow, pattern.cols, pattern.outside, GROUP, 0.125
+        )
 
 
 def test_switched_off_by_the_environment(monkeypatch):

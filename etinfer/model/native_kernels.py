@@ -102,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 6 + [i64] * 4 + [ctypes.c_float] + [pointer] * 4 + [i64]
+    function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
     function.restype = ctypes.c_int
     library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
     library.write_cache.restype = ctypes.c_int
@@ -200,11 +200,14 @@ def decode_attention(
     library = _library()
     assert library is not None, "check available() first"
     rows, dim = q.shape
-    if keys.shape != values.shape or keys.shape[1] != dim or not keys.is_contiguous():
+    # The buffers' sizes, which the C side cannot see (it checks the pattern's values); the
+    # dtypes and layouts are the caller's (paged attention's cache and pattern always match).
+    if crow.shape[0] != rows + 1 or outside.shape != cols.shape or keys.shape != values.shape:
         raise ValueError(
-            f"decode attention: keys {keys.shape} and values {values.shape} must be "
-            f"one contiguous [cache rows, {dim}] layout"
+            "decode attention: crow must hold rows + 1 offsets, outside a flag an entry"
         )
+    if keys.shape[1] != dim:
+        raise ValueError(f"decode attention: keys and values must be [cache rows, {dim}]")
     q = q.contiguous()
     out = torch.empty_like(q)
     stats = torch.empty(2, rows, dtype=torch.float32)
@@ -219,6 +222,7 @@ def decode_attention(
         outside.data_ptr(),
         rows,
         dim,
+        cols.shape[0],
         keys.shape[0],
         group,
         scale,
@@ -229,7 +233,10 @@ def decode_attention(
         threads,
     )
     if status == -2:
-        raise IndexError(f"decode attention: a pattern entry outside [0, {keys.shape[0]}) rows")
+        raise IndexError(
+            f"decode attention: a pattern entry outside [0, {keys.shape[0]}) rows, or offsets "
+            f"that do not count the {cols.shape[0]} entries in order"
+        )
     if status != 0:
         raise ValueError(
             f"decode attention: {group} rows a group, head size {dim}, or rows of one group "

@@ -196,18 +196,22 @@ static void *attend_groups(void *arg) {
  * pattern is checked first, a pass over int32s that costs far less than the attention). */
 int decode_attention(const float *q, const float *keys, const float *values, const int32_t *crow,
                      const int32_t *cols, const uint8_t *outside, int64_t rows, int64_t dim,
-                     int64_t cache_rows, int64_t group, float scale, float *out, float *row_max,
-                     float *denominators, float *weights, int64_t threads) {
+                     int64_t nnz, int64_t cache_rows, int64_t group, float scale, float *out,
+                     float *row_max, float *denominators, float *weights, int64_t threads) {
     if (group < 1 || group > MAX_GROUP || rows % group || dim % 8 || dim / 8 > MAX_LANES)
         return -1;
-    const int64_t groups = rows / group, nnz = crow[rows];
-    for (int64_t r = 0; r < rows; ++r)
-        if (crow[r + 1] - crow[r] != crow[r - r % group + 1] - crow[r - r % group]) return -1;
-    if (crow[0] != 0) return -2;
-    for (int64_t r = 0; r < rows; ++r)
-        if (crow[r + 1] < crow[r]) return -2;
-    for (int64_t i = 0; i < nnz; ++i)
-        if (cols[i] < 0 || cols[i] >= cache_rows) return -2;
+    /* Without early exits, so that the compiler vectorises the passes. */
+    int bad = crow[0] != 0 || crow[rows] != nnz, uneven = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        bad |= crow[r + 1] < crow[r];
+        uneven |= crow[r + 1] - crow[r] != crow[r - r % group + 1] - crow[r - r % group];
+    }
+    /* As unsigned, a negative column is out of range too; 32-bit lanes, twice as many a vector. */
+    const uint32_t limit = cache_rows > UINT32_MAX ? UINT32_MAX : (uint32_t)cache_rows;
+    for (int64_t i = 0; i < nnz; ++i) bad |= (uint32_t)cols[i] >= limit;
+    if (bad) return -2;
+    if (uneven) return -1;
+    const int64_t groups = rows / group;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > groups) threads = groups;
     if (threads < 1) threads = 1;
