@@ -1,17 +1,13 @@
 """``etinfer calibrate``: fit the post-hoc temperature of a model on held-out human text.
 
-The text is the Python Language Reference as CPython ships it: ``pydoc_data.topics`` holds the
-"topics" pages of the reference manual (about 465,000 characters of English prose and examples,
-written by the Python documentation authors). Every Python installation carries it, so nothing
-is downloaded. Text the model generated itself would not do: its own samples are calibrated by
-construction. Windows of the text alternate between the fitting set and the evaluation set, so
-the ECE and NLL reported "after" are measured on text the fit did not see.
+The text is the Python Language Reference as CPython ships it (``etinfer/corpus.py``), so
+nothing is downloaded. Windows of the text alternate between the fitting set and the evaluation
+set, so the ECE and NLL reported "after" are measured on text the fit did not see.
 """
 
 from __future__ import annotations
 
 import argparse
-import pydoc_data.topics
 from collections.abc import Iterator
 
 import torch
@@ -23,18 +19,8 @@ from etinfer.control.calibration import (
     fit_temperature,
     nll,
 )
+from etinfer.corpus import CORPUS, corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
-from etinfer.model.tokenizer import Tokenizer
-
-CORPUS = "CPython's pydoc_data.topics (the Python Language Reference topics)"
-
-
-def corpus_windows(tokenizer: Tokenizer, window: int) -> Iterator[list[int]]:
-    """Token windows of ``window`` tokens over the corpus, topic by topic, in a fixed order."""
-    for name in sorted(pydoc_data.topics.topics):
-        ids = tokenizer.encode(pydoc_data.topics.topics[name])
-        for start in range(0, len(ids) - window + 1, window):
-            yield ids[start : start + window]
 
 
 def collect(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from etinfer.control.entropy import ESTIMATORS
-from etinfer.control.temperature import ENTROPY_CONTROLS
 from etinfer.validation import check_choice, check_float, check_int
 
 # OpenAI's limit for top_logprobs; vLLM uses the same default cap.
@@ -14,6 +13,9 @@ MAX_LOGPROBS = 20
 # operating point; on SmolLM2-135M at 2 nats V is mostly 2-6 nats^2 (etinfer bench sampling),
 # so 0.25 keeps gain * V inside the stable range (0, 2) for nearly every step.
 DEFAULT_ENTROPY_GAIN = 0.25
+# The temperature laws that regulate the entropy to entropy_target, by their names in
+# etinfer.control.temperature.TEMPERATURE_LAWS (which reads requests, so the names live here).
+ENTROPY_CONTROLS = ("feedback", "lagged", "exact")
 
 
 @dataclass

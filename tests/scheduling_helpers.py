@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from etinfer.bench.scheduling_sim import SimClock
+from etinfer.bench.laws.scheduling_sim import SimClock
 from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import EntropyPolicy, SchedulingConfig
 from etinfer.engine.sequence import Sequence

@@ -12,9 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from etinfer.bench import ablation
-from etinfer.bench.ablation_metrics import rouge_l, summarize_runs, super_additivity, words
-from etinfer.bench.ablation_report import LABELS
+from etinfer.bench.ablation import ablation
+from etinfer.bench.ablation.metrics import summarize_runs, super_additivity
+from etinfer.bench.ablation.report import LABELS
+from etinfer.bench.common.quality import rouge_l, words
 
 
 def brute_force_lcs(a: list, b: list) -> int:

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from etinfer import LLM, ControlConfig, SamplingParams, options
-from etinfer.bench.driver import Request, RequestRecord, drive_engine
-from etinfer.bench.stats import percentile, summary
+from etinfer.bench.common.driver import Request, RequestRecord, drive_engine
+from etinfer.bench.common.stats import percentile, summary
 from etinfer.config import EngineConfig
 
 
@@ -136,7 +136,7 @@ def test_the_kernel_candidates_compute_the_same_product():
     """Every candidate of `bench kernels` multiplies the same shapes; the float ones agree."""
     import torch
 
-    from etinfer.bench.kernels import candidates, step_shapes
+    from etinfer.bench.speed.kernels import candidates, step_shapes
 
     assert step_shapes(None)[0] == (960, 576, 30) and step_shapes(None)[-1] == (49152, 576, 1)
     torch.manual_seed(0)

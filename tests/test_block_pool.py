@@ -1,7 +1,7 @@
 import pytest
 
-from etinfer.engine import block_pool
-from etinfer.engine.block_pool import BlockPool, block_hash
+from etinfer.engine.kv_cache import block_pool
+from etinfer.engine.kv_cache.block_pool import BlockPool, block_hash
 
 
 def key(tokens, parent=None):

@@ -14,6 +14,7 @@ from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS, StepShaper
 from etinfer.control.temperature import TEMPERATURE_LAWS
 from etinfer.engine.sequence import Sequence
+from etinfer.sampling_params import ENTROPY_CONTROLS
 from tests.conftest import PROMPTS, assert_pool_free
 
 
@@ -32,6 +33,14 @@ def test_each_kind_of_law_is_picked_by_name_and_an_unknown_name_lists_the_known(
     with pytest.raises(ValueError, match=f"unknown {kind} 'lottery'; known: {known}"):
         registry.create("lottery")
     assert registry.create(registry.names[0]) is not None
+
+
+def test_every_entropy_control_a_request_may_name_is_a_temperature_law():
+    for name in ENTROPY_CONTROLS:
+        law = TEMPERATURE_LAWS.create(name)
+        params = SamplingParams(entropy_target=2.0, entropy_control=name)
+        assert params.controller == name
+        assert law.initial_state(params) is not None  # it carries a state: it regulates
 
 
 def decoding_seq(context: int, generated: int) -> Sequence:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from etinfer.bench.iss_check import readings, settle, verdict
+from etinfer.bench.stress.iss_check import readings, settle, verdict
 from etinfer.sampling_params import SamplingParams
 
 

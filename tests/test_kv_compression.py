@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from etinfer import LLM, ControlConfig, SamplingParams
-from etinfer.bench.fidelity import FILLER, passkey_accuracy, passkey_cases
+from etinfer.bench.common.fidelity import FILLER, passkey_accuracy, passkey_cases
 from etinfer.config import EngineConfig, SpeculativeConfig
 from etinfer.control.kv_compression import (
     KVCompressionConfig,

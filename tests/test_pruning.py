@@ -310,7 +310,7 @@ def test_mass_scorer_ranks_by_observed_attention():
 
 
 def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
-    from etinfer.bench.oracle_selection import OracleSelector
+    from etinfer.bench.laws.oracle_selection import OracleSelector
 
     lengths, budgets = [37, 22], [5, 3]
     cache, tables = filled_cache(lengths, seed=7)

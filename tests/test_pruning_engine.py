@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from etinfer import ControlConfig, PruningConfig, SamplingParams
-from etinfer.bench.fidelity import corpus_tokens, teacher_forced
+from etinfer.bench.common.fidelity import corpus_tokens, teacher_forced
 
 CONTEXT = 480  # tokens of real text: 30 blocks, enough for pruning to drop some
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

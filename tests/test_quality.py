@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from etinfer.bench.quality import (
+from etinfer.bench.common.quality import (
     distinct_n,
     diversity,
     is_looping,

@@ -9,8 +9,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from etinfer import LLM, SamplingParams
-from etinfer.calibrate import collect, corpus_windows
+from etinfer.calibrate import collect
 from etinfer.config import EngineConfig
+from etinfer.corpus import corpus_windows
 from etinfer.model.linear import Int4Linear, Int8Linear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, Int8Weight, weight_format
 from tests.conftest import PROMPTS

@@ -1,7 +1,7 @@
 """Scheduler mechanics on sequences alone: no model runs here."""
 
 from etinfer.control.scheduling import FCFSPolicy
-from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.scheduler import Scheduler
 from etinfer.engine.sequence import Sequence, SequenceStatus
 from etinfer.sampling_params import SamplingParams

@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from etinfer.bench import workload
-from etinfer.bench.scheduling_sim import StepCost, simulate
-from etinfer.bench.serving import summarize
+from etinfer.bench.common import workload
+from etinfer.bench.common.serving_metrics import summarize
+from etinfer.bench.laws.scheduling_sim import StepCost, simulate
 from etinfer.control.scheduling import EntropyPolicy, FCFSPolicy, SchedulingConfig
-from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, SequenceStatus
 from tests.scheduling_helpers import BLOCK, decoding, make_seq

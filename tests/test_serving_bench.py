@@ -15,11 +15,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from etinfer.bench import serving, workload
-from etinfer.bench.driver import Request, RequestRecord, drive_server
-from etinfer.bench.serving import METRICS, summarize
-from etinfer.bench.serving_sweep import saturated_capacity
-from etinfer.bench.workload import TextPrompts, WorkloadRequest
+from etinfer.bench.common import workload
+from etinfer.bench.common.driver import Request, RequestRecord, drive_server
+from etinfer.bench.common.serving_metrics import METRICS, summarize
+from etinfer.bench.common.workload import TextPrompts, WorkloadRequest
+from etinfer.bench.serving import serving
+from etinfer.bench.serving.serving_sweep import saturated_capacity
 from etinfer.control.scheduling import SchedulingConfig
 from etinfer.sampling_params import SamplingParams
 

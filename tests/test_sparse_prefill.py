@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from etinfer import ControlConfig, SamplingParams
-from etinfer.bench.fidelity import corpus_tokens, passkey_accuracy, passkey_cases
+from etinfer.bench.common.fidelity import corpus_tokens, passkey_accuracy, passkey_cases
 from etinfer.config import EngineConfig
 from etinfer.control.sparse_prefill import (
     HeadBudgets,

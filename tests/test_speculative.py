@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from etinfer import ControlConfig, SamplingParams, SpeculativeConfig
-from etinfer.engine.drafter import NgramProposer
+from etinfer.engine.speculative.drafter import NgramProposer
 from etinfer.model.loader import default_model_path
 from tests.conftest import PROMPTS, assert_pool_free
 
@@ -252,7 +252,7 @@ def test_an_early_exit_drafter_is_lossless(make_llm, quantization):
 def test_the_exit_adapter_makes_the_exit_agree_with_the_model(make_llm):
     """On held-out text of the corpus it is fitted on, the fitted exit after 26 of 30 layers
     picks the model's top token far more often than the bare exit (62% against 39% measured)."""
-    from etinfer.calibrate import corpus_windows
+    from etinfer.corpus import corpus_windows
 
     llm = make_llm(draft_model="self:26", speculative=SpeculativeConfig(method="draft"))
     engine, drafter = llm.engine, llm.engine.speculator.proposer

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from etinfer.bench import stress, stress_metrics
+from etinfer.bench.stress import metrics as stress_metrics
+from etinfer.bench.stress import stress
 from etinfer.cli import build_parser
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig, block_budget

@@ -1,4 +1,6 @@
-"""Benchmarks: scripts that print figures side by side in one run (never timed tests)."""
+"""Benchmarks: scripts that print figures side by side in one run (never timed tests), grouped by
+what they measure. ``common/`` holds what several share (the drivers, workloads, prompts,
+statistics, fidelity and quality measures, the machine's description and plotting)."""
 
 from __future__ import annotations
 
@@ -6,24 +8,13 @@ import argparse
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from etinfer.bench import (
-        ablation,
-        abuse,
-        iss_check,
-        kernels,
-        longcontext,
-        pruning,
-        quantization,
-        sampling,
-        scheduling_sim,
-        server_load,
-        serving,
-        serving_sweep,
-        speculative,
-        speed,
-        stress,
-        switching,
-    )
+    # Imported here: `etinfer generate` and `etinfer serve` need none of them.
+    from etinfer.bench.ablation import ablation
+    from etinfer.bench.laws import pruning, sampling, scheduling_sim
+    from etinfer.bench.seed_systems import longcontext, speculative, switching
+    from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
+    from etinfer.bench.speed import kernels, quantization, speed
+    from etinfer.bench.stress import iss_check, stress
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)

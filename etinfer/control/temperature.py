@@ -211,7 +211,6 @@ class TemperatureLaw:
 
 
 TEMPERATURE_LAWS: Registry[TemperatureLaw] = Registry("temperature law")
-ENTROPY_CONTROLS = ("feedback", "lagged", "exact")  # laws that regulate H to entropy_target
 
 
 def temperature_law(params: SamplingParams) -> TemperatureLaw:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.engine.step_sampling import Emitted
 from etinfer.model.paged_attention import PruningTelemetry
-
-if TYPE_CHECKING:  # the speculative module builds on the runner, which builds on this one
-    from etinfer.engine.speculative import Emitted
 
 
 @dataclass

@@ -28,22 +28,18 @@ import torch
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
-from etinfer.control.drafting import SpeculativeShaper
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
-from etinfer.control.scheduling import SCHEDULING_POLICIES
-from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.switching import SwitchState
 from etinfer.engine.detokenizer import Detokenizer
-from etinfer.engine.kv_cache_manager import KVCacheManager
-from etinfer.engine.kv_compressor import KVCompressor
+from etinfer.engine.kv_cache.manager import KVCacheManager
+from etinfer.engine.layers import EngineLayers
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
-from etinfer.engine.speculative import Speculator, sample_verified
-from etinfer.engine.switching import ModelSwitcher
+from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel, load_model
@@ -58,7 +54,6 @@ class LLMEngine:
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        device, dtype = config.torch_device(), config.torch_dtype()
         self.calibration = None
         if config.calibration is not None:
             vocab, stress = loaded.config.vocab_size, config.stress
@@ -74,57 +69,19 @@ class LLMEngine:
         self.validator = RequestValidator(
             self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.kv
         )
-        policy = SCHEDULING_POLICIES.create(
-            config.policy_name,
-            config=config.control.scheduling_config,
-            chunk_tokens=config.max_num_batched_tokens,
+        layers = EngineLayers.build(
+            config, loaded, self.kv, max_model_len=self.max_model_len, calibration=self.calibration
         )
         self.scheduler = Scheduler(
             self.kv,
-            policy,
+            layers.policy,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        # The control layers: a scheduling policy (above), a block selector whose budgets are
-        # planned while `pruning` is set, a step shaper, and the temperature law each request
-        # picks (in the sampler).
-        self.pruning = config.control.pruning_config
-        self.selector: BlockSelector = (
-            BLOCK_SELECTORS.create("dense")
-            if self.pruning is None
-            else BLOCK_SELECTORS.create("entropic", config=self.pruning)
-        )
-        self.shaper = (
-            SpeculativeShaper(config.speculative)
-            if config.speculative is not None
-            else STEP_SHAPERS.create(config.step_shaper)
-        )
-        self.runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
-            self.selector,
-            max_model_len=self.max_model_len,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            device=device,
-            dtype=dtype,
-            seed=config.seed,
-            quantization=config.quantization,
-            calibration_temperature=1.0
-            if self.calibration is None
-            else self.calibration.temperature,
-            sparse_prefill=config.control.sparse_prefill_config,
-            stress=config.stress,
-            batch_invariant=config.batch_invariant,
-        )
+        self.pruning, self.selector, self.shaper = layers.pruning, layers.selector, layers.shaper
+        self.runner, self.compressor = layers.runner, layers.compressor
+        self.switcher, self.speculator = layers.switcher, layers.speculator
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
-        self.compressor = KVCompressor.attach(config.control, self.runner, self.kv)
-        self.switcher = None
-        if config.control.switching_config is not None:
-            self.switcher = ModelSwitcher(config, self.runner, self.kv.pool, self.tokenizer)
-        self.speculator = None
-        if config.speculative is not None:
-            self.speculator = Speculator(config, self.runner, self.kv, self.tokenizer)
         self.observers = Observers()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -284,7 +241,7 @@ class LLMEngine:
         for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
             self.kv.commit(seq, start, n)
         if self.compressor is not None:
-            self.compressor.compress_due(batch.seqs)
+            self.compressor.compress_due(batch.seqs, self.runner.cache)
         if self.speculator is not None and emitted is not None:
             self.speculator.record(batch, emitted)
         if self.switcher is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,8 +30,23 @@ from etinfer.model.paged_attention import (
 )
 from etinfer.model.quantized import Weight
 
-if TYPE_CHECKING:  # these modules build on this one
-    from etinfer.engine.kv_compressor import KVCompressor, QueryCapture
+
+class QueryCapture(Protocol):
+    """Rows of a step whose queries attention copies out of every layer, and where to."""
+
+    rows: torch.Tensor  # [captured] rows of the step's flat batch
+    queries: torch.Tensor  # [layers, captured, heads, head_dim], filled as layers run
+
+
+class QueryCapturer(Protocol):
+    """A layer that keeps some rows' queries (KV compression's voters): it names them before a
+    step's forward pass and takes them after it."""
+
+    def plan_capture(
+        self, seqs: list[Sequence], starts: list[int], counts: list[int], first_rows: list[int]
+    ) -> QueryCapture | None: ...
+
+    def store(self, capture: QueryCapture) -> None: ...
 
 
 @dataclass
@@ -71,10 +86,12 @@ class ModelRunner:
         stress: StressConfig | None = None,
         sparse_prefill: SparsePrefillConfig | None = None,
         batch_invariant: bool = False,
+        query_capturer: QueryCapturer | None = None,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
         selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
-        ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig)."""
+        ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig).
+        ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
         prefill_selector = None
         if sparse_prefill is not None:
             if config.sliding_window is not None:
@@ -118,7 +135,7 @@ class ModelRunner:
         self.sampler = Sampler(
             torch.Generator(device).manual_seed(seed), calibration_temperature, stress
         )
-        self.compressor: KVCompressor | None = None  # set by the engine when compression is on
+        self.query_capturer = query_capturer
 
     def set_selector(self, selector: AttentionSelector) -> None:
         """Decode attention asks ``selector`` from the next step on; prefill is unaffected, so one
@@ -137,7 +154,7 @@ class ModelRunner:
         inputs = self.prepare(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         if inputs.capture is not None:
-            self.compressor.store(inputs.capture)
+            self.query_capturer.store(inputs.capture)
         prefilling = batch.seqs[len(batch.seqs) - len(inputs.meta.prefills) :]
         for chunk, seq in zip(inputs.meta.prefills, prefilling, strict=True):
             if chunk.sparse is not None:
@@ -265,8 +282,8 @@ class ModelRunner:
 
         fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
         capture = None
-        if self.compressor is not None:
-            capture = self.compressor.plan_capture(seqs, starts, counts, chunk_start.tolist())
+        if self.query_capturer is not None:
+            capture = self.query_capturer.plan_capture(seqs, starts, counts, chunk_start.tolist())
         meta = AttentionMetadata(
             slot_mapping.to(self.device),
             decode_rows,

@@ -22,7 +22,7 @@ from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.model_runner import StepResult
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch
-from etinfer.engine.speculative import Emitted
+from etinfer.engine.step_sampling import Emitted
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.sampling_params import SamplingParams
 from etinfer.validation import check_float, check_int

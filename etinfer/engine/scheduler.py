@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import SchedulingPolicy
-from etinfer.engine.kv_cache_manager import KVCacheManager
+from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.sequence import Sequence, SequenceStatus
 
 

@@ -7,7 +7,6 @@ behind; once queued, the request is aborted (its KV blocks freed) whenever its c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -17,7 +16,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from etinfer.outputs import RequestOutput
-from etinfer.sampling_params import SamplingParams
+from etinfer.server.admission import (
+    FIELDS,
+    check_choices,
+    check_request,
+    engine_requests,
+    sampling_params,
+)
 from etinfer.server.engine_loop import (
     EngineError,
     EngineLoop,
@@ -25,10 +30,9 @@ from etinfer.server.engine_loop import (
     QueueFull,
     RequestGroup,
 )
-from etinfer.server.errors import APIError, invalid_value
-from etinfer.server.limits import check_lists
+from etinfer.server.errors import APIError
 from etinfer.server.playground import control_layers
-from etinfer.server.prompts import EncodedPrompt, PromptEncoder
+from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionRequest,
@@ -36,10 +40,6 @@ from etinfer.server.protocol import (
     GenerationRequest,
 )
 from etinfer.server.responses import ChatFormat, CompletionFormat, Cursor, advance, usage
-
-# A request's SamplingParams field names, as the request spells them.
-FIELDS = {f.name: f.name for f in dataclasses.fields(SamplingParams)}
-MAX_SEED = 2**63
 
 
 def _dumps(body: dict) -> str:
@@ -73,16 +73,16 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        self._check(request)
+        check_request(request, self.model_name)
         prompts = self.encoder.completion_prompts(request.prompt)
-        self._check_choices(len(prompts) * request.n)
+        check_choices(len(prompts) * request.n, self.loop.max_waiting_requests)
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS
-        params = self._params(request, max_tokens, request.logprobs, FIELDS)
+        params = sampling_params(request, max_tokens, request.logprobs, FIELDS)
         encoded = await self.encoder.encode_completion(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = self._engine_requests(request_id, encoded, params, request, arrival)
+        requests = engine_requests(self.engine, request_id, encoded, params, request, arrival)
         return await self._answer(
             request,
             raw,
@@ -93,8 +93,8 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        self._check(request)
-        self._check_choices(request.n)
+        check_request(request, self.model_name)
+        check_choices(request.n, self.loop.max_waiting_requests)
         fields = dict(FIELDS, logprobs="top_logprobs")
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
@@ -109,10 +109,11 @@ class OpenAIServing:
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._params(request, max_tokens, logprobs, fields)
+        params = sampling_params(request, max_tokens, logprobs, fields)
         ids = await self.encoder.encode_chat([m.as_template_message() for m in request.messages])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = self._engine_requests(
+        requests = engine_requests(
+            self.engine,
             request_id,
             [(None, ids)],
             params,
@@ -123,122 +124,6 @@ class OpenAIServing:
         )
         chat = ChatFormat(logprobs, request.return_attention_entropy)
         return await self._answer(request, raw, request_id, requests, chat)
-
-    # -- validation -----------------------------------------------------------------------
-
-    def _check(self, request: GenerationRequest) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise APIError(
-                400,
-                f"The model `{request.model}` does not exist; this server serves "
-                f"`{self.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
-        name = request.unsupported_field()
-        if name is not None:
-            raise APIError(
-                400, f"{name} is not supported", param=name, code="unsupported_parameter"
-            )
-        if request.stream_options is not None and not request.stream:
-            raise APIError(
-                400, "stream_options is only allowed when stream is true", param="stream_options"
-            )
-        check_lists(request)
-
-    def _check_choices(self, count: int) -> None:
-        """Before any prompt is tokenized: a request with more choices than the queue holds
-        could never be accepted."""
-        if count > self.loop.max_waiting_requests:
-            raise APIError(
-                400,
-                f"the request has {count} choices (prompts times n) but the server queues at "
-                f"most {self.loop.max_waiting_requests}",
-                param="n",
-            )
-
-    @staticmethod
-    def _params(
-        request: GenerationRequest,
-        max_tokens: int | None,
-        logprobs: int | None,
-        fields: dict[str, str],
-    ) -> SamplingParams:
-        # Without max_tokens the limit depends on each prompt's length; 1 stands in for now.
-        try:
-            return request.sampling_params(1 if max_tokens is None else max_tokens, logprobs)
-        except ValueError as e:
-            raise invalid_value(e, fields) from e
-
-    def _engine_requests(
-        self,
-        request_id: str,
-        prompts: list[EncodedPrompt],
-        params: SamplingParams,
-        request: GenerationRequest,
-        arrival: float,
-        *,
-        max_tokens_param: str = "max_tokens",
-        to_context_end: bool = False,
-    ) -> list[EngineRequest]:
-        """One engine request per choice (``request.n`` per prompt), each with the request's
-        scheduling fields. Each prompt already fits the context (the encoder checked);
-        ``to_context_end``: no max_tokens was given, so each may generate up to its end.
-        Together the choices must fit the KV pool: one request may not claim more than the
-        whole pool, preempting everyone else."""
-        validator = self.engine.validator
-        limit = self.engine.max_model_len
-        requests = []
-        blocks = 0
-        for p, (text, ids) in enumerate(prompts):
-            length = len(ids)
-            prompt_params = params
-            if to_context_end:
-                prompt_params = dataclasses.replace(params, max_tokens=limit - length)
-            elif length + params.max_tokens > limit:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {length + params.max_tokens} tokens ({length} in the prompt, "
-                    f"{params.max_tokens} for the completion). Lower {max_tokens_param} or "
-                    f"shorten the prompt.",
-                    param=max_tokens_param,
-                    code="context_length_exceeded",
-                )
-            try:
-                validator.check_request(ids, prompt_params)
-            except ValueError as e:
-                raise APIError(400, str(e), param=max_tokens_param) from e
-            blocks += request.n * validator.blocks_needed(length, prompt_params.max_tokens)
-            for i in range(request.n):
-                choice_params = prompt_params
-                if params.seed is not None and i:
-                    # Distinct draws per choice, reproducible from the one seed.
-                    choice_params = dataclasses.replace(
-                        prompt_params, seed=(params.seed + i) % MAX_SEED
-                    )
-                requests.append(
-                    EngineRequest(
-                        f"{request_id}-{p}-{i}",
-                        text,
-                        ids,
-                        choice_params,
-                        arrival,
-                        priority=request.priority,
-                        slo=request.slo,
-                    )
-                )
-        pool = self.engine.kv.pool.num_blocks
-        if blocks > pool:
-            # Counted without prefix sharing: choices admitted in the same step share nothing.
-            raise APIError(
-                400,
-                f"the request's {len(requests)} choices ({len(prompts)} prompts x n={request.n}) "
-                f"need {blocks} KV blocks at their longest (prompt + {max_tokens_param}) but the "
-                f"pool holds {pool}; lower n or {max_tokens_param}, or send fewer prompts",
-                param="n" if request.n > 1 else max_tokens_param,
-            )
-        return requests
 
     # -- running --------------------------------------------------------------------------
 

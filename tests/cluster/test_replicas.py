@@ -19,7 +19,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from etinfer.bench.local_server import LocalServer, local_server
+from etinfer.bench.common.local_server import LocalServer, local_server
 from etinfer.server import create_app
 from tests.server.conftest import (
     API_KEY,

@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from etinfer.bench.local_server import LocalServer, local_server
+from etinfer.bench.common.local_server import LocalServer, local_server
 from etinfer.server.limits import default_max_request_bytes
 from tests.server.conftest import scrape_metrics
 

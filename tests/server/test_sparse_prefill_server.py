@@ -4,7 +4,7 @@ skipped, and /metrics counts it."""
 import openai
 
 from etinfer import ControlConfig
-from etinfer.bench.fidelity import corpus_tokens
+from etinfer.bench.common.fidelity import corpus_tokens
 from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.server import create_app
 from tests.server.conftest import API_KEY, ServerThread, make_engine

@@ -1,0 +1,288 @@
+"""The weight formats side by side (issue 15): for each ``quantization`` mode of our engine,
+transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 decode rate, the
+prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
+logits follow the float model's on real text (llama.cpp's too, as a reference: its logits on
+the same teacher-forced windows against our ``none``). A mode may carry a variant of the engine
+(``auto+batch-invariant``, ``auto+no-native``), measured in the same run.
+
+Each engine runs in a process of its own (resident memory and load time are then its alone),
+one after the other, and the whole round repeats; the best round of each is kept, which is what
+a shared, noisy machine allows. llama.cpp runs through ``llama-cpp-python`` in whatever Python
+``--llama-cpp-python`` names (build it in a separate environment: it is not our dependency).
+
+    etinfer bench quantization --llama-cpp-python ../llamacpp-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from etinfer import LLM, SamplingParams
+from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
+from etinfer.bench.common.machine import ISA_ENV, cpu_flags
+from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
+from etinfer.calibrate import collect
+from etinfer.corpus import corpus_windows
+from etinfer.model.loader import default_model_path
+from etinfer.model.quantized import QUANTIZATION_MODES
+
+DECODE_CONTEXT = 128  # tokens each decoding sequence holds: the short-chat regime
+STEPS = 24
+
+# Runs inside llama-cpp-python's environment, which has neither torch nor etinfer.
+LLAMA_CPP = f"""
+import json, os, sys, time, psutil
+from llama_cpp import Llama
+path, prompt_len, threads, steps = sys.argv[1], *map(int, sys.argv[2:5])
+start = time.perf_counter()
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_len + 64,
+            n_batch=prompt_len, n_ubatch=prompt_len, verbose=False)
+load_s = time.perf_counter() - start
+rss = psutil.Process().memory_info().rss
+tokens = llm.tokenize(b" The history of science" * 2000, add_bos=False)[:prompt_len]
+llm.eval(tokens[:64]); llm.reset()
+start = time.perf_counter(); llm.eval(tokens); prefill_s = time.perf_counter() - start
+llm.reset(); llm.eval(tokens[:{DECODE_CONTEXT}])
+times = []
+for _ in range(steps):
+    token = int(llm.scores[llm.n_tokens - 1].argmax())
+    start = time.perf_counter(); llm.eval([token]); times.append(time.perf_counter() - start)
+times.sort()
+print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
+                  "prefill_tok_s": prompt_len / prefill_s,
+                  "decode_tok_s": {{"1": 1 / times[len(times) // 2]}}}}))
+if len(sys.argv) > 5:  # teacher-forced logits of our windows, for top-1 and KL against ours
+    import numpy
+    windows_path, logits_path = sys.argv[5:7]
+    del llm
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                n_batch=512, logits_all=True, verbose=False)
+    rows = []
+    for window in json.load(open(windows_path)):
+        llm.reset(); llm.eval(window); rows.append(numpy.array(llm.scores[: len(window) - 1]))
+    numpy.save(logits_path, numpy.concatenate(rows).astype(numpy.float32))
+"""
+
+
+# A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's), or
+# no-native (every native kernel off, ETINFER_NATIVE=0: their work as torch operations).
+VARIANTS = ("batch-invariant", "no-native")
+MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES for v in VARIANTS)]
+
+
+def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_tokens: int) -> dict:
+    import psutil
+
+    mode, _, variant = engine.partition("+")
+    start = time.perf_counter()
+    llm = LLM(
+        quantization=mode,
+        batch_invariant=variant == "batch-invariant",
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=prompt_len,
+        enable_prefix_caching=False,
+        num_kvcache_blocks=(max(batches) * 256 + prompt_len) // 16 + 64,
+    )
+    result = {"load_s": time.perf_counter() - start}
+    result["rss_mib"] = psutil.Process().memory_info().rss / 2**20
+    result["decode_tok_s"] = {
+        str(b): 1000 * b / ours_decode_step_ms(llm, b, DECODE_CONTEXT, STEPS) for b in batches
+    }
+    prompt = context_prompts(llm, 1, prompt_len)
+    once = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt[0][:256]], once)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompt, once)
+    result["prefill_tok_s"] = prompt_len / (time.perf_counter() - start)
+    if mode != "none":
+        windows = fidelity_windows(llm, fidelity_tokens)
+        logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
+        del llm
+        result |= against_float(logits, float_llm(), windows, fidelity_tokens)
+    return result
+
+
+def fidelity_windows(llm: LLM, fidelity_tokens: int) -> list[list[int]]:
+    """The teacher-forced text every engine's logits are compared on: 256-token windows."""
+    return list(corpus_windows(llm.tokenizer, 256))[: fidelity_tokens // 255 + 1]
+
+
+def float_llm() -> LLM:
+    return LLM(quantization="none", num_kvcache_blocks=64)
+
+
+def against_float(
+    logits: torch.Tensor, reference: LLM, windows: list[list[int]], fidelity_tokens: int
+) -> dict:
+    """Top-1 agreement and mean KL of ``logits`` against ``reference`` (``none``) on the same
+    windows."""
+    expected = collect(reference.engine, iter(windows), fidelity_tokens)[0]
+    kl = torch.nn.functional.kl_div(
+        logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
+    )
+    return {
+        "top1_agreement": (logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+        "kl_mean": kl.sum(-1).mean().item(),
+    }
+
+
+def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
+    """llama.cpp's logits on the same windows against our float path: how far the file's own
+    engine, which multiplies 4-bit weights by 8-bit activations, is from float32."""
+    import numpy
+
+    reference = float_llm()
+    windows = fidelity_windows(reference, args.fidelity_tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        windows_path, logits_path = Path(folder, "windows.json"), Path(folder, "logits.npy")
+        windows_path.write_text(json.dumps(windows))
+        command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
+        command += [str(args.prompt_len), str(args.threads), "1", str(windows_path)]
+        done = subprocess.run([*command, str(logits_path)], capture_output=True, text=True)
+        if done.returncode:
+            print(f"llama.cpp's logits failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return {}
+        logits = torch.from_numpy(numpy.load(logits_path))[: args.fidelity_tokens]
+    return against_float(logits, reference, windows, args.fidelity_tokens)
+
+
+def measure_transformers(batches: list[int], prompt_len: int) -> dict:
+    import psutil
+
+    start = time.perf_counter()
+    model = load_transformers_model()
+    result = {"load_s": time.perf_counter() - start}
+    result["rss_mib"] = psutil.Process().memory_info().rss / 2**20
+    result["decode_tok_s"] = {
+        str(b): 1000 * b / transformers_decode_step_ms(model, b, DECODE_CONTEXT, STEPS)
+        for b in batches
+    }
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    with torch.no_grad():
+        model(ids[:, :256])
+        start = time.perf_counter()
+        model(ids, logits_to_keep=1)
+    result["prefill_tok_s"] = prompt_len / (time.perf_counter() - start)
+    return result
+
+
+def child(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    if args.child == "transformers":
+        return measure_transformers(args.batches, args.prompt_len)
+    return measure_ours(args.child, args.batches, args.prompt_len, args.fidelity_tokens)
+
+
+def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
+    if engine == "llama.cpp":
+        command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
+        command += [str(args.prompt_len), str(args.threads), str(STEPS)]
+    else:
+        command = [sys.executable, "-m", "etinfer.cli", "bench", "quantization", "--child", engine]
+        command += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
+        command += ["--fidelity-tokens", str(args.fidelity_tokens), "--batches"]
+        command += [str(b) for b in args.batches]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if args.isa and engine != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
+        env |= ISA_ENV[args.isa]
+    if engine.endswith("+no-native"):
+        env["ETINFER_NATIVE"] = "0"
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        print(f"{engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def best(rounds: list[dict]) -> dict:
+    """Per figure, the best round: highest rates, lowest load time and memory."""
+    result = dict(rounds[0])
+    for key in ("load_s", "rss_mib"):
+        result[key] = min(r[key] for r in rounds)
+    result["prefill_tok_s"] = max(r["prefill_tok_s"] for r in rounds)
+    result["decode_tok_s"] = {
+        b: max(r["decode_tok_s"][b] for r in rounds) for b in rounds[0]["decode_tok_s"]
+    }
+    return result
+
+
+def table(results: dict[str, dict], batches: list[int], prompt_len: int) -> str:
+    base = results.get("none")
+    heads = [f"decode b={b} tok/s" for b in batches]
+    lines = [
+        "| engine | " + " | ".join(heads) + f" | prefill {prompt_len} tok/s | load s | RSS MiB "
+        "| top-1 vs none | KL vs none |",
+        "|---|" + "---:|" * (len(heads) + 5),
+    ]
+    for name, r in results.items():
+        rates = [r["decode_tok_s"].get(str(b)) for b in batches]
+        cells = ["-" if v is None else f"{v:,.1f}" for v in rates]
+        if base and name != "none":
+            cells = [
+                c if v is None else f"{c} ({v / base['decode_tok_s'][str(b)]:.2f}x)"
+                for c, v, b in zip(cells, rates, batches, strict=True)
+            ]
+        agreement = f"{r['top1_agreement']:.2%}" if "top1_agreement" in r else "-"
+        kl = f"{r['kl_mean']:.5f}" if "kl_mean" in r else "-"
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {r['prefill_tok_s']:,.0f} | "
+            f"{r['load_s']:.1f} | {r['rss_mib']:,.0f} | {agreement} | {kl} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    engines = [*args.modes]
+    if not args.skip_transformers:
+        engines.append("transformers")
+    if args.llama_cpp_python:
+        engines.append("llama.cpp")
+    rounds: dict[str, list[dict]] = {e: [] for e in engines}
+    for repeat in range(args.repeats):
+        for engine in engines:
+            result = run_engine(engine, args)
+            if result is not None:
+                rounds[engine].append(result)
+                print(f"round {repeat + 1}, {engine}: {json.dumps(result)}", flush=True)
+    results = {e: best(r) for e, r in rounds.items() if r}
+    if "llama.cpp" in results and args.fidelity_tokens:
+        torch.set_num_threads(args.threads)
+        results["llama.cpp"] |= llama_cpp_fidelity(args)
+    held = f", ours held to {args.isa}" if args.isa else ""
+    print(f"\n{args.threads} threads, torch {torch.__version__}, CPU flags: {cpu_flags()}{held}")
+    print(table(results, args.batches, args.prompt_len))
+    return 0
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("quantization", help="weight formats against llama.cpp, side by side")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODE_CHOICES,
+        default=["none", "int8", "int4", "auto"],
+        metavar="MODE[+VARIANT]",
+        help=f"quantization modes, each optionally with a variant: {', '.join(VARIANTS)}",
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--fidelity-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--isa", choices=sorted(ISA_ENV), help="hold our engines to this ISA")
+    parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.set_defaults(func=main)

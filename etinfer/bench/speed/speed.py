@@ -1,0 +1,208 @@
+"""Engine speed against transformers, side by side in one run.
+
+1. Throughput: the same prompts, greedy, a fixed number of output tokens (EOS ignored), at
+   several batch sizes; tokens per second of our engine and of transformers ``generate``
+   (batched with left padding), prefill included.
+2. Decode step time against context length: sequences holding L tokens of context each decode
+   one token per step; median step time. Ours runs real prefills of distinct texts first. For
+   transformers a ``DynamicCache`` is filled with random keys and values of the same length
+   (a decode step's time does not depend on what the cache holds; this saves minutes of its
+   prefill per point).
+
+    etinfer bench speed --output results/speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from etinfer import options
+from etinfer.bench.common.decode_steps import decode_budget, ours_decode_step_ms
+from etinfer.bench.common.prompts import TOPICS
+from etinfer.llm import LLM
+from etinfer.sampling_params import SamplingParams
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a detailed essay about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+
+
+@dataclass
+class ThroughputRow:
+    batch: int
+    output_len: int
+    ours_tok_s: float
+    transformers_tok_s: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return (
+            None if self.transformers_tok_s is None else self.ours_tok_s / self.transformers_tok_s
+        )
+
+
+@dataclass
+class StepRow:
+    batch: int
+    context: int
+    ours_ms: float
+    transformers_ms: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.transformers_ms is None else self.ours_ms / self.transformers_ms
+
+
+def ours_throughput(llm: LLM, batch: int, output_len: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts(batch), SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts(batch), params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def transformers_throughput(model, tokenizer, batch: int, output_len: int) -> float:
+    encoded = [tokenizer.encode(p) for p in prompts(batch)]
+    width = max(map(len, encoded))
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+    return batch * output_len / (time.perf_counter() - start)
+
+
+def transformers_decode_step_ms(model, batch: int, context: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=config)
+    for layer in range(config.num_hidden_layers):
+        shape = (batch, heads, context, dim)
+        cache.update(torch.randn(shape), torch.randn(shape), layer)
+    ids = torch.randint(0, config.vocab_size, (batch, 1))
+    times = []
+    with torch.no_grad():
+        for i in range(steps + 1):
+            position = torch.full((batch, 1), context + i)
+            start = time.perf_counter()
+            model(
+                ids, past_key_values=cache, use_cache=True, position_ids=position, logits_to_keep=1
+            )
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1000
+
+
+def load_transformers_model():
+    from transformers import AutoModelForCausalLM
+
+    from etinfer.model.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    chunk = args.max_num_batched_tokens
+    batch, context = max(args.context_batches), max(args.contexts)
+    longest = context + decode_budget(batch, context, args.steps, chunk)
+    llm = LLM(
+        args.model,
+        max_num_seqs=max(args.batch_sizes + args.context_batches),
+        num_kvcache_blocks=batch * (longest // args.block_size + 1) + 64,
+        **options.engine_kwargs(args),
+    )
+    reference = None if args.skip_transformers else load_transformers_model()
+    throughput = []
+    for batch in args.batch_sizes:
+        ours = ours_throughput(llm, batch, args.output_len)
+        theirs = (
+            None
+            if reference is None
+            else transformers_throughput(reference, llm.tokenizer, batch, args.output_len)
+        )
+        throughput.append(ThroughputRow(batch, args.output_len, ours, theirs))
+        print_row(throughput[-1])
+    step_rows = []
+    for batch in args.context_batches:
+        for context in args.contexts:
+            ours = ours_decode_step_ms(llm, batch, context, args.steps)
+            theirs = (
+                None
+                if reference is None
+                else transformers_decode_step_ms(reference, batch, context, args.steps)
+            )
+            step_rows.append(StepRow(batch, context, ours, theirs))
+            print_row(step_rows[-1])
+    result = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "throughput": [asdict(r) | {"ratio": r.ratio} for r in throughput],
+        "decode_step": [asdict(r) | {"ratio": r.ratio} for r in step_rows],
+    }
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_row(row: ThroughputRow | StepRow) -> None:
+    if isinstance(row, ThroughputRow):
+        print(
+            f"throughput  batch {row.batch:3d}: ours {row.ours_tok_s:7.1f} tok/s, "
+            f"transformers {_fmt(row.transformers_tok_s, '7.1f')} tok/s, "
+            f"ratio {_fmt(row.ratio, '.2f')}x",
+            flush=True,
+        )
+    else:
+        print(
+            f"decode step batch {row.batch:3d} context {row.context:5d}: "
+            f"ours {row.ours_ms:7.1f} ms, transformers {_fmt(row.transformers_ms, '7.1f')} ms, "
+            f"ratio {_fmt(row.ratio, '.2f')}x",
+            flush=True,
+        )
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("speed", help="throughput and decode step time against transformers")
+    options.add_engine_options(
+        parser,
+        # Sized for the largest batch and context asked.
+        exclude=("control", "max_num_seqs", "num_kvcache_blocks", "kv_cache_gib"),
+        # The same prompts run repeatedly: measure compute, not the prefix cache.
+        defaults={"max_num_batched_tokens": 2048, "enable_prefix_caching": False},
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8000])
+    parser.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--output", help="write the figures as JSON here")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0

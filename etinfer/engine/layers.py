@@ -1,0 +1,95 @@
+"""The layers an engine runs, built from the switches of its config, each handed what it needs.
+
+This is the one place that reads which optional layers are on. The laws come from
+``etinfer/control/`` (a scheduling policy, a block selector whose budgets are planned while
+pruning is on, a step shaper; the temperature law each request picks acts in the sampler), and
+the layers with engine-side mechanics from their own folders: ``engine/kv_compression/`` and
+``engine/speculative/`` (drafting with verification, and Entropy Adaptive Decoding). Removing
+such a layer is removing its folder, its lines here and its switch in ``config.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from etinfer.config import EngineConfig
+from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
+from etinfer.control.calibration import Calibration
+from etinfer.control.drafting import SpeculativeShaper
+from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingPolicy
+from etinfer.control.shaping import STEP_SHAPERS, StepShaper
+from etinfer.engine.kv_cache.manager import KVCacheManager
+from etinfer.engine.kv_compression.compressor import KVCompressor
+from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.speculative.speculator import Speculator
+from etinfer.engine.speculative.switching import ModelSwitcher
+from etinfer.model.loader import LoadedModel
+
+
+@dataclass
+class EngineLayers:
+    policy: SchedulingPolicy
+    pruning: PruningConfig | None  # block budgets are planned while it is set
+    selector: BlockSelector
+    shaper: StepShaper
+    compressor: KVCompressor | None
+    runner: ModelRunner
+    switcher: ModelSwitcher | None
+    speculator: Speculator | None
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        kv: KVCacheManager,
+        *,
+        max_model_len: int,
+        calibration: Calibration | None,
+    ) -> EngineLayers:
+        control = config.control
+        policy = SCHEDULING_POLICIES.create(
+            config.policy_name,
+            config=control.scheduling_config,
+            chunk_tokens=config.max_num_batched_tokens,
+        )
+        pruning = control.pruning_config
+        selector = (
+            BLOCK_SELECTORS.create("dense")
+            if pruning is None
+            else BLOCK_SELECTORS.create("entropic", config=pruning)
+        )
+        shaper = (
+            SpeculativeShaper(config.speculative)
+            if config.speculative is not None
+            else STEP_SHAPERS.create(config.step_shaper)
+        )
+        device = config.torch_device()
+        compressor = None
+        if control.kv_compression_config is not None:
+            compressor = KVCompressor(control.kv_compression_config, loaded.config, kv, device)
+        runner = ModelRunner(
+            loaded.config,
+            loaded.weights,
+            selector,
+            max_model_len=max_model_len,
+            num_blocks=kv.pool.num_blocks,
+            block_size=config.block_size,
+            device=device,
+            dtype=config.torch_dtype(),
+            seed=config.seed,
+            quantization=config.quantization,
+            calibration_temperature=1.0 if calibration is None else calibration.temperature,
+            sparse_prefill=control.sparse_prefill_config,
+            stress=config.stress,
+            batch_invariant=config.batch_invariant,
+            query_capturer=compressor,
+        )
+        # Both fit their small model (an early exit's adapter) now, at load.
+        switcher = None
+        if control.switching_config is not None:
+            switcher = ModelSwitcher(config, runner, kv.pool, loaded.tokenizer)
+        speculator = None
+        if config.speculative is not None:
+            speculator = Speculator(config, runner, kv, loaded.tokenizer)
+        return cls(policy, pruning, selector, shaper, compressor, runner, switcher, speculator)

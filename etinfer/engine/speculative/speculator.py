@@ -1,0 +1,91 @@
+"""Speculative decoding, the engine's side: drafts into the scheduled batch before the forward
+pass, and what the step's verification accepted after it.
+
+The control law (``control/drafting.py``) says how many tokens each decoding sequence may draft;
+here the drafter proposes them, they are trimmed to the step's token budget, the request's
+``max_tokens`` and the context length, and KV slots are allocated for them. After the forward
+pass every sampled sequence has logits at its last known token and at each draft; the engine's
+sampling (``engine/step_sampling.py``) draws column by column and keeps each draft the model
+draws. So the emitted tokens, their entropies and temperatures are those plain decoding would
+produce, one per position, and drafting changes how many steps it takes, not what comes out.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from etinfer.config import EngineConfig
+from etinfer.control.drafting import SpeculativeConfig, next_draft_length
+from etinfer.control.record import TARGET_MODEL, StepShape
+from etinfer.engine.kv_cache.manager import KVCacheManager
+from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.engine.sequence import Sequence
+from etinfer.engine.speculative.draft_model import DraftModelProposer
+from etinfer.engine.speculative.drafter import make_proposer
+from etinfer.engine.step_sampling import Emitted
+from etinfer.model.tokenizer import Tokenizer
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to ``limits[i]`` drafted tokens for each of ``seqs``; KV slots for that many
+        are allocated (a drafter that runs model layers writes them)."""
+
+
+class Speculator:
+    def __init__(
+        self,
+        engine: EngineConfig,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        tokenizer: Tokenizer,
+    ) -> None:
+        """For an engine whose ``speculative`` is set; a drafter that needs fitting (an early
+        exit's adapter) is fitted here, at load."""
+        self.config: SpeculativeConfig = engine.speculative
+        self.drafter = f"draft:{self.config.method}"  # how token_models names accepted drafts
+        self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
+        self.kv = kv
+        self.max_model_len = runner.max_model_len
+        self.max_num_batched_tokens = engine.max_num_batched_tokens
+
+    def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
+        """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.drop_finished()  # every step, drafting or not
+        if not shape.draft_lengths:
+            return
+        budget = self.max_num_batched_tokens - sum(batch.num_tokens)
+        chosen, limits = [], []
+        for i in range(batch.num_decode):
+            seq = batch.seqs[i]
+            limit = min(
+                shape.draft_lengths[i],
+                budget,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            # Blocks past the drafts proposed go back when the step commits.
+            if limit > 0 and not seq.forced and self.kv.allocate(seq, 1 + limit):
+                chosen.append(i)
+                limits.append(limit)
+                budget -= limit
+        if not chosen:
+            return
+        proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
+        for i, drafts in zip(chosen, proposals, strict=True):
+            batch.drafts[i] = drafts
+            batch.num_tokens[i] += len(drafts)
+
+    def record(self, batch: ScheduledBatch, emitted: Emitted) -> None:
+        """Count each sampled sequence's drafts and acceptances; move its heuristic length."""
+        for index, accepted, count in zip(
+            batch.sampled, emitted.accepted, emitted.counts, strict=True
+        ):
+            seq, drafted = batch.seqs[index], len(batch.drafts[index])
+            seq.num_draft_tokens += drafted
+            seq.num_accepted_tokens += accepted
+            # Who wrote each token: the drafter's accepted ones come first, then the model's.
+            seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)
+            seq.draft_length = next_draft_length(self.config, seq.draft_length, drafted, accepted)
