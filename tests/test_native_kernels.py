@@ -75,6 +75,55 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
         assert torch.equal(out.view(HEADS, -1), batched[i]), f"sequence {i} ({length} tokens)"
 
 
+@pytest.fixture(params=["native", "x86-64-v3"])
+def build(request, monkeypatch):
+    """The kernels as compiled for this CPU, and as compiled for an AVX2 host (x86-64-v3: AVX2
+    and FMA, what `native_kernels` builds when ATen is held to AVX2): their floating-point code
+    differs (vector width, contraction into FMA), and each must keep rows independent."""
+    if request.param == "x86-64-v3":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    native_kernels._library.cache_clear()
+    assert ("-march=x86-64-v3" in native_kernels._flags()) == (request.param == "x86-64-v3")
+    yield request.param
+    monkeypatch.undo()
+    native_kernels._library.cache_clear()
+
+
+def test_every_build_gives_a_row_the_same_bits_however_the_call_is_grouped(build, monkeypatch):
+    """A decode row alone, beside other sequences, as one of a sequence's verification rows
+    (its last token and drafts: each row's own context), and split among threads: the same
+    bits. What differs between the engine's paths (a prefill row against a decode row) is a
+    different computation, not a different grouping; batch_invariant makes those equal."""
+    lengths = [700, 33, 400, 1200, 64, 401, 402, 403]  # the last three: one sequence verifying
+    q, keys, values, pattern, blocks = case(lengths, seed=4)
+    grouped = native(q, keys, values, pattern)[0].view(len(lengths), HEADS, -1)
+    monkeypatch.setattr(native_kernels, "_ENTRIES_PER_THREAD", 4096)  # every call split
+    split = native(q, keys, values, pattern)[0].view(len(lengths), HEADS, -1)
+    assert torch.equal(split, grouped)
+    for i in range(len(lengths)):
+        for rows in (slice(i, i + 1), slice(max(0, i - 2), i + 1)):  # alone; after two others
+            sub = DecodeBlocks(blocks.block_tables[rows], blocks.context_lens[rows], BLOCK)
+            sub_pattern = build_decode_pattern(
+                sub, visible_blocks(sub, KV_HEADS), GROUP, SLOTS_BLOCKS * BLOCK
+            )
+            heads = slice(rows.start * HEADS, rows.stop * HEADS)
+            out = native(q[heads], keys, values, sub_pattern)[0].view(-1, HEADS, q.shape[1])
+            assert torch.equal(out[-1], grouped[i]), f"{build}: row {i} ({lengths[i]} tokens)"
+
+
+def test_every_build_norms_a_row_the_same_alone_and_in_a_batch(build):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 576, generator=gen) * 3
+    residual = torch.randn(9, 576, generator=gen).bfloat16()
+    weight = torch.rand(576, generator=gen) + 0.5
+    out, h = native_kernels.residual_rms_norm(x, residual, weight, 1e-5)
+    for i in range(9):
+        row_out, row_h = native_kernels.residual_rms_norm(
+            x[i : i + 1], residual[i : i + 1], weight, 1e-5
+        )
+        assert torch.equal(row_out[0], out[i]) and torch.equal(row_h[0], h[i]), f"{build}: row {i}"
+
+
 def test_rows_of_a_group_with_different_entries_are_refused():
     q, keys, values, pattern, _ = case([40, 40])
     crow = pattern.crow.clone()
