@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from etinfer import LLM, SamplingParams
+from etinfer.control.entropy import softmax_entropy
 from tests.conftest import PROMPTS, assert_pool_free
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -90,8 +91,8 @@ def logprob_trace(out):
 
 def test_batch_invariant_rows_are_bit_exact_however_computed(make_llm):
     """On the default (4-bit) weights: the same logprobs, bit for bit, from a whole prefill, from
-    chunks of 5 tokens in a mixed batch, and from a prefill of the prompt with the tokens that
-    decode generated (recompute after preemption) against decode's own."""
+    chunks of 5 tokens in a mixed batch, from a prefill of the prompt with the tokens that
+    decode generated (recompute after preemption) and from scoring them, against decode's own."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     whole = make_llm(batch_invariant=True)
     chunked = make_llm(batch_invariant=True, max_num_batched_tokens=5)
@@ -104,6 +105,11 @@ def test_batch_invariant_rows_are_bit_exact_however_computed(make_llm):
     resumed = whole.generate([ids + alone.token_ids[:12]], params)[0]
     assert resumed.logprobs[0][alone.token_ids[12]].logprob == logprob_trace(alone)[12]
     assert_pool_free(chunked)
+    # And teacher-forced, every position in one call (engine.score), as the sampler reads them.
+    scored = whole.engine.score(ids + alone.token_ids)[len(ids) - 1 : -1]
+    generated = torch.tensor(alone.token_ids)[:, None]
+    forced = softmax_entropy(scored).logprobs(scored).gather(1, generated)[:, 0]
+    assert forced.tolist() == logprob_trace(alone)
 
 
 def test_same_tokens_after_a_prefix_cache_hit(llm, alone):

@@ -18,7 +18,7 @@ from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import AttentionSelector, DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
-from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.decode_pattern import DecodePattern, build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.paged_attention import (
@@ -203,15 +203,31 @@ class ModelRunner:
     def _prefill_inputs(
         self, token_ids: list[int], blocks: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        positions = torch.arange(len(token_ids))
+        n = len(token_ids)
+        positions = torch.arange(n)
         table = torch.tensor(blocks)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
-        mask = prefill_mask(0, len(token_ids), self.sliding_window, self.device)
-        meta = AttentionMetadata(
-            slots.to(self.device), 0, None, None, [PrefillChunk(0, len(token_ids), None, mask)]
-        )
+        if self.batch_invariant:  # every row as a decode row, as in a step (``prepare``)
+            decode_blocks, _, pattern = self._decode_rows(table.expand(n, -1), positions + 1)
+            meta = AttentionMetadata(slots.to(self.device), n, decode_blocks, pattern, [])
+        else:
+            mask = prefill_mask(0, n, self.sliding_window, self.device)
+            chunk = PrefillChunk(0, n, None, mask)
+            meta = AttentionMetadata(slots.to(self.device), 0, None, None, [chunk])
         ids = torch.tensor(token_ids, device=self.device)
         return ids, positions.to(self.device), meta
+
+    def _decode_rows(
+        self, tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> tuple[DecodeBlocks, torch.Tensor, DecodePattern]:
+        """Rows that attend as decode rows: each to its ``context_lens`` first cache entries
+        through its row of ``tables``. Their layout, visible blocks and dense pattern."""
+        blocks = DecodeBlocks(tables.to(self.device), context_lens.to(self.device), self.block_size)
+        visible = visible_blocks(blocks, self.config.num_kv_heads, None, self.sliding_window)
+        pattern = build_decode_pattern(
+            blocks, visible, self.config.queries_per_kv, self.cache.num_slots, self.sliding_window
+        )
+        return blocks, visible, pattern
 
     @torch.inference_mode()
     def early_exit(self, batch: ScheduledBatch, num_layers: int) -> torch.Tensor:
@@ -250,25 +266,13 @@ class ModelRunner:
         decode_blocks = dense = telemetry = None
         if num_decode:
             decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
-            decode_blocks = DecodeBlocks(
-                tables[row_seq[:decode_rows], :decode_width].to(self.device),
-                (index[:decode_rows] + 1).to(self.device),
-                bs,
-            )
-            visible = visible_blocks(
-                decode_blocks, self.config.num_kv_heads, None, self.sliding_window
+            decode_blocks, visible, dense = self._decode_rows(
+                tables[row_seq[:decode_rows], :decode_width], index[:decode_rows] + 1
             )
             if budgets is not None:
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
                 telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
-            dense = build_decode_pattern(
-                decode_blocks,
-                visible,
-                self.config.queries_per_kv,
-                self.cache.num_slots,
-                self.sliding_window,
-            )
         prefills = []
         for i in range(num_decode, len(seqs)):
             start, n = starts[i], counts[i]

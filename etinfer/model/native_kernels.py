@@ -52,16 +52,16 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and which(c)), None)
 
 
-def _flags() -> list[str]:
+def _target() -> list[str]:
     """For this CPU, unless ATen is held to AVX2 (as `--isa avx2` in the benchmarks does): then
     for AVX2 and FMA alone (x86-64-v3), so that a measurement held to AVX2 is one."""
     held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
-    return [*_FLAGS, "-march=x86-64-v3" if held else "-march=native"]
+    return ["-march=x86-64-v3" if held else "-march=native"]
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, target: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    flags = _flags()
+    flags = [*_FLAGS, *target]
     key = hashlib.sha256(
         "\n".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
@@ -86,20 +86,20 @@ def _build(compiler: str) -> Path:
     return library
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("ETINFER_NATIVE", "1") == "0":
-        return None
+class NoCompiler(RuntimeError):
+    """No C compiler on this machine (``CC``, cc, gcc or clang)."""
+
+
+def compiled(target: list[str]) -> ctypes.CDLL:
+    """The kernels built for ``target`` (e.g. ``["-march=x86-64-v3"]``, beside the fixed
+    optimisation flags) and loaded, their signatures declared. The engine's build is
+    ``compiled(_target())``; the tests build others, to check the code generated for other
+    hosts. Raises NoCompiler, or CalledProcessError or OSError when the build or the load
+    fails."""
     compiler = _compiler()
     if compiler is None:
-        logger.info("no C compiler found: the native kernels' work runs as torch operations")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("native kernels not built (%s): their work runs as torch operations", detail)
-        return None
+        raise NoCompiler("no C compiler found")
+    library = ctypes.CDLL(str(_build(compiler, target)))
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
@@ -109,6 +109,20 @@ def _library() -> ctypes.CDLL | None:
     library.residual_rms_norm.argtypes = [pointer] * 3 + [i64, i64, ctypes.c_float] + [pointer] * 2
     library.residual_rms_norm.restype = None
     return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("ETINFER_NATIVE", "1") == "0":
+        return None
+    try:
+        return compiled(_target())
+    except NoCompiler:
+        logger.info("no C compiler found: the native kernels' work runs as torch operations")
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("native kernels not built (%s): their work runs as torch operations", detail)
+    return None
 
 
 def available() -> bool:

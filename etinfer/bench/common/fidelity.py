@@ -214,9 +214,9 @@ def passkey_cases(
     return cases
 
 
-def passkey_accuracy(llm: LLM, cases: list[PasskeyCase]) -> list[bool]:
-    """Whether the first integer of the ten greedy tokens after the question is the key; the
-    cases run together, as one batch."""
+def passkey_answers(llm: LLM, cases: list[PasskeyCase]) -> list[RequestOutput]:
+    """Each case's question forced after its prompt, then ten greedy tokens; the cases run
+    together, as one batch."""
     engine = llm.engine
     ids = [
         engine.add_request(
@@ -229,9 +229,20 @@ def passkey_accuracy(llm: LLM, cases: list[PasskeyCase]) -> list[bool]:
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in engine.step())
+    return [outputs[request_id] for request_id in ids]
+
+
+def passkey_found(
+    tokenizer: Tokenizer, cases: list[PasskeyCase], answers: list[RequestOutput]
+) -> list[bool]:
+    """Whether the first integer of each answer after its question is the case's key."""
     found = []
-    for request_id, case in zip(ids, cases, strict=True):
-        answer = llm.tokenizer.decode(outputs[request_id].token_ids[len(case.question) :])
-        match = re.search(r"\d+", answer)
+    for case, answer in zip(cases, answers, strict=True):
+        match = re.search(r"\d+", tokenizer.decode(answer.token_ids[len(case.question) :]))
         found.append(match is not None and int(match.group()) == case.key)
     return found
+
+
+def passkey_accuracy(llm: LLM, cases: list[PasskeyCase]) -> list[bool]:
+    """Whether the first integer of the ten greedy tokens after the question is the key."""
+    return passkey_found(llm.tokenizer, cases, passkey_answers(llm, cases))
