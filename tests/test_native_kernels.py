@@ -1,6 +1,8 @@
 """The native decode-attention kernel against the torch operations it replaces, and the
 properties the engine rests on: each row computed independently of the others, bit for bit."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -75,40 +77,85 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
         assert torch.equal(out.view(HEADS, -1), batched[i]), f"sequence {i} ({length} tokens)"
 
 
-@pytest.fixture(params=["native", "x86-64-v3"])
+# Builds whose code must keep a row's result independent of the call: this CPU's, an AVX2 host's
+# (x86-64-v3, AVX2 and FMA: what the engine builds when ATen is held to AVX2) and an AMD Zen 2/3
+# host's (its -march=native tunes for it, and GCC then forms fewer FMAs in accumulation loops, so
+# the kernel's two paths for an entry, eight at a time and the remainder, compile differently).
+BUILDS = {
+    "native": ["-march=native"],
+    "x86-64-v3": ["-march=x86-64-v3"],
+    "x86-64-v3, Zen 3 tuning": ["-march=x86-64-v3", "-mtune=znver3"],
+}
+
+
+@pytest.fixture(params=list(BUILDS))
 def build(request, monkeypatch):
-    """The kernels as compiled for this CPU, and as compiled for an AVX2 host (x86-64-v3: AVX2
-    and FMA, what `native_kernels` builds when ATen is held to AVX2): their floating-point code
-    differs (vector width, contraction into FMA), and each must keep rows independent."""
-    if request.param == "x86-64-v3":
-        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    native_kernels._library.cache_clear()
-    assert ("-march=x86-64-v3" in native_kernels._flags()) == (request.param == "x86-64-v3")
-    yield request.param
-    monkeypatch.undo()
-    native_kernels._library.cache_clear()
+    """The kernels as compiled for ``BUILDS[param]``, in place of the engine's build."""
+    target = BUILDS[request.param]
+    cpu = native_kernels._cpu_flags().split()
+    if "x86-64-v3" in target[0] and not {"avx2", "fma"} <= set(cpu):
+        pytest.skip("this CPU cannot run code built for x86-64-v3")
+    try:
+        library = native_kernels.compiled(target)
+    except subprocess.CalledProcessError as error:  # a compiler that does not know the target
+        pytest.skip(f"{' '.join(target)} not built: {error.stderr.strip()[:200]}")
+    monkeypatch.setattr(native_kernels, "_library", lambda: library)
+    return request.param
 
 
-def test_every_build_gives_a_row_the_same_bits_however_the_call_is_grouped(build, monkeypatch):
-    """A decode row alone, beside other sequences, as one of a sequence's verification rows
-    (its last token and drafts: each row's own context), and split among threads: the same
-    bits. What differs between the engine's paths (a prefill row against a decode row) is a
-    different computation, not a different grouping; batch_invariant makes those equal."""
-    lengths = [700, 33, 400, 1200, 64, 401, 402, 403]  # the last three: one sequence verifying
-    q, keys, values, pattern, blocks = case(lengths, seed=4)
-    grouped = native(q, keys, values, pattern)[0].view(len(lengths), HEADS, -1)
-    monkeypatch.setattr(native_kernels, "_ENTRIES_PER_THREAD", 4096)  # every call split
-    split = native(q, keys, values, pattern)[0].view(len(lengths), HEADS, -1)
-    assert torch.equal(split, grouped)
-    for i in range(len(lengths)):
-        for rows in (slice(i, i + 1), slice(max(0, i - 2), i + 1)):  # alone; after two others
-            sub = DecodeBlocks(blocks.block_tables[rows], blocks.context_lens[rows], BLOCK)
-            sub_pattern = build_decode_pattern(
-                sub, visible_blocks(sub, KV_HEADS), GROUP, SLOTS_BLOCKS * BLOCK
+@pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 12), (40, 5)])
+def test_every_build_gives_a_row_the_same_bits_however_the_call_is_grouped(
+    build, dim, block, monkeypatch
+):
+    """A decode row alone, before and after other sequences, as one of a sequence's verification
+    rows (its last token and drafts: each row its own context) and split among threads: the
+    same bits, in every build. Blocks of 12 or 5 tokens give rows whose entries are not a
+    multiple of eight (the last ones take the kernel's remainder path); a head size of 40, the
+    loops not specialised for 64 or 128. What differs between the engine's paths (a prefill row
+    against a decode row) is another computation, not another grouping: batch_invariant takes
+    prefill rows through this kernel too (tests/test_correctness.py)."""
+    lengths = [700, 33, 400, 1200, 64, 401, 402, 403, 7]  # 401-403: one sequence verifying
+    count, slots = len(lengths), 256 * block
+    gen = torch.Generator().manual_seed(4)
+    keys, values = (torch.randn(KV_HEADS * slots, dim, generator=gen) for _ in "kv")
+    tables = torch.stack([torch.randperm(256, generator=gen)[: -(-1200 // block)] for _ in lengths])
+    tables[6:8] = tables[5]  # the verifying sequence's rows read its blocks
+    context = torch.tensor(lengths)
+    q = torch.randn(count, HEADS, dim, generator=gen)
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        """Output, row max and denominator of each head of ``rows`` in one call."""
+        blocks = DecodeBlocks(tables[rows], context[rows], block)
+        pattern = build_decode_pattern(blocks, visible_blocks(blocks, KV_HEADS), GROUP, slots)
+        monkeypatch.setattr(native_kernels, "_ENTRIES_PER_THREAD", 1 if threads > 1 else 1 << 30)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, row_max, denominators, _ = native_kernels.decode_attention(
+                q[rows].flatten(0, 1),
+                keys,
+                values,
+                pattern.crow,
+                pattern.cols,
+                pattern.outside,
+                GROUP,
+                dim**-0.5,
             )
-            heads = slice(rows.start * HEADS, rows.stop * HEADS)
-            out = native(q[heads], keys, values, sub_pattern)[0].view(-1, HEADS, q.shape[1])
-            assert torch.equal(out[-1], grouped[i]), f"{build}: row {i} ({lengths[i]} tokens)"
+        finally:
+            torch.set_num_threads(before)
+        stats = torch.stack([row_max, denominators], -1)
+        return torch.cat([out, stats], -1).view(len(rows), HEADS, dim + 2)
+
+    everything = list(range(count))
+    whole = attend(everything, threads=1)
+    for threads in (2, 3):
+        assert torch.equal(attend(everything, threads), whole), f"{build}: {threads} threads"
+        assert torch.equal(attend(everything[::-1], threads), whole.flip(0)), f"{build}: reversed"
+    for i in everything:
+        others = everything[:i] + everything[i + 1 :]
+        for rows, threads in (([i], 1), ([*others, i], 2), ([i, *others[:3]], 3)):
+            got = attend(rows, threads)[rows.index(i)]
+            assert torch.equal(got, whole[i]), f"{build}: row {i} ({lengths[i]} tokens), {rows}"
 
 
 def test_every_build_norms_a_row_the_same_alone_and_in_a_batch(build):
@@ -117,11 +164,9 @@ def test_every_build_norms_a_row_the_same_alone_and_in_a_batch(build):
     residual = torch.randn(9, 576, generator=gen).bfloat16()
     weight = torch.rand(576, generator=gen) + 0.5
     out, h = native_kernels.residual_rms_norm(x, residual, weight, 1e-5)
-    for i in range(9):
-        row_out, row_h = native_kernels.residual_rms_norm(
-            x[i : i + 1], residual[i : i + 1], weight, 1e-5
-        )
-        assert torch.equal(row_out[0], out[i]) and torch.equal(row_h[0], h[i]), f"{build}: row {i}"
+    for rows in [*(slice(i, i + 1) for i in range(9)), slice(2, 7), slice(5, 9)]:
+        part_out, part_h = native_kernels.residual_rms_norm(x[rows], residual[rows], weight, 1e-5)
+        assert torch.equal(part_out, out[rows]) and torch.equal(part_h, h[rows]), f"{build}: {rows}"
 
 
 def test_rows_of_a_group_with_different_entries_are_refused():
