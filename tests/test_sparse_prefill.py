@@ -203,14 +203,13 @@ def test_a_long_prompt_skips_attention_work_and_still_finds_the_passkey(make_llm
     sparse = make_llm(
         control=ControlConfig(sparse_prefill=config), max_num_seqs=4, enable_prefix_caching=False
     )
-    cases = passkey_cases(loaded_model.tokenizer, (3072,), "corpus", seed=1)[1:4]
-    # Dense first: a 135M model may miss a passkey even dense.
+    # The deepest of three needles: the one a 135M model finds dense in this 3K corpus prompt
+    # (it misses the other two even dense, and sparse prefill is held to what dense finds).
+    cases = passkey_cases(loaded_model.tokenizer, (3072,), "corpus", seed=1)[3:4]
     dense = make_llm(max_num_seqs=4)
-    found_dense = passkey_accuracy(dense, cases)
+    assert passkey_accuracy(dense, cases) == [True]
     answers = passkey_answers(sparse, cases)
-    found_sparse = passkey_found(sparse.tokenizer, cases, answers)
-    assert any(found_dense)
-    assert [s or not d for s, d in zip(found_sparse, found_dense, strict=True)] == [True] * 3
+    assert passkey_found(sparse.tokenizer, cases, answers) == [True]
 
     out = answers[0]  # what its prefill read and skipped
     profile = out.attention_profile
