@@ -92,7 +92,7 @@ BUILDS = {
 def build(request, monkeypatch):
     """The kernels as compiled for ``BUILDS[param]``, in place of the engine's build."""
     target = BUILDS[request.param]
-    cpu = native_kernels._cpu_flags().split()
+    cpu = native_kernels.cpu_flags().split()
     if "x86-64-v3" in target[0] and not {"avx2", "fma"} <= set(cpu):
         pytest.skip("this CPU cannot run code built for x86-64-v3")
     try:

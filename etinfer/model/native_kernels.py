@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_SOURCE = Path(__file__).parent / "native" / "kernels.c"
+_SOURCES = [Path(__file__).parent / "native" / "kernels.c"]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # Entries per thread below which a call runs on one: a thread's start and join take tens of
 # microseconds, and torch's own threads spin on the other core for a while after each of its
@@ -38,7 +38,7 @@ _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 _ENTRIES_PER_THREAD = 1 << 20
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -52,18 +52,26 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and which(c)), None)
 
 
-def _target() -> list[str]:
+def target() -> list[str]:
     """For this CPU, unless ATen is held to AVX2 (as `--isa avx2` in the benchmarks does): then
     for AVX2 and FMA alone (x86-64-v3), so that a measurement held to AVX2 is one."""
     held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
     return ["-march=x86-64-v3" if held else "-march=native"]
 
 
-def _build(compiler: str, target: list[str]) -> Path:
+def build_library(sources: list[Path], target: list[str]) -> Path:
+    """``sources`` compiled for ``target`` into a shared library in the user's cache (built
+    once: the name carries a hash of the sources, the flags, the compiler and the CPU's flags).
+    Raises NoCompiler, or CalledProcessError when the build fails."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NoCompiler("no C compiler found")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     flags = [*_FLAGS, *target]
+    headers = sorted({h for source in sources for h in source.parent.glob("*.h")})
+    texts = [path.read_text() for path in [*sources, *headers]]
     key = hashlib.sha256(
-        "\n".join([_SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode()
+        "\n".join([*texts, " ".join(flags), version, cpu_flags()]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "etinfer" / "native"
     library = cache / f"kernels-{key}.so"
@@ -75,7 +83,7 @@ def _build(compiler: str, target: list[str]) -> Path:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [compiler, *flags, "-o", str(partial), str(_SOURCE), "-lm", "-lpthread"],
+            [compiler, *flags, "-o", str(partial), *map(str, sources), "-lm", "-lpthread"],
             check=True,
             capture_output=True,
             text=True,
@@ -93,13 +101,10 @@ class NoCompiler(RuntimeError):
 def compiled(target: list[str]) -> ctypes.CDLL:
     """The kernels built for ``target`` (e.g. ``["-march=x86-64-v3"]``, beside the fixed
     optimisation flags) and loaded, their signatures declared. The engine's build is
-    ``compiled(_target())``; the tests build others, to check the code generated for other
+    ``compiled(target())``; the tests build others, to check the code generated for other
     hosts. Raises NoCompiler, or CalledProcessError or OSError when the build or the load
     fails."""
-    compiler = _compiler()
-    if compiler is None:
-        raise NoCompiler("no C compiler found")
-    library = ctypes.CDLL(str(_build(compiler, target)))
+    library = ctypes.CDLL(str(build_library(_SOURCES, target)))
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
@@ -116,7 +121,7 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("ETINFER_NATIVE", "1") == "0":
         return None
     try:
-        return compiled(_target())
+        return compiled(target())
     except NoCompiler:
         logger.info("no C compiler found: the native kernels' work runs as torch operations")
     except (OSError, subprocess.CalledProcessError) as error:

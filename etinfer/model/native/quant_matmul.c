@@ -1,0 +1,303 @@
+/* Matrix products with weights in GGUF's block formats, read as the file stores them
+ * (model/quant_kernels.py calls them): y[r, o] = sum_k x[r, k] w[o, k] for 1 to a few dozen rows
+ * of activations x, the work of a decode step, of speculative verification and of prefill.
+ *
+ * As llama.cpp does, the activations are first quantized to 8 bits per block (a scale and 32 or
+ * 256 signed bytes, with the sums the formats' offsets need), and each weight block meets its
+ * activation block in an integer dot product: 32 unsigned 4- to 6-bit codes times 32 signed bytes
+ * by AVX2's maddubs (or VNNI's dpbusd, which gives the same integers), scaled once a block in
+ * float. Our layout and loops are our own: one weight row is unpacked once for four activation
+ * rows, and the output rows are shared out in chunks among threads that take the next chunk
+ * when done (see pool.c's run_parallel).
+ *
+ * Row invariance: the result for activation row r and weight row o is the same sequence of
+ * operations whatever the other rows of the call and whichever thread computes it, so a token's
+ * output is bit-equal alone, in a batch, in a prefill chunk or verified beside drafts.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // GGML's ids
+enum { TILE = 4 };  // activation rows per pass over a weight row
+
+/* Activations, quantized: a block of 32 for the 32-element formats, with s = d * sum(q) (the
+ * offsets of Q4_0, Q4_1 and Q5_0 multiply it); a block of 256 for the K formats, with the sums
+ * of each 16 codes (their minimums and offsets multiply those). */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} Act32;
+typedef struct {
+    float d;
+    int16_t sums[16];
+    int8_t q[256];
+} Act256;
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
+                   mantissa = h & 0x3ff;
+    float value;
+    if (exponent == 0) {
+        value = ldexpf((float)mantissa, -24);
+    } else if (exponent == 31) {
+        value = mantissa ? NAN : INFINITY;
+    } else {
+        value = ldexpf((float)(mantissa | 0x400), (int)exponent - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    bits |= sign;
+    memcpy(&value, &bits, 4);
+    return value;
+#endif
+}
+
+/* Round to nearest, halves away from zero, as llama.cpp's quantizers do; the scale is the block's
+ * largest magnitude over 127, so codes stay in -127..127 (the sign trick below needs that). */
+static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < count; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    *d = amax / 127.0f;
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
+}
+
+void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out) {
+    for (int64_t b = 0; b < rows * (k / 32); ++b) {
+        quantize_block(x + b * 32, 32, &out[b].d, out[b].q);
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) sum += out[b].q[i];
+        out[b].s = out[b].d * (float)sum;
+    }
+}
+
+void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out) {
+    for (int64_t b = 0; b < rows * (k / 256); ++b) {
+        quantize_block(x + b * 256, 256, &out[b].d, out[b].q);
+        for (int g = 0; g < 16; ++g) {
+            int sum = 0;
+            for (int i = 0; i < 16; ++i) sum += out[b].q[16 * g + i];
+            out[b].sums[g] = (int16_t)sum;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+/* Sum of products of 32 unsigned bytes (at most 63) and 32 signed bytes, in 8 int32 lanes. */
+static inline __m256i dot_us8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Pairs of products of unsigned bytes (at most 63) and signed bytes, times a 16-bit scale. */
+static inline __m256i dot_us8_scaled(__m256i u, __m256i s, int16_t scale) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(scale));
+}
+
+static inline float lanes_sum(__m256 v) {
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 16 bytes of two codes each: the low nibbles as elements 0-15, the high ones as 16-31. */
+static inline __m256i nibbles16(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+/* Q5_0's 32 high bits as 16 (set) or 0 in the element's byte. */
+static inline __m256i high_bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask),
+                            _mm256_set1_epi8(16));
+}
+
+/* One weight block of a 32-element format as unsigned codes, its scale, and the factor of the
+ * activation block's sum s that its offset contributes. */
+static inline __m256i codes32(int type, const uint8_t *w, float *scale, float *offset) {
+    *scale = half(w);
+    switch (type) {
+        case Q4_0:
+            *offset = -8.0f * *scale;
+            return nibbles16(w + 2);
+        case Q4_1:
+            *offset = half(w + 2);
+            return nibbles16(w + 4);
+        default:  // Q5_0
+            *offset = -16.0f * *scale;
+            return _mm256_or_si256(nibbles16(w + 6), high_bits32(w + 2));
+    }
+}
+
+static void rows32(int type, int64_t block_bytes, const uint8_t *w, const Act32 *x, int64_t blocks,
+                   int64_t rows, float *y, int64_t ldy) {
+    __m256 acc[TILE];
+    float offsets[TILE];
+    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps(), offsets[i] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
+        float scale, offset;
+        __m256i u;
+        if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
+            scale = half(w), offset = 0.0f;
+            u = load32(w + 2);
+        } else {
+            u = codes32(type, w, &scale, &offset);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+            const Act32 *a = x + i * blocks + b;
+            __m256i s = load32(a->q);
+            __m256i p = type == Q8_0 ? dot_us8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(s, u))
+                                     : dot_us8(u, s);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * a->d), acc[i]);
+            offsets[i] += offset * a->s;
+        }
+    }
+    for (int64_t i = 0; i < rows; ++i) y[i * ldy] = lanes_sum(acc[i]) + offsets[i];
+}
+
+/* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. */
+static inline void scales_mins(const uint8_t *p, uint8_t *scale, uint8_t *min) {
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = p[j] & 63, min[j] = p[j + 4] & 63;
+        scale[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
+        min[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+}
+
+static void rows_k(int type, int64_t block_bytes, const uint8_t *w, const Act256 *x, int64_t blocks,
+                   int64_t rows, float *y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc[TILE];
+    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+    float minimums[TILE] = {0};
+    for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
+        __m256i u[8];
+        int16_t scale[16];
+        float d, dmin = 0.0f;
+        uint8_t mins[8];
+        if (type == Q6_K) {  // ql[128], qh[64], scales[16] (int8), d; groups of 16 elements
+            const uint8_t *ql = w, *qh = w + 128;
+            for (int half_ = 0; half_ < 2; ++half_, ql += 64, qh += 32) {
+                const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh);
+                for (int s = 0; s < 4; ++s) {
+                    const __m256i lows = s & 2 ? _mm256_and_si256(_mm256_srli_epi16(s & 1 ? l1 : l0, 4), low)
+                                               : _mm256_and_si256(s & 1 ? l1 : l0, low);
+                    const __m256i highs = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s),
+                                                           _mm256_set1_epi8(3));
+                    u[4 * half_ + s] = _mm256_or_si256(lows, _mm256_slli_epi16(highs, 4));
+                }
+            }
+            for (int g = 0; g < 16; ++g) scale[g] = (int8_t)w[192 + g];
+            d = half(w + 208);
+        } else {  // Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32],) qs[128]
+            uint8_t sc[8];
+            scales_mins(w + 4, sc, mins);
+            for (int j = 0; j < 8; ++j) scale[2 * j] = scale[2 * j + 1] = sc[j];
+            d = half(w), dmin = half(w + 2);
+            const uint8_t *qs = w + (type == Q5_K ? 48 : 16);
+            const __m256i h = type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i v = load32(qs + 16 * j);
+                u[j] = _mm256_and_si256(v, low);
+                u[j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (type == Q5_K) {
+                    for (int t = 0; t < 2; ++t) {
+                        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(h, j + t), one);
+                        u[j + t] = _mm256_or_si256(u[j + t], _mm256_slli_epi16(bit, 4));
+                    }
+                }
+            }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+            const Act256 *a = x + i * blocks + b;
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {  // 32 elements: two groups of 16, each with its scale
+                const __m256i p = _mm256_maddubs_epi16(u[j], load32(a->q + 32 * j));
+                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(scale[2 * j + 1]),
+                                                        _mm_set1_epi16(scale[2 * j]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scales));
+            }
+            int32_t offset = 0;  // Q6_K: codes are stored plus 32; Q4_K, Q5_K: a minimum a group
+            if (type == Q6_K) {
+                for (int g = 0; g < 16; ++g) offset += scale[g] * a->sums[g];
+                offset *= -32;
+            } else {
+                int32_t m = 0;
+                for (int j = 0; j < 8; ++j) m += mins[j] * (a->sums[2 * j] + a->sums[2 * j + 1]);
+                minimums[i] += dmin * a->d * (float)m;
+            }
+            const __m256i total = _mm256_add_epi32(sum, _mm256_setr_epi32(offset, 0, 0, 0, 0, 0, 0, 0));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a->d), acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < rows; ++i) y[i * ldy] = lanes_sum(acc[i]) - minimums[i];
+}
+#else
+#error "quant_matmul.c needs AVX2 (x86-64-v3); the caller builds it only there"
+#endif
+
+typedef struct {
+    int type;
+    int64_t block_bytes, blocks, row_bytes, rows, ldy;
+    const uint8_t *w;
+    const void *x;
+    float *y;
+} Task;
+
+static void run_rows(void *arg, int64_t first, int64_t end) {
+    const Task *t = arg;
+    const int k_format = t->type == Q4_K || t->type == Q5_K || t->type == Q6_K;
+    for (int64_t o = first; o < end; ++o) {
+        const uint8_t *w = t->w + o * t->row_bytes;
+        for (int64_t r = 0; r < t->rows; r += TILE) {
+            const int64_t rows = t->rows - r < TILE ? t->rows - r : TILE;
+            float *y = t->y + r * t->ldy + o;
+            if (k_format)
+                rows_k(t->type, t->block_bytes, w, (const Act256 *)t->x + r * t->blocks, t->blocks,
+                       rows, y, t->ldy);
+            else
+                rows32(t->type, t->block_bytes, w, (const Act32 *)t->x + r * t->blocks, t->blocks,
+                       rows, y, t->ldy);
+        }
+    }
+}
+
+/* y [rows, out] (rows `ldy` apart: a part of a wider output) = x [rows, k] (quantized by
+ * quantize_act32 or quantize_act256, as the format wants) times the weight [out, k] in `type`'s
+ * blocks of `block_bytes`. Returns -1 for a format without a kernel here. */
+int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t block_bytes,
+                 const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads) {
+    const int64_t elements = type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32;
+    if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q8_0 && elements == 32) return -1;
+    const int64_t blocks = k / elements;
+    Task task = {type, block_bytes, blocks, blocks * block_bytes, rows, ldy, w, x, y};
+    /* Chunks of output rows: small enough that a thread that starts late still finds work,
+     * large enough that taking one costs little beside it. */
+    run_parallel(run_rows, &task, out, 16, threads);
+    return 0;
+}
