@@ -127,7 +127,9 @@ class EngineConfig:
         default="auto",
         metadata={
             "help": "of the weights: auto (a GGUF keeps its own: Q4_0/Q4_1 as int4, Q8_0 as "
-            "int8), none (float, dequantized at load), int8 (per row), int4 (groups of 32)"
+            "int8, Q5_0 and K formats in their blocks), gguf (every GGUF block format in its "
+            "blocks, on etinfer's kernels with 8-bit activations), none (float, dequantized at "
+            "load), int8 (per row), int4 (groups of 32)"
         },
     )
     device: str = field(

@@ -67,10 +67,10 @@ def test_each_native_type_maps_exactly(qtype):
 
 def test_unsupported_block_types_run_as_float_and_say_so():
     values = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
-    blocks = blocks_of(values, Q.Q5_0)
+    blocks = blocks_of(values, Q.Q5_1)
     weight, note = weight_format(blocks, "auto", "model.layers.0.mlp.down_proj.weight")
     assert torch.equal(weight, blocks.dequantize())
-    assert note == "model.layers.0.mlp.down_proj.weight (Q5_0: no kernel, dequantized to float)"
+    assert note == "model.layers.0.mlp.down_proj.weight (Q5_1: no kernel, dequantized to float)"
     # int4 and int8 quantize it like any float weight
     assert isinstance(weight_format(blocks, "int4", "w")[0], Int4Weight)
     assert isinstance(weight_format(blocks, "int8", "w")[0], Int8Weight)

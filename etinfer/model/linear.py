@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from etinfer.model.quantized import Format, Int4Weight, Int8Weight
+from etinfer.model import quant_kernels
+from etinfer.model.quantized import Format, GGUFBlocks, Int4Weight, Int8Weight
 
 # oneDNN picks its blocked weight layout from a batch-size hint. Measured on a 2-core AVX2 machine,
 # a hint of 16 is the fastest of 1, 16 for every batch from 1 to 2,048 rows.
@@ -112,12 +113,30 @@ class Int8Linear:
         return y if self.bias is None else y + self.bias
 
 
+class BlockLinear:
+    """A GGUF weight in its own blocks on etinfer's kernels (``quant_kernels``): float32 in and
+    out, the activations quantized to 8 bits a block inside the call."""
+
+    def __init__(self, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias, self.parts = bias, [(weight.qtype, weight.data.contiguous())]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_kernels.matmul(x, self.parts)
+        return y if self.bias is None else y + self.bias
+
+
+Layer = Linear | Int4Linear | Int8Linear | BlockLinear
+
+
 def make_linear(
     weight: Format, bias: torch.Tensor | None = None, dtype: torch.dtype = KERNEL_DTYPE
-) -> Linear | Int4Linear | Int8Linear:
-    """The layer for a weight in any format (``dtype``: the integer kernels' activations). An
-    8-bit weight with groups smaller than a row (Q8_0) runs as two 4-bit planes, since the int8
-    kernel takes one scale per row only."""
+) -> Layer:
+    """The layer for a weight in any format (``dtype``: torch's integer kernels' activations).
+    An 8-bit weight with groups smaller than a row (Q8_0) runs as two 4-bit planes, since the
+    int8 kernel takes one scale per row only."""
+    if isinstance(weight, GGUFBlocks):
+        return BlockLinear(weight, bias)
     if isinstance(weight, Int8Weight):
         if weight.group_size == weight.shape[1]:
             return Int8Linear(weight, bias, dtype)
@@ -135,9 +154,14 @@ class TopRefinedLinear:
     (BENCHMARKS.md). The ``candidates`` largest logits of each row, which decide greedy choice,
     top-k/top-p and the logprobs reported, are recomputed from the exact weights in float32;
     the tail keeps the kernel's rounding (it changes entropy by far less than a millinat).
+    On etinfer's block kernels the same recomputation undoes the 8-bit activations' rounding.
     """
 
-    def __init__(self, layer: Int4Linear | Int8Linear, weight: Int4Weight | Int8Weight) -> None:
+    def __init__(
+        self,
+        layer: Int4Linear | Int8Linear | BlockLinear,
+        weight: Int4Weight | Int8Weight | GGUFBlocks,
+    ) -> None:
         self.layer, self.weight = layer, weight
         self.candidates = min(_REFINED_CANDIDATES, layer.out_features)
 
@@ -151,7 +175,7 @@ class TopRefinedLinear:
         return logits.scatter_(1, top, exact)
 
 
-def takes_bfloat16(layer: Linear | Int4Linear | Int8Linear) -> bool:
+def takes_bfloat16(layer: Layer) -> bool:
     """Whether the layer's kernel wants bfloat16 input (what a norm before it may produce)."""
     return isinstance(layer, Int4Linear | Int8Linear) and layer.dtype == torch.bfloat16
 

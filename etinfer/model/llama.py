@@ -41,7 +41,7 @@ class WeightReader:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        if device.type != "cpu" and quantization in ("int4", "int8"):
+        if device.type != "cpu" and quantization in ("int4", "int8", "gguf"):
             raise ValueError(
                 f"quantization={quantization!r} runs on the CPU's weight-only kernels; on "
                 f"{device} use 'auto' or 'none' (weights there are float for now)"

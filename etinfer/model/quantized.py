@@ -5,9 +5,12 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
 
 - ``none``: float, dequantized by the ``gguf`` package exactly as before.
 - ``auto``: a GGUF keeps its own format. Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
-  ``Int8Weight`` (both group 32, as in the file); float tensors stay float. Other block types
-  have no kernel here: they are dequantized to float and the loader says so (a warning naming
-  each tensor and its type).
+  ``Int8Weight`` (both group 32, as in the file), for torch's kernels; Q5_0 and the K formats
+  (Q4_K, Q5_K, Q6_K) stay in their blocks for etinfer's own kernels (``quant_kernels``); float
+  tensors stay float. A block type no kernel takes is dequantized to float and the loader says
+  so (a warning naming each tensor and its type).
+- ``gguf``: every block type ``quant_kernels`` takes stays in its blocks and runs on those
+  kernels (8-bit activations, as llama.cpp computes); the rest as ``auto``.
 - ``int4``: ``Int4Weight``, group 32, asymmetric, round to nearest (Q4_1's rule). 32 because it
   is GGUF's block: a Q4_0/Q4_1 tensor maps onto it exactly, with no second rounding, and it is
   the smallest group torch's kernel takes (the smaller the group, the smaller the error).
@@ -24,7 +27,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+from etinfer.model import quant_kernels
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4", "gguf")
 GROUP_SIZE = 32
 _Q = GGMLQuantizationType
 # Block types that map onto a kernel's format exactly.
@@ -47,10 +52,13 @@ class GGUFBlocks:
     def rows(self, index: torch.Tensor) -> GGUFBlocks:
         return GGUFBlocks(self.qtype, self.data[index], self.in_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out, in], by the ``gguf`` package (the reference every format is held to)."""
-        values = dequantize(self.data.numpy(), self.qtype).reshape(self.shape)
-        return torch.from_numpy(values.astype("float32", copy=False))
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out, in] (of the rows ``rows`` only, when given), by the ``gguf`` package
+        (the reference every format is held to)."""
+        data = self.data if rows is None else self.data[rows.reshape(-1)]
+        values = dequantize(data.numpy(), self.qtype).reshape(-1, self.in_features)
+        values = torch.from_numpy(values.astype("float32", copy=False))
+        return values if rows is None else values.view(*rows.shape, self.in_features)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block headers as float32 [out, blocks, fields] and the payload [out, blocks, *]."""
@@ -167,7 +175,7 @@ class Int8Weight:
         return Int4Weight(codes, scale, zero, self.group_size, planes=2)
 
 
-Format = torch.Tensor | Int4Weight | Int8Weight
+Format = torch.Tensor | Int4Weight | Int8Weight | GGUFBlocks
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
@@ -197,6 +205,9 @@ def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | N
             return Int4Weight.from_gguf(weight), None
         return Int4Weight.quantize(as_float(weight), name), None
     if not isinstance(weight, GGUFBlocks):
+        return weight, None
+    own_kernel = quant_kernels.takes(weight.qtype, weight.in_features)
+    if own_kernel and (mode == "gguf" or not native):
         return weight, None
     if weight.qtype == _Q.Q8_0:
         return Int8Weight.from_gguf(weight), None

@@ -30,9 +30,11 @@ static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;  // one call at a 
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static Call call;
-static _Atomic uint64_t ticket;  // call number << 32 | next chunk
+// Each on a cache line of its own: the takers write both, and the waiting threads read them.
+static _Alignas(64) _Atomic uint64_t ticket;  // call number << 32 | next chunk
 static const uint64_t CLOSED = 0xffffffffu;
-static _Atomic int64_t done, sleepers;
+static _Alignas(64) _Atomic int64_t done;
+static _Alignas(64) _Atomic int64_t sleepers;
 static int64_t kept;
 
 static inline void relax(void) {

@@ -25,7 +25,8 @@
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // GGML's ids
-enum { TILE = 4 };  // activation rows per pass over a weight row
+enum { TILE = 4 };  // activation rows per pass over a weight row (K formats)
+enum { PREFETCH_ROWS = 8 };  // weight rows ahead that a tile asks the memory system for
 
 /* Activations, quantized: a block of 32 for the 32-element formats, with s = d * sum(q) (the
  * offsets of Q4_0, Q4_1 and Q5_0 multiply it); a block of 256 for the K formats, with the sums
@@ -154,30 +155,70 @@ static inline __m256i codes32(int type, const uint8_t *w, float *scale, float *o
     }
 }
 
-static void rows32(int type, int64_t block_bytes, const uint8_t *w, const Act32 *x, int64_t blocks,
-                   int64_t rows, float *y, int64_t ldy) {
-    __m256 acc[TILE];
-    float offsets[TILE];
-    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps(), offsets[i] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
-        float scale, offset;
-        __m256i u;
-        if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
-            scale = half(w), offset = 0.0f;
-            u = load32(w + 2);
-        } else {
-            u = codes32(type, w, &scale, &offset);
+/* A tile of `WR` weight rows (row_bytes apart) times `TR` activation rows: the tile's products
+ * are independent chains, which keeps the FMA units busy where one row's chain would wait on
+ * each addition's latency (batch 1). Every product follows the same operations in the same order
+ * whatever the tile's shape (the offsets by an explicit fmaf, never left to contraction), so the
+ * shapes give the same bits. Inlined with WR and TR constant, the arrays live in registers. */
+static inline __attribute__((always_inline)) void tile32(int type, int64_t block_bytes,
+                                                         const uint8_t *w, int64_t row_bytes,
+                                                         const Act32 *x, int64_t blocks, float *y,
+                                                         int64_t ldy, const int WR, const int TR) {
+    __m256 acc[4][2];
+    float offsets[4][2];
+    for (int i = 0; i < WR; ++i)
+        for (int j = 0; j < TR; ++j) acc[i][j] = _mm256_setzero_ps(), offsets[i][j] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        float scale[4], offset[4];
+        __m256i u[4];
+        for (int i = 0; i < WR; ++i) {
+            const uint8_t *block = w + i * row_bytes + b * block_bytes;
+            /* The next tile's rows, a tile ahead: the weights stream from memory once a step,
+             * and rows of a few hundred bytes are too short for the hardware's prefetchers. */
+            __builtin_prefetch(block + PREFETCH_ROWS * row_bytes, 0, 0);
+            if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
+                scale[i] = half(block), offset[i] = 0.0f;
+                u[i] = load32(block + 2);
+            } else {
+                u[i] = codes32(type, block, &scale[i], &offset[i]);
+            }
         }
-        for (int64_t i = 0; i < rows; ++i) {
-            const Act32 *a = x + i * blocks + b;
-            __m256i s = load32(a->q);
-            __m256i p = type == Q8_0 ? dot_us8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(s, u))
-                                     : dot_us8(u, s);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * a->d), acc[i]);
-            offsets[i] += offset * a->s;
+        for (int j = 0; j < TR; ++j) {
+            const Act32 *a = x + j * blocks + b;
+            const __m256i s = load32(a->q);
+            for (int i = 0; i < WR; ++i) {
+                const __m256i p = type == Q8_0 ? dot_us8(_mm256_sign_epi8(u[i], u[i]),
+                                                         _mm256_sign_epi8(s, u[i]))
+                                               : dot_us8(u[i], s);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[i] * a->d),
+                                            acc[i][j]);
+                offsets[i][j] = fmaf(offset[i], a->s, offsets[i][j]);
+            }
         }
     }
-    for (int64_t i = 0; i < rows; ++i) y[i * ldy] = lanes_sum(acc[i]) + offsets[i];
+    for (int i = 0; i < WR; ++i)
+        for (int j = 0; j < TR; ++j) y[j * ldy + i] = lanes_sum(acc[i][j]) + offsets[i][j];
+}
+
+/* Weight rows [0, count) times every activation row, by tiles of up to 4 x 2. */
+static void rows32(int type, int64_t block_bytes, const uint8_t *w, int64_t row_bytes,
+                   int64_t count, const Act32 *x, int64_t blocks, int64_t rows, float *y,
+                   int64_t ldy) {
+    int64_t o = 0;
+    for (; o + 4 <= count; o += 4) {
+        const uint8_t *wo = w + o * row_bytes;
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2)
+            tile32(type, block_bytes, wo, row_bytes, x + r * blocks, blocks, y + r * ldy + o, ldy,
+                   4, 2);
+        if (r < rows)
+            tile32(type, block_bytes, wo, row_bytes, x + r * blocks, blocks, y + r * ldy + o, ldy,
+                   4, 1);
+    }
+    for (; o < count; ++o)
+        for (int64_t r = 0; r < rows; ++r)
+            tile32(type, block_bytes, w + o * row_bytes, row_bytes, x + r * blocks, blocks,
+                   y + r * ldy + o, ldy, 1, 1);
 }
 
 /* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. */
@@ -233,14 +274,16 @@ static void rows_k(int type, int64_t block_bytes, const uint8_t *w, const Act256
                 }
             }
         }
+        __m256i scales[8];  // 32 elements: two groups of 16, each with its scale
+        for (int j = 0; j < 8; ++j)
+            scales[j] = _mm256_set_m128i(_mm_set1_epi16(scale[2 * j + 1]),
+                                         _mm_set1_epi16(scale[2 * j]));
         for (int64_t i = 0; i < rows; ++i) {
             const Act256 *a = x + i * blocks + b;
             __m256i sum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j) {  // 32 elements: two groups of 16, each with its scale
+            for (int j = 0; j < 8; ++j) {
                 const __m256i p = _mm256_maddubs_epi16(u[j], load32(a->q + 32 * j));
-                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(scale[2 * j + 1]),
-                                                        _mm_set1_epi16(scale[2 * j]));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scales));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scales[j]));
             }
             int32_t offset = 0;  // Q6_K: codes are stored plus 32; Q4_K, Q5_K: a minimum a group
             if (type == Q6_K) {
@@ -271,20 +314,18 @@ typedef struct {
 
 static void run_rows(void *arg, int64_t first, int64_t end) {
     const Task *t = arg;
-    const int k_format = t->type == Q4_K || t->type == Q5_K || t->type == Q6_K;
-    for (int64_t o = first; o < end; ++o) {
-        const uint8_t *w = t->w + o * t->row_bytes;
+    const uint8_t *w = t->w + first * t->row_bytes;
+    if (t->type != Q4_K && t->type != Q5_K && t->type != Q6_K) {
+        rows32(t->type, t->block_bytes, w, t->row_bytes, end - first, t->x, t->blocks, t->rows,
+               t->y + first, t->ldy);
+        return;
+    }
+    for (int64_t o = first; o < end; ++o, w += t->row_bytes)
         for (int64_t r = 0; r < t->rows; r += TILE) {
             const int64_t rows = t->rows - r < TILE ? t->rows - r : TILE;
-            float *y = t->y + r * t->ldy + o;
-            if (k_format)
-                rows_k(t->type, t->block_bytes, w, (const Act256 *)t->x + r * t->blocks, t->blocks,
-                       rows, y, t->ldy);
-            else
-                rows32(t->type, t->block_bytes, w, (const Act32 *)t->x + r * t->blocks, t->blocks,
-                       rows, y, t->ldy);
+            rows_k(t->type, t->block_bytes, w, (const Act256 *)t->x + r * t->blocks, t->blocks,
+                   rows, t->y + r * t->ldy + o, t->ldy);
         }
-    }
 }
 
 /* y [rows, out] (rows `ldy` apart: a part of a wider output) = x [rows, k] (quantized by
@@ -296,8 +337,11 @@ int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t blo
     if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q8_0 && elements == 32) return -1;
     const int64_t blocks = k / elements;
     Task task = {type, block_bytes, blocks, blocks * block_bytes, rows, ldy, w, x, y};
-    /* Chunks of output rows: small enough that a thread that starts late still finds work,
-     * large enough that taking one costs little beside it. */
-    run_parallel(run_rows, &task, out, 16, threads);
+    /* Eight chunks of output rows a thread (a multiple of the tile's 4): enough that a thread
+     * that starts late still finds work, few enough that taking one (an atomic on a line the
+     * threads share) costs little beside it. Chunks of 16 rows made two threads barely faster
+     * than one on the default model's 576-row matrices. */
+    const int64_t share = threads > 1 ? (out + 8 * threads - 1) / (8 * threads) : out;
+    run_parallel(run_rows, &task, out, share < 16 ? 16 : (share + 3) / 4 * 4, threads);
     return 0;
 }
