@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from etinfer import LLM
+from etinfer import LLM, SamplingParams
 from etinfer.model.decode_pattern import DecodePattern
 from etinfer.model.loader import LoadedModel, default_model_path, load_model
 
@@ -118,3 +118,14 @@ def assert_pool_free(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
     assert all(count == 0 for count in engine.kv.pool.ref_counts)
+
+
+def assert_alone_equals_batched(llm: LLM) -> None:
+    """A prompt's greedy tokens and logprobs are the same alone and in a batch of three."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    alone = llm.generate([PROMPTS[3]], params)[0]
+    batched = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[6]], params)[1]
+    assert batched.token_ids == alone.token_ids
+    assert [p[t].logprob for p, t in zip(batched.logprobs, batched.token_ids, strict=True)] == [
+        p[t].logprob for p, t in zip(alone.logprobs, alone.token_ids, strict=True)
+    ]

@@ -8,13 +8,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from etinfer import SamplingParams
+from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model import quant_kernels
 from etinfer.model.linear import BlockLinear, TopRefinedLinear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, weight_format
-from tests.conftest import PROMPTS
+from tests.conftest import assert_alone_equals_batched
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
 
@@ -58,19 +58,10 @@ def test_gguf_mode_stays_close_to_the_float_model(gguf_llm, float_llm):
     windows = list(corpus_windows(gguf_llm.tokenizer, 256))[:5]
     reference = collect(float_llm.engine, iter(windows), 1024)[0]
     logits = collect(gguf_llm.engine, iter(windows), 1024)[0]
-    agreement = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(
-        logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none"
-    ).sum(-1)
-    assert agreement >= 0.95, agreement
-    assert kl.mean().item() < 0.005, kl.mean().item()
+    figures = logit_agreement(logits, reference)
+    assert figures["top1_agreement"] >= 0.95, figures
+    assert figures["kl_mean"] < 0.005, figures
 
 
 def test_a_prompt_gives_the_same_tokens_and_logprobs_alone_and_in_a_batch(gguf_llm):
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    alone = gguf_llm.generate([PROMPTS[3]], params)[0]
-    batched = gguf_llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[6]], params)[1]
-    assert batched.token_ids == alone.token_ids
-    assert [p[t].logprob for p, t in zip(batched.logprobs, batched.token_ids, strict=True)] == [
-        p[t].logprob for p, t in zip(alone.logprobs, alone.token_ids, strict=True)
-    ]
+    assert_alone_equals_batched(gguf_llm)

@@ -212,18 +212,24 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert native_kernels.available()
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_residual_norm_matches_torch_operations(with_residual):
+@pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_residual_norm_matches_torch_operations(residual_dtype, out_dtype):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(7, 576, generator=gen) * 3
-    residual = torch.randn(7, 576, generator=gen).bfloat16() if with_residual else None
+    residual = None
+    if residual_dtype is not None:
+        residual = torch.randn(7, 576, generator=gen).to(residual_dtype)
     weight = torch.rand(576, generator=gen) + 0.5
-    out, h = native_kernels.residual_rms_norm(x, residual, weight, 1e-5)
+    out, h = native_kernels.residual_rms_norm(x, residual, weight, 1e-5, out_dtype)
     expected_x = x if residual is None else x + residual
     assert torch.equal(out, expected_x)  # the add is exact either way
     expected = torch.nn.functional.rms_norm(expected_x, (576,), weight, 1e-5)
-    assert h.dtype == torch.bfloat16
-    # The sum of squares is taken in another order: at most one bfloat16 step apart, and rarely.
+    assert h.dtype == out_dtype
+    if out_dtype == torch.float32:  # the sum of squares in another order: float rounding only
+        torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-6)
+        return
+    # At most one bfloat16 step apart, and rarely.
     torch.testing.assert_close(h.float(), expected, rtol=2**-7, atol=0)
     assert (h != expected.bfloat16()).float().mean() < 0.01
 

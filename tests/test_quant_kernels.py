@@ -47,13 +47,16 @@ def reference_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     return (codes * (largest / 127).double()).view(x.shape)
 
 
+@pytest.mark.parametrize("out", [40, 36])  # rows interleaved by eight where the format has it
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activations(qtype):
-    out, k = 40, 512
+def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activations(qtype, out):
+    k = 512
     data = random_blocks(qtype, out, k)
+    weight = quant_kernels.BlockWeight.prepare(qtype, data, k)
+    assert weight.interleaved == (qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and out == 40)
     weights = torch.from_numpy(dequantize(data.numpy(), qtype).reshape(out, k)).double()
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
-    got = quant_kernels.matmul(x, [(qtype, data)]).double()
+    got = quant_kernels.matmul(x, [weight]).double()
     block = quant_kernels.ACTIVATION_BLOCK[qtype]
     exact = reference_activations(x, block) @ weights.T
     # The integer dot products are exact; what remains is float32 scaling and summation.
@@ -67,19 +70,20 @@ def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activatio
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtype):
     out, k = 200, 768 if quant_kernels.ACTIVATION_BLOCK[qtype] == 256 else 576
     data = random_blocks(qtype, out, k, seed=3)
+    weight = quant_kernels.BlockWeight.prepare(qtype, data, k)
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(2))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        whole = quant_kernels.matmul(x, [(qtype, data)])
+        whole = quant_kernels.matmul(x, [weight])
         for threads in (2, 3):
             torch.set_num_threads(threads)
-            assert torch.equal(quant_kernels.matmul(x, [(qtype, data)]), whole)
-            assert torch.equal(quant_kernels.matmul(x.flip(0), [(qtype, data)]), whole.flip(0))
+            assert torch.equal(quant_kernels.matmul(x, [weight]), whole)
+            assert torch.equal(quant_kernels.matmul(x.flip(0), [weight]), whole.flip(0))
         for i in range(x.shape[0]):
-            assert torch.equal(quant_kernels.matmul(x[i : i + 1], [(qtype, data)])[0], whole[i])
+            assert torch.equal(quant_kernels.matmul(x[i : i + 1], [weight])[0], whole[i])
             rows = [*range(i), *range(i + 1, x.shape[0]), i][-5:]
-            assert torch.equal(quant_kernels.matmul(x[rows], [(qtype, data)])[-1], whole[i])
+            assert torch.equal(quant_kernels.matmul(x[rows], [weight])[-1], whole[i])
     finally:
         torch.set_num_threads(before)
 
@@ -87,4 +91,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtyp
 def test_a_weight_whose_rows_do_not_match_the_input_is_refused():
     data = random_blocks(Q.Q4_0, 8, 64)
     with pytest.raises(ValueError, match="Q4_0 weight of 36 bytes a row for an input of 96"):
-        quant_kernels.matmul(torch.randn(1, 96), [(Q.Q4_0, data)])
+        quant_kernels.BlockWeight.prepare(Q.Q4_0, data, 96)
+    weight = quant_kernels.BlockWeight.prepare(Q.Q4_0, data, 64)
+    with pytest.raises(ValueError, match="an input of 96 for a Q4_0 weight of 64"):
+        quant_kernels.matmul(torch.randn(1, 96), [weight])

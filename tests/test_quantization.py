@@ -9,12 +9,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from etinfer import LLM, SamplingParams
+from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.calibrate import collect
 from etinfer.config import EngineConfig
 from etinfer.corpus import corpus_windows
 from etinfer.model.linear import Int4Linear, Int8Linear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, Int8Weight, weight_format
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, assert_alone_equals_batched
 
 
 def blocks_of(values: np.ndarray, qtype: Q) -> GGUFBlocks:
@@ -63,6 +64,8 @@ def test_each_native_type_maps_exactly(qtype):
     weight, _ = weight_format(blocks, "auto", "w")
     assert torch.equal(kernel_weights(weight), blocks.dequantize())
     assert torch.equal(weight.dequantize(torch.tensor([5, 3])), blocks.dequantize()[[5, 3]])
+    rows = torch.tensor([[5, 3], [0, 47]])  # the blocks' own rows, by torch operations
+    assert torch.equal(blocks.dequantize(rows), blocks.dequantize()[rows])
 
 
 def test_unsupported_block_types_run_as_float_and_say_so():
@@ -129,12 +132,9 @@ def teacher_forced(llm, float_llm):
 
 def test_auto_computes_the_float_models_function_up_to_rounding(teacher_forced):
     reference, quantized = teacher_forced
-    agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(
-        quantized.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none"
-    ).sum(-1)
-    assert agreement >= 0.97, agreement
-    assert kl.mean().item() < 0.02, kl.mean().item()
+    figures = logit_agreement(quantized, reference)
+    assert figures["top1_agreement"] >= 0.97, figures
+    assert figures["kl_mean"] < 0.02, figures
 
 
 def test_auto_and_none_agree_on_most_greedy_outputs(llm, float_llm):
@@ -173,10 +173,4 @@ def test_float_weights_quantized_at_load_batch_invariantly(tiny_model, mode):
     model = quantized.engine.runner.model
     assert all(isinstance(layer.qkv, kind) for layer in model.layers)
     assert isinstance(model.lm_head.layer, kind)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    alone = quantized.generate([PROMPTS[3]], params)[0]
-    batched = quantized.generate([PROMPTS[0], PROMPTS[3], PROMPTS[6]], params)[1]
-    assert batched.token_ids == alone.token_ids
-    assert [p[t].logprob for p, t in zip(batched.logprobs, batched.token_ids, strict=True)] == [
-        p[t].logprob for p, t in zip(alone.logprobs, alone.token_ids, strict=True)
-    ]
+    assert_alone_equals_batched(quantized)

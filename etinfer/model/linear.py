@@ -119,7 +119,8 @@ class BlockLinear:
 
     def __init__(self, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.bias, self.parts = bias, [(weight.qtype, weight.data.contiguous())]
+        self.bias = bias
+        self.parts = [quant_kernels.BlockWeight.prepare(weight.qtype, weight.data, weight.shape[1])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_kernels.matmul(x, self.parts)
@@ -175,9 +176,13 @@ class TopRefinedLinear:
         return logits.scatter_(1, top, exact)
 
 
-def takes_bfloat16(layer: Layer) -> bool:
-    """Whether the layer's kernel wants bfloat16 input (what a norm before it may produce)."""
-    return isinstance(layer, Int4Linear | Int8Linear) and layer.dtype == torch.bfloat16
+def kernel_input_dtype(layer: Layer) -> torch.dtype | None:
+    """The input an integer kernel wants (what a norm before it may produce), None for float."""
+    if isinstance(layer, BlockLinear):
+        return torch.float32
+    if isinstance(layer, Int4Linear | Int8Linear) and layer.dtype == torch.bfloat16:
+        return torch.bfloat16
+    return None
 
 
 def make_head(weight: Format) -> Linear | TopRefinedLinear:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.linear import make_head, make_linear, takes_bfloat16
+from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
 from etinfer.model.norm import RMSNorm
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.quantized import (
@@ -86,12 +86,12 @@ class DecoderLayer:
         self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(
-            read.vector(prefix + "input_layernorm.weight"), eps, takes_bfloat16(self.qkv)
+            read.vector(prefix + "input_layernorm.weight"), eps, kernel_input_dtype(self.qkv)
         )
         self.post_attention_norm = RMSNorm(
             read.vector(prefix + "post_attention_layernorm.weight"),
             eps,
-            takes_bfloat16(self.gate_up),
+            kernel_input_dtype(self.gate_up),
         )
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim

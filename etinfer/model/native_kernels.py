@@ -111,7 +111,8 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     function.restype = ctypes.c_int
     library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
     library.write_cache.restype = ctypes.c_int
-    library.residual_rms_norm.argtypes = [pointer] * 3 + [i64, i64, ctypes.c_float] + [pointer] * 2
+    library.residual_rms_norm.argtypes = [pointer, pointer, ctypes.c_int, pointer, i64, i64]
+    library.residual_rms_norm.argtypes += [ctypes.c_float, pointer, pointer, ctypes.c_int]
     library.residual_rms_norm.restype = None
     return library
 
@@ -142,11 +143,13 @@ def takes(head_dim: int, group: int) -> bool:
 
 def residual_rms_norm(
     x: torch.Tensor,  # [rows, hidden] float32
-    residual: torch.Tensor | None,  # [rows, hidden] bfloat16
+    residual: torch.Tensor | None,  # [rows, hidden] bfloat16 or float32
     weight: torch.Tensor,  # [hidden] float32
     eps: float,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + residual`` (float32) and its RMS norm times ``weight`` in bfloat16, in one pass."""
+    """``x + residual`` (float32) and its RMS norm times ``weight`` in ``out_dtype`` (bfloat16
+    or float32), in one pass."""
     library = _library()
     assert library is not None, "check available() first"
     rows, hidden = x.shape
@@ -154,16 +157,18 @@ def residual_rms_norm(
     x, weight = x.contiguous(), weight.contiguous()
     residual = None if residual is None else residual.contiguous()
     out = x if residual is None else torch.empty_like(x)
-    h = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    h = torch.empty(rows, hidden, dtype=out_dtype)
     library.residual_rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
+        residual is not None and residual.dtype == torch.float32,
         weight.data_ptr(),
         rows,
         hidden,
         eps,
         out.data_ptr(),
         h.data_ptr(),
+        out_dtype == torch.float32,
     )
     return out, h
 

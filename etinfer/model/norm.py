@@ -11,16 +11,17 @@ from etinfer.model import native_kernels
 class RMSNorm:
     """``x + residual`` and ``rms_norm(x + residual) * weight``.
 
-    Where the norm feeds an integer kernel (``bfloat16_out``), the add, the norm and the
-    conversion to the kernel's bfloat16 run as one native pass: at batch 1 each of the three
-    torch operations costs more to dispatch than to compute. Elsewhere (float weights) the torch
-    operations run, which keeps the float path token for token what transformers computes.
+    Where the norm feeds an integer kernel (``kernel_dtype``: bfloat16 for torch's, float32 for
+    the block kernels), the add, the norm and the conversion run as one native pass: at batch 1
+    each of the three torch operations costs more to dispatch than to compute. Before float
+    weights (``kernel_dtype`` None) the torch operations run, which keeps the float path token
+    for token what transformers computes.
     """
 
-    def __init__(self, weight: torch.Tensor, eps: float, bfloat16_out: bool) -> None:
-        self.weight, self.eps = weight, eps
+    def __init__(self, weight: torch.Tensor, eps: float, kernel_dtype: torch.dtype | None) -> None:
+        self.weight, self.eps, self.dtype = weight, eps, kernel_dtype
         self.native = (
-            bfloat16_out
+            kernel_dtype is not None
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and weight.numel() % 8 == 0
@@ -31,9 +32,9 @@ class RMSNorm:
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after the add, and its norm."""
-        takes = residual is None or residual.dtype == torch.bfloat16
+        takes = residual is None or residual.dtype in (torch.bfloat16, torch.float32)
         if self.native and x.dtype == torch.float32 and takes:
-            return native_kernels.residual_rms_norm(x, residual, self.weight, self.eps)
+            return native_kernels.residual_rms_norm(x, residual, self.weight, self.eps, self.dtype)
         if residual is not None:
             x = x + residual
         return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ ACTIVATION_BLOCK = {
 # and the codes (Act32 and Act256 in quant_matmul.c).
 _ACTIVATION_BYTES = {32: 4 + 4 + 32, 256: 4 + 32 + 256}
 _NATIVE = Path(native_kernels.__file__).parent / "native"
-_SOURCES = [_NATIVE / "quant_matmul.c", _NATIVE / "pool.c"]
+_SOURCES = [_NATIVE / "quant_matmul.c", _NATIVE / "quant_interleaved.c", _NATIVE / "pool.c"]
+# Formats whose rows are interleaved by eight at load (native/quant_interleaved.c says why).
+_INTERLEAVED = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)
 _NEEDS = {"avx2", "fma", "f16c"}
 
 
@@ -80,6 +83,11 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.quant_matmul.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer, i64, pointer]
     library.quant_matmul.argtypes += [i64, i64]
     library.quant_matmul.restype = ctypes.c_int
+    library.quant_matmul8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer]
+    library.quant_matmul8.argtypes += [i64, i64]
+    library.quant_matmul8.restype = ctypes.c_int
+    library.repack8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer]
+    library.repack8.restype = ctypes.c_int
     return library
 
 
@@ -93,45 +101,72 @@ def takes(qtype: GGMLQuantizationType, in_features: int) -> bool:
     return block is not None and in_features % block == 0 and available()
 
 
-def matmul(x: torch.Tensor, parts: list[tuple[GGMLQuantizationType, torch.Tensor]]) -> torch.Tensor:
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight [out, in] in a GGUF block format, as the kernels read it: ``data`` holds the
+    file's bytes, rows interleaved by eight where ``interleaved`` (the same bytes, moved)."""
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor  # uint8
+    out_features: int
+    in_features: int
+    interleaved: bool
+
+    @classmethod
+    def prepare(cls, qtype: GGMLQuantizationType, data: torch.Tensor, in_features: int):
+        """From a file's blocks [out, bytes a row]."""
+        elements, block_bytes = GGML_QUANT_SIZES[qtype]
+        blocks = in_features // elements
+        if data.shape[1] != blocks * block_bytes or in_features % ACTIVATION_BLOCK[qtype]:
+            raise ValueError(
+                f"{qtype.name} weight of {data.shape[1]} bytes a row for an input of {in_features}"
+            )
+        out = data.shape[0]
+        data = data.contiguous()
+        if qtype not in _INTERLEAVED or out % 8:
+            return cls(qtype, data, out, in_features, False)
+        library = _library()
+        assert library is not None, "check available() first"
+        repacked = torch.empty_like(data)
+        library.repack8(int(qtype), data.data_ptr(), out, blocks, repacked.data_ptr())
+        return cls(qtype, repacked, out, in_features, True)
+
+
+def matmul(x: torch.Tensor, parts: list[BlockWeight]) -> torch.Tensor:
     """``x`` [rows, in] times weights [out, in] stacked by output rows, transposed: [rows, sum of
-    outs] float32. Each part is a format and its blocks [out, bytes a row] (fused projections
-    may mix formats: Q4_K_M files keep v in Q6_K beside q and k in Q4_K). The activations are
-    quantized once for each block size the parts need."""
+    outs] float32. Fused projections may mix formats (Q4_K_M files keep v in Q6_K beside q and
+    k in Q4_K); the activations are quantized once for each block size the parts need."""
     library = _library()
     assert library is not None, "check available() first"
     x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     rows, k = x.shape
-    total = sum(data.shape[0] for _, data in parts)
+    total = sum(part.out_features for part in parts)
     out = torch.empty(rows, total, dtype=torch.float32)
     quantized: dict[int, torch.Tensor] = {}
-    column = 0
-    for qtype, data in parts:
-        elements, block_bytes = GGML_QUANT_SIZES[qtype]
-        if data.shape[1] != k // elements * block_bytes or k % elements:
+    column, threads = 0, torch.get_num_threads()
+    for part in parts:
+        if part.in_features != k:
             raise ValueError(
-                f"{qtype.name} weight of {data.shape[1]} bytes a row for an input of {k}"
+                f"an input of {k} for a {part.qtype.name} weight of {part.in_features}"
             )
-        block = ACTIVATION_BLOCK[qtype]
+        block = ACTIVATION_BLOCK[part.qtype]
         if block not in quantized:
             quantized[block] = torch.empty(
                 rows * (k // block) * _ACTIVATION_BYTES[block], dtype=torch.uint8
             )
             quantize = library.quantize_act32 if block == 32 else library.quantize_act256
             quantize(x.data_ptr(), rows, k, quantized[block].data_ptr())
-        status = library.quant_matmul(
-            int(qtype),
-            data.data_ptr(),
-            data.shape[0],
-            k,
-            block_bytes,
-            quantized[block].data_ptr(),
-            rows,
-            out[:, column:].data_ptr(),
-            total,
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise ValueError(f"no quantized kernel for {qtype.name}")
-        column += data.shape[0]
+        target = out[:, column:].data_ptr()
+        if part.interleaved:
+            library.quant_matmul8(
+                int(part.qtype), part.data.data_ptr(), part.out_features, k,
+                quantized[block].data_ptr(), rows, target, total, threads,
+            )  # fmt: skip
+        else:
+            library.quant_matmul(
+                int(part.qtype), part.data.data_ptr(), part.out_features, k,
+                GGML_QUANT_SIZES[part.qtype][1], quantized[block].data_ptr(), rows, target,
+                total, threads,
+            )  # fmt: skip
+        column += part.out_features
     return out

@@ -53,12 +53,24 @@ class GGUFBlocks:
         return GGUFBlocks(self.qtype, self.data[index], self.in_features)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [out, in] (of the rows ``rows`` only, when given), by the ``gguf`` package
-        (the reference every format is held to)."""
-        data = self.data if rows is None else self.data[rows.reshape(-1)]
-        values = dequantize(data.numpy(), self.qtype).reshape(-1, self.in_features)
-        values = torch.from_numpy(values.astype("float32", copy=False))
-        return values if rows is None else values.view(*rows.shape, self.in_features)
+        """float32 [out, in], by the ``gguf`` package (the reference every format is held to).
+        With ``rows`` (token ids, the head's candidates), those rows [*rows.shape, in]: for
+        Q4_0, Q4_1 and Q8_0 by torch operations with gguf's formulas (the same bits, a tenth of
+        the time of a numpy call at batch 1)."""
+        if rows is None:
+            values = dequantize(self.data.numpy(), self.qtype).reshape(self.shape)
+            return torch.from_numpy(values.astype("float32", copy=False))
+        part = self.rows(rows.reshape(-1))
+        if self.qtype not in NATIVE_TYPES:
+            return part.dequantize().view(*rows.shape, self.in_features)
+        fields, payload = part.blocks()
+        d = fields[..., :1]
+        if self.qtype == _Q.Q8_0:
+            values = d * payload.view(torch.int8).float()
+        else:  # byte j: weight j in its low nibble, weight j + 16 in its high one
+            codes = torch.cat([payload & 0x0F, payload >> 4], dim=-1).float()
+            values = d * (codes - 8) if self.qtype == _Q.Q4_0 else d * codes + fields[..., 1:2]
+        return values.view(*rows.shape, self.in_features)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block headers as float32 [out, blocks, fields] and the payload [out, blocks, *]."""

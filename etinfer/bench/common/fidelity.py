@@ -246,3 +246,15 @@ def passkey_found(
 def passkey_accuracy(llm: LLM, cases: list[PasskeyCase]) -> list[bool]:
     """Whether the first integer of the ten greedy tokens after the question is the key."""
     return passkey_found(llm.tokenizer, cases, passkey_answers(llm, cases))
+
+
+def logit_agreement(logits: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement and mean KL(expected || logits) of two engines' logits at the same
+    positions [positions, vocab]."""
+    kl = torch.nn.functional.kl_div(
+        logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
+    )
+    return {
+        "top1_agreement": (logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+        "kl_mean": kl.sum(-1).mean().item(),
+    }

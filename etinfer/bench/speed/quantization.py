@@ -28,6 +28,7 @@ import torch
 
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
+from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
@@ -126,13 +127,7 @@ def against_float(
     """Top-1 agreement and mean KL of ``logits`` against ``reference`` (``none``) on the same
     windows."""
     expected = collect(reference.engine, iter(windows), fidelity_tokens)[0]
-    kl = torch.nn.functional.kl_div(
-        logits.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="none"
-    )
-    return {
-        "top1_agreement": (logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
-        "kl_mean": kl.sum(-1).mean().item(),
-    }
+    return logit_agreement(logits, expected)
 
 
 def llama_cpp_fidelity(args: argparse.Namespace) -> dict:

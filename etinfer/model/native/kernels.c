@@ -265,30 +265,40 @@ static inline uint16_t to_bfloat16(float value) {  // round to nearest even, as 
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* x_out = x + residual (bfloat16, or none), then h = rms_norm(x_out) * weight in bfloat16: the
- * residual add, the norm and the conversion the integer kernels' input needs, in one pass
- * instead of three operations. `hidden` must be a multiple of 8. */
-void residual_rms_norm(const float *x, const uint16_t *residual, const float *weight, int64_t rows,
-                       int64_t hidden, float eps, float *x_out, uint16_t *h) {
+static inline float widened(const void *residual, int residual_float, int64_t at) {
+    if (residual_float) return ((const float *)residual)[at];
+    const uint32_t bits = (uint32_t)((const uint16_t *)residual)[at] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* x_out = x + residual (bfloat16 or float32, or none), then h = rms_norm(x_out) * weight, in
+ * bfloat16 for torch's integer kernels or in float32 for the block kernels: the residual add,
+ * the norm and the conversion, in one pass instead of three operations. `hidden` must be a
+ * multiple of 8. */
+void residual_rms_norm(const float *x, const void *residual, int residual_float,
+                       const float *weight, int64_t rows, int64_t hidden, float eps, float *x_out,
+                       void *h, int h_float) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *in = x + r * hidden;
         float *out = x_out + r * hidden;
         v8 squares = {0};
         for (int64_t i = 0; i < hidden; i += 8) {
             v8 value = load8(in + i);
-            if (residual) {
-                const uint16_t *add = residual + r * hidden + i;
-                for (int l = 0; l < 8; ++l) {
-                    const uint32_t bits = (uint32_t)add[l] << 16;
-                    float widened;
-                    memcpy(&widened, &bits, sizeof widened);
-                    value[l] += widened;
-                }
-            }
+            if (residual)
+                for (int l = 0; l < 8; ++l)
+                    value[l] += widened(residual, residual_float, r * hidden + i + l);
             memcpy(out + i, &value, sizeof value);
             squares += value * value;
         }
         const float scale = 1.0f / sqrtf(lane_sum(squares) / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; ++i) h[r * hidden + i] = to_bfloat16(out[i] * scale * weight[i]);
+        if (h_float) {
+            float *target = (float *)h + r * hidden;
+            for (int64_t i = 0; i < hidden; ++i) target[i] = out[i] * scale * weight[i];
+        } else {
+            uint16_t *target = (uint16_t *)h + r * hidden;
+            for (int64_t i = 0; i < hidden; ++i) target[i] = to_bfloat16(out[i] * scale * weight[i]);
+        }
     }
 }

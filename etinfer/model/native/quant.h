@@ -1,0 +1,50 @@
+/* What the quantized matmul files share (quant_matmul.c, quant_interleaved.c): GGML's format ids,
+ * the quantized activations' layout, and small AVX2 helpers. */
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // GGML's ids
+enum { TILE = 4 };  // activation rows per pass over a weight row (K formats)
+enum { PREFETCH_ROWS = 8 };  // weight rows ahead that a tile asks the memory system for
+
+/* Activations, quantized: a block of 32 for the 32-element formats, with s = d * sum(q) (the
+ * offsets of Q4_0, Q4_1 and Q5_0 multiply it); a block of 256 for the K formats, with the sums
+ * of each 16 codes (their minimums and offsets multiply those). */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} Act32;
+typedef struct {
+    float d;
+    int16_t sums[16];
+    int8_t q[256];
+} Act256;
+
+/* A float16 field (F16C: x86-64-v3 has it; the library is built only there). */
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Sum of products of 32 unsigned bytes (at most 63) and 32 signed bytes, in 8 int32 lanes. */
+static inline __m256i dot_us8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float lanes_sum(__m256 v) {
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+

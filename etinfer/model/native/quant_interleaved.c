@@ -1,0 +1,146 @@
+/* Q4_0, Q4_1 and Q8_0 weights with eight rows interleaved, the layout a batch-1 product wants.
+ *
+ * In GGUF's layout a block holds 32 weights of one row, so an integer dot product sums 32
+ * products into one row's result and then needs a horizontal reduction and a scalar scale:
+ * about 20 instructions a block at batch 1 (quant_matmul.c). Interleaved, a 32-byte vector holds
+ * four consecutive weights of each of eight rows; multiplied by the activation's four bytes
+ * broadcast, each lane accumulates one row (VNNI's dpbusd, or maddubs and madd on AVX2). A block
+ * of eight rows then costs about 40 instructions, 5 a row, and its eight scales convert in one
+ * instruction. The bytes are the file's, moved (repack8): the same size, the same values.
+ *
+ * Layout of a group of eight rows, block b (the groups one after another, each group's blocks in
+ * order): the eight float16 scales, for Q4_1 the eight float16 minimums, then the codes: for Q4_0
+ * and Q4_1 four vectors V_j of 32 bytes, byte 4r + t of V_j holding row r's weights 4j + t (low
+ * nibble) and 16 + 4j + t (high nibble); for Q8_0 eight vectors, byte 4r + t of V_j row r's
+ * weight 4j + t.
+ *
+ * Each output row is one lane through the same operations whatever the call's other rows, so
+ * results are row-invariant as in quant_matmul.c.
+ */
+#include "pool.h"
+#include "quant.h"
+
+static int64_t header_bytes(int type) { return type == Q4_1 ? 32 : 16; }
+
+int64_t interleaved_block_bytes(int type) {
+    switch (type) {
+        case Q4_0: return 16 + 128;
+        case Q4_1: return 32 + 128;
+        case Q8_0: return 16 + 256;
+        default: return -1;
+    }
+}
+
+/* src [rows, blocks * row block bytes] in GGUF's layout -> dst interleaved; rows a multiple of
+ * 8. Returns -1 for a format without this layout. */
+int repack8(int type, const uint8_t *src, int64_t rows, int64_t blocks, uint8_t *dst) {
+    const int64_t size = interleaved_block_bytes(type);
+    if (size < 0 || rows % 8) return -1;
+    const int64_t block = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34, row_bytes = blocks * block;
+    for (int64_t g = 0; g < rows / 8; ++g)
+        for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t *out = dst + (g * blocks + b) * size;
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *in = src + (8 * g + r) * row_bytes + b * block;
+                memcpy(out + 2 * r, in, 2);                             // scale
+                if (type == Q4_1) memcpy(out + 16 + 2 * r, in + 2, 2);  // minimum
+                const uint8_t *codes = in + (type == Q4_1 ? 4 : 2);
+                uint8_t *vectors = out + header_bytes(type);
+                if (type == Q8_0) {
+                    for (int j = 0; j < 8; ++j) memcpy(vectors + 32 * j + 4 * r, codes + 4 * j, 4);
+                } else {  // GGUF: byte i holds weight i (low nibble) and 16 + i (high): the same
+                    for (int j = 0; j < 4; ++j) memcpy(vectors + 32 * j + 4 * r, codes + 4 * j, 4);
+                }
+            }
+        }
+    return 0;
+}
+
+/* Eight rows (one group) times `TR` activation rows, lanes = rows. */
+static inline __attribute__((always_inline)) void group8(int type, const uint8_t *w, int64_t size,
+                                                         const Act32 *x, int64_t blocks, float *y,
+                                                         int64_t ldy, const int TR) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[4], offsets[4];
+    for (int j = 0; j < TR; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b, w += size) {
+        __builtin_prefetch(w + 4 * size, 0, 0);
+        __m256i sums[4];
+        for (int j = 0; j < TR; ++j) sums[j] = _mm256_setzero_si256();
+        const uint8_t *vectors = w + header_bytes(type);
+        if (type == Q8_0) {
+            for (int c = 0; c < 8; ++c) {
+                const __m256i v = load32(vectors + 32 * c), magnitude = _mm256_sign_epi8(v, v);
+                for (int j = 0; j < TR; ++j) {
+                    int32_t four;
+                    memcpy(&four, x[j * blocks + b].q + 4 * c, 4);
+                    const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(four), v);
+                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(magnitude, a));
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; ++c) {
+                const __m256i v = load32(vectors + 32 * c), lo = _mm256_and_si256(v, low),
+                              hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int j = 0; j < TR; ++j) {
+                    int32_t first, second;
+                    memcpy(&first, x[j * blocks + b].q + 4 * c, 4);
+                    memcpy(&second, x[j * blocks + b].q + 16 + 4 * c, 4);
+                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(lo, _mm256_set1_epi32(first)));
+                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(hi, _mm256_set1_epi32(second)));
+                }
+            }
+        }
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 offset =
+            type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)))
+            : type == Q4_0 ? _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f))
+                           : _mm256_setzero_ps();
+        for (int j = 0; j < TR; ++j) {
+            const Act32 *a = x + j * blocks + b;
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]),
+                                     _mm256_mul_ps(scale, _mm256_set1_ps(a->d)), acc[j]);
+            offsets[j] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->s), offsets[j]);
+        }
+    }
+    for (int j = 0; j < TR; ++j)
+        _mm256_storeu_ps(y + j * ldy, _mm256_add_ps(acc[j], offsets[j]));
+}
+
+typedef struct {
+    int type;
+    int64_t size, blocks, rows, ldy;
+    const uint8_t *w;
+    const Act32 *x;
+    float *y;
+} Task8;
+
+static void run_groups(void *arg, int64_t first, int64_t end) {
+    const Task8 *t = arg;
+    for (int64_t g = first; g < end; ++g) {
+        const uint8_t *w = t->w + g * t->blocks * t->size;
+        float *y = t->y + 8 * g;
+        int64_t r = 0;
+        for (; r + 4 <= t->rows; r += 4)
+            group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 4);
+        switch (t->rows - r) {
+            case 3: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 3); break;
+            case 2: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 2); break;
+            case 1: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 1); break;
+            default: break;
+        }
+    }
+}
+
+/* y [rows, out] (rows `ldy` apart) = x [rows, k] (quantize_act32) times the repacked weight
+ * [out, k], out a multiple of 8. Returns -1 for a format without this layout. */
+int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,
+                  int64_t rows, float *y, int64_t ldy, int64_t threads) {
+    const int64_t size = interleaved_block_bytes(type);
+    if (size < 0 || out % 8 || k % 32) return -1;
+    Task8 task = {type, size, k / 32, rows, ldy, w, x, y};
+    const int64_t groups = out / 8, share = (groups + 8 * threads - 1) / (8 * threads);
+    run_parallel(run_groups, &task, groups, threads > 1 ? (share < 2 ? 2 : share) : groups,
+                 threads);
+    return 0;
+}
