@@ -1,5 +1,6 @@
-"""Matrix products with weights in their GGUF blocks (``native/quant_matmul.c``), called through
-ctypes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
+"""Matrix products with weights in their GGUF blocks (``native/quant_matmul.c``, and
+``native/quant_interleaved.c`` for Q4_0, Q4_1 and Q8_0 with rows interleaved by eight at load),
+called through ctypes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
 
 Why our own kernels rather than ggml's: ggml ships only inside llama.cpp's builds (a source build
 of ``llama-cpp-python`` takes about 8 minutes on 2 cores, no wheel is published), while these

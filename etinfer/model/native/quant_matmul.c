@@ -6,9 +6,11 @@
  * 256 signed bytes, with the sums the formats' offsets need), and each weight block meets its
  * activation block in an integer dot product: 32 unsigned 4- to 6-bit codes times 32 signed bytes
  * by AVX2's maddubs (or VNNI's dpbusd, which gives the same integers), scaled once a block in
- * float. Our layout and loops are our own: one weight row is unpacked once for four activation
- * rows, and the output rows are shared out in chunks among threads that take the next chunk
- * when done (see pool.c's run_parallel).
+ * float. Our loops are our own: tiles of 4 weight rows by 2 activation rows (the K formats: one
+ * weight row by 4), and the output rows shared out in chunks among threads that take the next
+ * chunk when done (pool.c's run_parallel). Q4_0, Q4_1 and Q8_0 weights whose rows come in eights
+ * take quant_interleaved.c's layout instead, several times fewer instructions a block; this
+ * file serves Q5_0, the K formats and any other row count.
  *
  * Row invariance: the result for activation row r and weight row o is the same sequence of
  * operations whatever the other rows of the call and whichever thread computes it, so a token's
