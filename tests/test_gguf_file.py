@@ -3,7 +3,7 @@
 import pytest
 from gguf import GGUFWriter
 
-from etinfer.model.loader import load_model
+from etinfer.model.loader import default_model_path, load_model
 
 
 def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
@@ -38,4 +38,12 @@ def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
 def test_unsupported_gguf_files_are_refused_with_the_reason(tmp_path, kwargs, message):
     path = write_gguf(tmp_path / "model.gguf", **kwargs)
     with pytest.raises(ValueError, match=message):
+        load_model(path)
+
+
+def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_path):
+    source = default_model_path()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(source.read_bytes()[:-100_000])  # the last tensor loses 100 KB
+    with pytest.raises(ValueError, match=r"tensor '.+' \(\w+\) is truncated: the file holds \d+"):
         load_model(path)

@@ -2,17 +2,20 @@
 under each mode, and the default model run that way (``quantization="gguf"``): close to the
 float model, and each prompt's tokens the same alone or in a batch."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from etinfer import LLM
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model import quant_kernels
-from etinfer.model.linear import BlockLinear, TopRefinedLinear, make_linear
+from etinfer.model.linear import BlockLinear, Int4Linear, TopRefinedLinear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, weight_format
 from tests.conftest import assert_alone_equals_batched
 
@@ -35,6 +38,22 @@ def test_gguf_mode_keeps_q4_1_in_its_blocks_where_auto_maps_it_onto_torchs_kerne
     blocks = GGUFBlocks(Q.Q4_1, torch.from_numpy(quantize(values, Q.Q4_1)), 64)
     assert weight_format(blocks, "gguf", "w")[0] is blocks
     assert isinstance(weight_format(blocks, "auto", "w")[0], Int4Weight)
+
+
+def test_without_the_kernels_gguf_mode_says_so_once_and_runs_as_auto(
+    loaded_model, monkeypatch, caplog
+):
+    monkeypatch.setenv("ETINFER_NATIVE", "0")
+    quant_kernels._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="etinfer.model"):
+            llm = LLM(loaded_model, quantization="gguf", num_kvcache_blocks=16)
+    finally:
+        monkeypatch.undo()
+        quant_kernels._library.cache_clear()
+    said = [r.getMessage() for r in caplog.records if "block kernels" in r.getMessage()]
+    assert len(said) == 1 and "run as in 'auto'" in said[0]
+    assert isinstance(llm.engine.runner.model.layers[0].gate_up, Int4Linear)
 
 
 @pytest.fixture(scope="module")

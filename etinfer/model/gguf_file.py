@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -46,8 +46,32 @@ _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+class _CheckedReader(GGUFReader):
+    """The gguf package's reader, refusing a tensor whose data the file does not hold by name:
+    the reader itself fails on a numpy reshape that names neither tensor nor file (a download cut
+    short). Checked before the reader maps the tensors (``_build_tensors``, which every version
+    of the reader calls once the tensor infos are read)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            qtype = GGMLQuantizationType(raw_type[0])
+            elements, size = GGML_QUANT_SIZES[qtype]
+            need = int(np.prod(dims)) * size // elements
+            start = int(start_offs + offset[0])
+            if start + need > len(self.data):
+                raise ValueError(
+                    f"tensor {bytes(name).decode()!r} ({qtype.name}) is truncated: the file "
+                    f"holds {max(0, len(self.data) - start)} of its {need} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
-    reader = GGUFReader(path)
+    try:
+        reader = _CheckedReader(path)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:

@@ -12,6 +12,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from etinfer.model import quant_kernels
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
@@ -51,6 +52,11 @@ class WeightReader:
         blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
         if quantization == "auto" and self.quantization == "none" and blocks:
             logger.warning("GGUF blocks dequantized to float: no integer kernels on %s", device)
+        if quantization == "gguf" and blocks and not quant_kernels.available():
+            logger.warning(
+                "quantization='gguf': etinfer's block kernels are not available here (they need "
+                "x86-64-v3, a C compiler and ETINFER_NATIVE not 0); the weights run as in 'auto'"
+            )
         self.used: set[str] = set()
         self.dequantized: list[str] = []
 
