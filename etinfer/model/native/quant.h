@@ -29,15 +29,23 @@ static inline float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* Sum of products of 32 unsigned bytes (at most 63) and 32 signed bytes, in 8 int32 lanes. */
-static inline __m256i dot_us8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAS_VNNI 1
 #endif
+
+/* acc + sums of products of 32 unsigned bytes (at most 63) and 32 signed bytes, 4 to a lane. */
+static inline __m256i dot_us8_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i dot_us8(__m256i u, __m256i s) {
+    return dot_us8_add(_mm256_setzero_si256(), u, s);
 }
 
 static inline float lanes_sum(__m256 v) {

@@ -75,10 +75,16 @@ static inline __attribute__((always_inline)) void group8(int type, const uint8_t
                     int32_t four;
                     memcpy(&four, x[j * blocks + b].q + 4 * c, 4);
                     const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(four), v);
-                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(magnitude, a));
+                    sums[j] = dot_us8_add(sums[j], magnitude, a);
                 }
             }
         } else {
+#if !defined(HAS_VNNI)
+            /* Without VNNI: 4-bit codes times bytes stay within 8 x 2 x 15 x 128 = 30,720, so the
+             * block's eight maddubs add up in 16 bits and widen once (the same integers). */
+            __m256i pairs[4];
+            for (int j = 0; j < TR; ++j) pairs[j] = _mm256_setzero_si256();
+#endif
             for (int c = 0; c < 4; ++c) {
                 const __m256i v = load32(vectors + 32 * c), lo = _mm256_and_si256(v, low),
                               hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -86,10 +92,18 @@ static inline __attribute__((always_inline)) void group8(int type, const uint8_t
                     int32_t first, second;
                     memcpy(&first, x[j * blocks + b].q + 4 * c, 4);
                     memcpy(&second, x[j * blocks + b].q + 16 + 4 * c, 4);
-                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(lo, _mm256_set1_epi32(first)));
-                    sums[j] = _mm256_add_epi32(sums[j], dot_us8(hi, _mm256_set1_epi32(second)));
+                    const __m256i a = _mm256_set1_epi32(first), a2 = _mm256_set1_epi32(second);
+#if defined(HAS_VNNI)
+                    sums[j] = dot_us8_add(dot_us8_add(sums[j], lo, a), hi, a2);
+#else
+                    pairs[j] = _mm256_add_epi16(pairs[j], _mm256_maddubs_epi16(lo, a));
+                    pairs[j] = _mm256_add_epi16(pairs[j], _mm256_maddubs_epi16(hi, a2));
+#endif
                 }
             }
+#if !defined(HAS_VNNI)
+            for (int j = 0; j < TR; ++j) sums[j] = _mm256_madd_epi16(pairs[j], _mm256_set1_epi16(1));
+#endif
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 offset =
