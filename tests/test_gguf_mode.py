@@ -16,8 +16,9 @@ from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model import quant_kernels
 from etinfer.model.linear import BlockLinear, Int4Linear, TopRefinedLinear, make_linear
-from etinfer.model.quantized import GGUFBlocks, Int4Weight, weight_format
+from etinfer.model.quantized import GGUFBlocks, Int4Weight, MixedBlocks, stack_rows, weight_format
 from tests.conftest import assert_alone_equals_batched
+from tests.test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
 
@@ -84,3 +85,19 @@ def test_gguf_mode_stays_close_to_the_float_model(gguf_llm, float_llm):
 
 def test_a_prompt_gives_the_same_tokens_and_logprobs_alone_and_in_a_batch(gguf_llm):
     assert_alone_equals_batched(gguf_llm)
+
+
+def test_a_fused_projection_of_two_formats_stays_in_its_blocks():
+    """Q4_K_M's q and k in Q4_K beside v in Q6_K: one layer, each part on its own kernel."""
+    q, v = random_blocks(Q.Q4_K, 16, 512, seed=5), random_blocks(Q.Q6_K, 8, 512, seed=6)
+    parts = [GGUFBlocks(Q.Q4_K, q, 512), GGUFBlocks(Q.Q6_K, v, 512)]
+    stacked = stack_rows(parts)
+    assert isinstance(stacked, MixedBlocks) and stacked.shape == (24, 512)
+    assert weight_format(stacked, "auto", "qkv") == (stacked, None)
+    exact = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(weight_format(stacked, "none", "qkv")[0], exact)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    expected = x @ exact.T
+    got = make_linear(stacked)(x)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.02
+    assert torch.equal(got[:, 16:], make_linear(parts[1])(x))  # the v part computed as alone

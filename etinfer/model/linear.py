@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from etinfer.model import quant_kernels
-from etinfer.model.quantized import Format, GGUFBlocks, Int4Weight, Int8Weight
+from etinfer.model.quantized import Format, GGUFBlocks, Int4Weight, Int8Weight, MixedBlocks
 
 # oneDNN picks its blocked weight layout from a batch-size hint. Measured on a 2-core AVX2 machine,
 # a hint of 16 is the fastest of 1, 16 for every batch from 1 to 2,048 rows.
@@ -117,10 +117,13 @@ class BlockLinear:
     """A GGUF weight in its own blocks on etinfer's kernels (``quant_kernels``): float32 in and
     out, the activations quantized to 8 bits a block inside the call."""
 
-    def __init__(self, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: GGUFBlocks | MixedBlocks, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.parts = [quant_kernels.BlockWeight.prepare(weight.qtype, weight.data, weight.shape[1])]
+        parts = weight.parts if isinstance(weight, MixedBlocks) else (weight,)
+        self.parts = [
+            quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts
+        ]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_kernels.matmul(x, self.parts)
@@ -136,7 +139,7 @@ def make_linear(
     """The layer for a weight in any format (``dtype``: torch's integer kernels' activations).
     An 8-bit weight with groups smaller than a row (Q8_0) runs as two 4-bit planes, since the
     int8 kernel takes one scale per row only."""
-    if isinstance(weight, GGUFBlocks):
+    if isinstance(weight, GGUFBlocks | MixedBlocks):
         return BlockLinear(weight, bias)
     if isinstance(weight, Int8Weight):
         if weight.group_size == weight.shape[1]:

@@ -81,7 +81,22 @@ class GGUFBlocks:
         return fields, raw[..., header:]
 
 
-Weight = torch.Tensor | GGUFBlocks
+@dataclass(frozen=True)
+class MixedBlocks:
+    """Weights of one input in blocks of several formats, stacked by output rows: a fused
+    projection of a file that mixes formats (Q4_K_M keeps v in Q6_K beside q and k in Q4_K)."""
+
+    parts: tuple[GGUFBlocks, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+Weight = torch.Tensor | GGUFBlocks | MixedBlocks
 
 
 @dataclass(frozen=True)
@@ -187,22 +202,28 @@ class Int8Weight:
         return Int4Weight(codes, scale, zero, self.group_size, planes=2)
 
 
-Format = torch.Tensor | Int4Weight | Int8Weight | GGUFBlocks
+Format = torch.Tensor | Int4Weight | Int8Weight | GGUFBlocks | MixedBlocks
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
     """Weights of one input stacked by output rows (fused q/k/v, gate/up). Blocks of one type
-    stay blocks; a mixture becomes float."""
+    stay blocks; blocks of several types stay blocks where etinfer's kernels take each of them;
+    any other mixture becomes float."""
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, GGUFBlocks) and p.qtype == parts[0].qtype for p in parts):
         data = torch.cat([p.data for p in parts])
         return GGUFBlocks(parts[0].qtype, data, parts[0].in_features)
+    takes = [
+        isinstance(p, GGUFBlocks) and quant_kernels.takes(p.qtype, p.in_features) for p in parts
+    ]
+    if all(takes):
+        return MixedBlocks(tuple(parts))
     return torch.cat([as_float(p) for p in parts])
 
 
 def as_float(weight: Weight) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, GGUFBlocks) else weight
+    return weight.dequantize() if isinstance(weight, GGUFBlocks | MixedBlocks) else weight
 
 
 def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | None]:
@@ -216,7 +237,7 @@ def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | N
         if native and weight.qtype != _Q.Q8_0:
             return Int4Weight.from_gguf(weight), None
         return Int4Weight.quantize(as_float(weight), name), None
-    if not isinstance(weight, GGUFBlocks):
+    if not isinstance(weight, GGUFBlocks):  # float, or a mixture the block kernels take
         return weight, None
     own_kernel = quant_kernels.takes(weight.qtype, weight.in_features)
     if own_kernel and (mode == "gguf" or not native):
