@@ -22,7 +22,7 @@
 
 static int64_t header_bytes(int type) { return type == Q4_1 ? 32 : 16; }
 
-int64_t interleaved_block_bytes(int type) {
+static int64_t interleaved_block_bytes(int type) {
     switch (type) {
         case Q4_0: return 16 + 128;
         case Q4_1: return 32 + 128;
