@@ -63,22 +63,26 @@ class GGUFBlocks:
         part = self.rows(rows.reshape(-1))
         if self.qtype not in NATIVE_TYPES:
             return part.dequantize().view(*rows.shape, self.in_features)
-        fields, payload = part.blocks()
-        d = fields[..., :1]
+        fields, codes = part.blocks()
+        d, codes = fields[..., :1], codes.float()
         if self.qtype == _Q.Q8_0:
-            values = d * payload.view(torch.int8).float()
-        else:  # byte j: weight j in its low nibble, weight j + 16 in its high one
-            codes = torch.cat([payload & 0x0F, payload >> 4], dim=-1).float()
+            values = d * codes
+        else:
             values = d * (codes - 8) if self.qtype == _Q.Q4_0 else d * codes + fields[..., 1:2]
         return values.view(*rows.shape, self.in_features)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block headers as float32 [out, blocks, fields] and the payload [out, blocks, *]."""
+        """The block headers as float32 [out, blocks, fields] and each weight's code [out,
+        blocks, 32] in order: 0..15 (uint8) for Q4_0 and Q4_1, int8 for Q8_0."""
         group, size = GGML_QUANT_SIZES[self.qtype]
         header = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}[self.qtype]
         raw = self.data.view(self.data.shape[0], self.in_features // group, size)
         fields = raw[..., :header].contiguous().view(torch.float16).float()
-        return fields, raw[..., header:]
+        payload = raw[..., header:]
+        if self.qtype == _Q.Q8_0:
+            return fields, payload.view(torch.int8)
+        # Byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+        return fields, torch.cat([payload & 0x0F, payload >> 4], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,10 @@ class Int4Weight:
     def from_gguf(cls, weight: GGUFBlocks) -> Int4Weight:
         """Q4_1 stores ``w = d q + m``: scale d, zero m + 8d. Q4_0 stores ``w = d (q - 8)``:
         scale d, zero 0. Both are exact in float32, as the kernel computes them."""
-        fields, payload = weight.blocks()
+        fields, codes = weight.blocks()
         d = fields[..., 0]
         zero = fields[..., 1] + 8 * d if weight.qtype == _Q.Q4_1 else torch.zeros_like(d)
-        # Byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
-        codes = torch.cat([payload & 0x0F, payload >> 4], dim=-1).reshape(weight.shape)
-        return cls(codes, d, zero)
+        return cls(codes.reshape(weight.shape), d, zero)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, name: str) -> Int4Weight:
@@ -172,8 +174,8 @@ class Int8Weight:
     @classmethod
     def from_gguf(cls, weight: GGUFBlocks) -> Int8Weight:
         """Q8_0: ``w = d q`` per block of 32, q in -127..127."""
-        fields, payload = weight.blocks()
-        return cls(payload.view(torch.int8).reshape(weight.shape), fields[..., 0], GROUP_SIZE)
+        fields, codes = weight.blocks()
+        return cls(codes.reshape(weight.shape), fields[..., 0], GROUP_SIZE)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:

@@ -96,6 +96,13 @@ static void forget_threads(void) { kept = 0; }  // a forked child has none of th
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_threads); }
 
+int64_t chunk_size(int64_t total, int64_t threads, int64_t minimum, int64_t multiple) {
+    if (threads <= 1) return total;
+    const int64_t share = (total + 8 * threads - 1) / (8 * threads);
+    const int64_t rounded = (share + multiple - 1) / multiple * multiple;
+    return rounded < minimum ? minimum : rounded;
+}
+
 void run_parallel(void (*fn)(void *, int64_t, int64_t), void *arg, int64_t total, int64_t chunk,
                   int64_t threads) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;

@@ -1,13 +1,14 @@
 /* What the quantized matmul files share (quant_matmul.c, quant_interleaved.c): GGML's format ids,
  * the quantized activations' layout, and small AVX2 helpers. */
 #pragma once
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the quantized matmuls need x86-64-v3 (AVX2, FMA, F16C); quant_kernels.py builds them only there"
+#endif
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // GGML's ids
-enum { TILE = 4 };  // activation rows per pass over a weight row (K formats)
-enum { PREFETCH_ROWS = 8 };  // weight rows ahead that a tile asks the memory system for
 
 /* Activations, quantized: a block of 32 for the 32-element formats, with s = d * sum(q) (the
  * offsets of Q4_0, Q4_1 and Q5_0 multiply it); a block of 256 for the K formats, with the sums

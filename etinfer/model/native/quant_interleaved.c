@@ -153,8 +153,6 @@ int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act3
     const int64_t size = interleaved_block_bytes(type);
     if (size < 0 || out % 8 || k % 32) return -1;
     Task8 task = {type, size, k / 32, rows, ldy, w, x, y};
-    const int64_t groups = out / 8, share = (groups + 8 * threads - 1) / (8 * threads);
-    run_parallel(run_groups, &task, groups, threads > 1 ? (share < 2 ? 2 : share) : groups,
-                 threads);
+    run_parallel(run_groups, &task, out / 8, chunk_size(out / 8, threads, 2, 1), threads);
     return 0;
 }

@@ -23,6 +23,9 @@
 #include "pool.h"
 #include "quant.h"
 
+enum { TILE = 4 };  // activation rows per pass over a weight row (K formats)
+enum { PREFETCH_ROWS = 8 };  // weight rows ahead that a tile asks the memory system for
+
 /* Round to nearest, halves away from zero, as llama.cpp's quantizers do; the scale is the block's
  * largest magnitude over 127, so codes stay in -127..127 (the sign trick below needs that). */
 static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
@@ -53,7 +56,6 @@ void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out) {
     }
 }
 
-#if defined(__AVX2__)
 /* 16 bytes of two codes each: the low nibbles as elements 0-15, the high ones as 16-31. */
 static inline __m256i nibbles16(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
@@ -234,9 +236,6 @@ static void rows_k(int type, int64_t block_bytes, const uint8_t *w, const Act256
     }
     for (int64_t i = 0; i < rows; ++i) y[i * ldy] = lanes_sum(acc[i]) - minimums[i];
 }
-#else
-#error "quant_matmul.c needs AVX2 (x86-64-v3); the caller builds it only there"
-#endif
 
 typedef struct {
     int type;
@@ -271,11 +270,6 @@ int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t blo
     if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q8_0 && elements == 32) return -1;
     const int64_t blocks = k / elements;
     Task task = {type, block_bytes, blocks, blocks * block_bytes, rows, ldy, w, x, y};
-    /* Eight chunks of output rows a thread (a multiple of the tile's 4): enough that a thread
-     * that starts late still finds work, few enough that taking one (an atomic on a line the
-     * threads share) costs little beside it. Chunks of 16 rows made two threads barely faster
-     * than one on the default model's 576-row matrices. */
-    const int64_t share = threads > 1 ? (out + 8 * threads - 1) / (8 * threads) : out;
-    run_parallel(run_rows, &task, out, share < 16 ? 16 : (share + 3) / 4 * 4, threads);
+    run_parallel(run_rows, &task, out, chunk_size(out, threads, 16, TILE), threads);
     return 0;
 }
