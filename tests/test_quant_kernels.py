@@ -56,7 +56,7 @@ def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activatio
     assert weight.interleaved == (qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and out == 40)
     weights = torch.from_numpy(dequantize(data.numpy(), qtype).reshape(out, k)).double()
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
-    got = quant_kernels.matmul(x, [weight]).double()
+    got = quant_kernels.BlockProduct([weight])(x).double()
     block = quant_kernels.ACTIVATION_BLOCK[qtype]
     exact = reference_activations(x, block) @ weights.T
     # The integer dot products are exact; what remains is float32 scaling and summation.
@@ -71,19 +71,21 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtyp
     out, k = 200, 768 if quant_kernels.ACTIVATION_BLOCK[qtype] == 256 else 576
     data = random_blocks(qtype, out, k, seed=3)
     weight = quant_kernels.BlockWeight.prepare(qtype, data, k)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(2))
+    # 40 rows: enough for the activations to be quantized on several threads too.
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))
+    product = quant_kernels.BlockProduct([weight])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        whole = quant_kernels.matmul(x, [weight])
+        whole = product(x)
         for threads in (2, 3):
             torch.set_num_threads(threads)
-            assert torch.equal(quant_kernels.matmul(x, [weight]), whole)
-            assert torch.equal(quant_kernels.matmul(x.flip(0), [weight]), whole.flip(0))
+            assert torch.equal(product(x), whole)
+            assert torch.equal(product(x.flip(0)), whole.flip(0))
         for i in range(x.shape[0]):
-            assert torch.equal(quant_kernels.matmul(x[i : i + 1], [weight])[0], whole[i])
+            assert torch.equal(product(x[i : i + 1])[0], whole[i])
             rows = [*range(i), *range(i + 1, x.shape[0]), i][-5:]
-            assert torch.equal(quant_kernels.matmul(x[rows], [weight])[-1], whole[i])
+            assert torch.equal(product(x[rows])[-1], whole[i])
     finally:
         torch.set_num_threads(before)
 
@@ -94,4 +96,4 @@ def test_a_weight_whose_rows_do_not_match_the_input_is_refused():
         quant_kernels.BlockWeight.prepare(Q.Q4_0, data, 96)
     weight = quant_kernels.BlockWeight.prepare(Q.Q4_0, data, 64)
     with pytest.raises(ValueError, match="an input of 96 for a Q4_0 weight of 64"):
-        quant_kernels.matmul(torch.randn(1, 96), [weight])
+        quant_kernels.BlockProduct([weight])(torch.randn(1, 96))

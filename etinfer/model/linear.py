@@ -121,12 +121,12 @@ class BlockLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         parts = weight.parts if isinstance(weight, MixedBlocks) else (weight,)
-        self.parts = [
-            quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts
-        ]
+        self.product = quant_kernels.BlockProduct(
+            [quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts]
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = quant_kernels.matmul(x, self.parts)
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
 
 

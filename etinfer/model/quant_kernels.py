@@ -1,6 +1,11 @@
 """Matrix products with weights in their GGUF blocks (``native/quant_matmul.c``, and
 ``native/quant_interleaved.c`` for Q4_0, Q4_1 and Q8_0 with rows interleaved by eight at load),
-called through ctypes: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
+one ctypes call a layer (``native/quant_linear.c``): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K.
+
+Threads: the kernels split their work with OpenMP, and the library links the ``libgomp`` that
+torch has already loaded, so they run on torch's own threads. Kept threads of their own (an
+earlier version) fought torch's for the two cores: torch's threads spin a while after each of
+its parallel operations, and a decode step at batch 1 held to AVX2 took 15.3 ms against 10.8.
 
 Why our own kernels rather than ggml's: ggml ships only inside llama.cpp's builds (a source build
 of ``llama-cpp-python`` takes about 8 minutes on 2 cores, no wheel is published), while these
@@ -41,11 +46,13 @@ ACTIVATION_BLOCK = {
     _Q.Q5_K: 256,
     _Q.Q6_K: 256,
 }
-# Bytes of a quantized activation block: a float scale, a float sum (32) or 16 int16 sums (256),
-# and the codes (Act32 and Act256 in quant_matmul.c).
-_ACTIVATION_BYTES = {32: 4 + 4 + 32, 256: 4 + 32 + 256}
 _NATIVE = Path(native_kernels.__file__).parent / "native"
-_SOURCES = [_NATIVE / "quant_matmul.c", _NATIVE / "quant_interleaved.c", _NATIVE / "pool.c"]
+_SOURCES = [
+    _NATIVE / "quant_linear.c",
+    _NATIVE / "quant_matmul.c",
+    _NATIVE / "quant_interleaved.c",
+    _NATIVE / "pool.c",
+]
 # Formats whose rows are interleaved by eight at load (native/quant_interleaved.c says why).
 _INTERLEAVED = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)
 _NEEDS = {"avx2", "fma", "f16c"}
@@ -76,17 +83,22 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     return _declared(ctypes.CDLL(str(native_kernels.build_library(_SOURCES, target))))
 
 
+class _Part(ctypes.Structure):
+    """One weight of a layer, as ``block_linear`` takes it (BlockPart in native/quant.h)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("out", ctypes.c_int64),
+        ("block_bytes", ctypes.c_int64),
+        ("interleaved", ctypes.c_int64),
+    ]
+
+
 def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("quantize_act32", "quantize_act256"):
-        getattr(library, name).argtypes = [pointer, i64, i64, pointer]
-        getattr(library, name).restype = None
-    library.quant_matmul.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer, i64, pointer]
-    library.quant_matmul.argtypes += [i64, i64]
-    library.quant_matmul.restype = ctypes.c_int
-    library.quant_matmul8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer]
-    library.quant_matmul8.argtypes += [i64, i64]
-    library.quant_matmul8.restype = ctypes.c_int
+    library.block_linear.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64]
+    library.block_linear.restype = ctypes.c_int
     library.repack8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer]
     library.repack8.restype = ctypes.c_int
     return library
@@ -113,6 +125,11 @@ class BlockWeight:
     in_features: int
     interleaved: bool
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in the file (the plain layout's stride)."""
+        return GGML_QUANT_SIZES[self.qtype][1]
+
     @classmethod
     def prepare(cls, qtype: GGMLQuantizationType, data: torch.Tensor, in_features: int):
         """From a file's blocks [out, bytes a row]."""
@@ -133,41 +150,39 @@ class BlockWeight:
         return cls(qtype, repacked, out, in_features, True)
 
 
-def matmul(x: torch.Tensor, parts: list[BlockWeight]) -> torch.Tensor:
-    """``x`` [rows, in] times weights [out, in] stacked by output rows, transposed: [rows, sum of
-    outs] float32. Fused projections may mix formats (Q4_K_M files keep v in Q6_K beside q and
-    k in Q4_K); the activations are quantized once for each block size the parts need."""
-    library = _library()
-    assert library is not None, "check available() first"
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-    rows, k = x.shape
-    total = sum(part.out_features for part in parts)
-    out = torch.empty(rows, total, dtype=torch.float32)
-    quantized: dict[int, torch.Tensor] = {}
-    column, threads = 0, torch.get_num_threads()
-    for part in parts:
-        if part.in_features != k:
-            raise ValueError(
-                f"an input of {k} for a {part.qtype.name} weight of {part.in_features}"
-            )
-        block = ACTIVATION_BLOCK[part.qtype]
-        if block not in quantized:
-            quantized[block] = torch.empty(
-                rows * (k // block) * _ACTIVATION_BYTES[block], dtype=torch.uint8
-            )
-            quantize = library.quantize_act32 if block == 32 else library.quantize_act256
-            quantize(x.data_ptr(), rows, k, quantized[block].data_ptr())
-        target = out[:, column:].data_ptr()
-        if part.interleaved:
-            library.quant_matmul8(
-                int(part.qtype), part.data.data_ptr(), part.out_features, k,
-                quantized[block].data_ptr(), rows, target, total, threads,
-            )  # fmt: skip
-        else:
-            library.quant_matmul(
-                int(part.qtype), part.data.data_ptr(), part.out_features, k,
-                GGML_QUANT_SIZES[part.qtype][1], quantized[block].data_ptr(), rows, target,
-                total, threads,
-            )  # fmt: skip
-        column += part.out_features
-    return out
+class BlockProduct:
+    """Weights [out, in] in block formats stacked by output rows, as one kernel call: ``x``
+    [rows, in] times their transpose, [rows, sum of outs] float32. Fused projections may mix
+    formats (Q4_K_M files keep v in Q6_K beside q and k in Q4_K); the activations are quantized
+    once for each block size the parts need."""
+
+    def __init__(self, parts: list[BlockWeight]) -> None:
+        widths = {part.in_features for part in parts}
+        if len(widths) != 1:
+            raise ValueError(f"stacked weights of different input widths {sorted(widths)}")
+        self.parts = parts  # the bytes the call's pointers point at
+        self.in_features = widths.pop()
+        self.out_features = sum(part.out_features for part in parts)
+        self._table = (_Part * len(parts))(
+            *(_Part(p.qtype, p.data.data_ptr(), p.out_features, p.block_bytes, p.interleaved)
+              for p in parts)
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        library = _library()
+        assert library is not None, "check available() first"
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows, k = x.shape
+        if k != self.in_features:
+            names = "+".join(part.qtype.name for part in self.parts)
+            raise ValueError(f"an input of {k} for a {names} weight of {self.in_features}")
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = library.block_linear(
+            self._table, len(self.parts), x.data_ptr(), rows, k, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status == -3:
+            raise MemoryError(f"no memory for {rows} rows of quantized activations")
+        assert status == 0, "BlockWeight.prepare admits only formats with a kernel"
+        return out

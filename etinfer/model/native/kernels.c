@@ -12,7 +12,6 @@
  * floats wide, which AVX2 has; the head dimension must be a multiple of 8 (the caller checks).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -225,17 +224,8 @@ int decode_attention(const float *q, const float *keys, const float *values, con
                         scale, out,  row_max, denominators, weights, g,       end};
         g = end;
     }
-    pthread_t helpers[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 1; t < threads; ++t)
-        started[t] = pthread_create(&helpers[t], NULL, attend_groups, &jobs[t]) == 0;
-    attend_groups(&jobs[0]);
-    for (int64_t t = 1; t < threads; ++t) {
-        if (started[t])
-            pthread_join(helpers[t], NULL);
-        else
-            attend_groups(&jobs[t]);
-    }
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int64_t t = 0; t < threads; ++t) attend_groups(&jobs[t]);
     return 0;
 }
 

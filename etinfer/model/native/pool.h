@@ -1,14 +1,14 @@
-/* Threads kept for the quantized matmuls (pool.c). */
+/* How the quantized matmuls share a call's output rows among threads (pool.c). */
 #pragma once
 #include <stdint.h>
 
-/* Calls fn(arg, first, end) over [0, total) in chunks of `chunk`, on the calling thread and up to
- * threads - 1 kept ones, each taking the next chunk when done; returns when all are done. */
+/* Calls fn(arg, first, end) over [0, total) in chunks of `chunk` on up to `threads` of torch's
+ * OpenMP threads, each taking the next chunk when done; returns when all are done. */
 void run_parallel(void (*fn)(void *, int64_t, int64_t), void *arg, int64_t total, int64_t chunk,
                   int64_t threads);
 
 /* A chunk for run_parallel: eight a thread, at least `minimum`, a multiple of `multiple`. Enough
- * that a thread that starts late still finds work, few enough that taking one (an atomic on a
- * line the threads share) costs little beside it: chunks of 16 rows made two threads barely
- * faster than one on the default model's 576-row matrices. */
+ * that a thread that starts late still finds work, few enough that taking one costs little
+ * beside it: chunks of 16 rows made two threads barely faster than one on the default model's
+ * 576-row matrices. */
 int64_t chunk_size(int64_t total, int64_t threads, int64_t minimum, int64_t multiple);

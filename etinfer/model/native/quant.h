@@ -23,6 +23,30 @@ typedef struct {
     int8_t q[256];
 } Act256;
 
+/* One weight of a layer as block_linear (quant_linear.c) takes it: a format id, the bytes,
+ * output rows, a block's bytes in the file, and whether rows are interleaved by eight. */
+typedef struct {
+    int64_t type;
+    const uint8_t *w;
+    int64_t out, block_bytes, interleaved;
+} BlockPart;
+
+/* Each file's entry points, for quant_linear.c. Activations are quantized a row at a time, rows
+ * shared among `threads` when there are many. */
+void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads);
+void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads);
+int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t block_bytes,
+                 const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads);
+int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,
+                  int64_t rows, float *y, int64_t ldy, int64_t threads);
+
+/* How far ahead of a weight stream the kernels ask for its cache lines, every line of a block:
+ * the weights come from memory once a step, and software prefetches, unlike the hardware's,
+ * cross 4 KB pages. One line a block, a few hundred bytes ahead and marked non-temporal (an
+ * earlier version), left a core reading the default model's layers at 7 GB/s; this reads them at
+ * about 10 (one thread) and 20 (two), held to AVX2. Distances of 1 to 8 KB measured alike. */
+enum { PREFETCH_BYTES = 4096 };
+
 /* A float16 field (F16C: x86-64-v3 has it; the library is built only there). */
 static inline float half(const uint8_t *p) {
     uint16_t h;

@@ -64,7 +64,8 @@ static inline __attribute__((always_inline)) void group8(int type, const uint8_t
     __m256 acc[4], offsets[4];
     for (int j = 0; j < TR; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, w += size) {
-        __builtin_prefetch(w + 4 * size, 0, 0);
+        for (int64_t line = 0; line < size; line += 64)
+            __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
         __m256i sums[4];
         for (int j = 0; j < TR; ++j) sums[j] = _mm256_setzero_si256();
         const uint8_t *vectors = w + header_bytes(type);

@@ -36,8 +36,12 @@ static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
     for (int64_t i = 0; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
 }
 
-void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out) {
-    for (int64_t b = 0; b < rows * (k / 32); ++b) {
+/* Rows below which quantizing them is not worth a second thread (about 1 us for 576 values). */
+enum { QUANTIZE_ROWS_PER_THREAD = 16 };
+
+static void quantize32_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end) {
+    Act32 *out = out_;
+    for (int64_t b = first * (k / 32); b < end * (k / 32); ++b) {
         quantize_block(x + b * 32, 32, &out[b].d, out[b].q);
         int sum = 0;
         for (int i = 0; i < 32; ++i) sum += out[b].q[i];
@@ -45,8 +49,9 @@ void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out) {
     }
 }
 
-void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out) {
-    for (int64_t b = 0; b < rows * (k / 256); ++b) {
+static void quantize256_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end) {
+    Act256 *out = out_;
+    for (int64_t b = first * (k / 256); b < end * (k / 256); ++b) {
         quantize_block(x + b * 256, 256, &out[b].d, out[b].q);
         for (int g = 0; g < 16; ++g) {
             int sum = 0;
@@ -54,6 +59,28 @@ void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out) {
             out[b].sums[g] = (int16_t)sum;
         }
     }
+}
+
+/* Rows shared among threads when there are many; each row's blocks are quantized alone, in
+ * their own order, so where a row is quantized does not change it. */
+static void quantize_rows(void (*rows_fn)(const float *, int64_t, void *, int64_t, int64_t),
+                          const float *x, int64_t rows, int64_t k, void *out, int64_t threads) {
+    int64_t parts = rows / QUANTIZE_ROWS_PER_THREAD;
+    if (parts > threads) parts = threads;
+    if (parts <= 1) {
+        rows_fn(x, k, out, 0, rows);
+        return;
+    }
+#pragma omp parallel for num_threads(parts)
+    for (int64_t p = 0; p < parts; ++p) rows_fn(x, k, out, rows * p / parts, rows * (p + 1) / parts);
+}
+
+void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads) {
+    quantize_rows(quantize32_rows, x, rows, k, out, threads);
+}
+
+void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads) {
+    quantize_rows(quantize256_rows, x, rows, k, out, threads);
 }
 
 /* 16 bytes of two codes each: the low nibbles as elements 0-15, the high ones as 16-31. */
@@ -111,7 +138,7 @@ static inline __attribute__((always_inline)) void tile32(int type, int64_t block
             const uint8_t *block = w + i * row_bytes + b * block_bytes;
             /* The next tile's rows, a tile ahead: the weights stream from memory once a step,
              * and rows of a few hundred bytes are too short for the hardware's prefetchers. */
-            __builtin_prefetch(block + PREFETCH_ROWS * row_bytes, 0, 0);
+            __builtin_prefetch(block + PREFETCH_ROWS * row_bytes, 0, 3);
             if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
                 scale[i] = half(block), offset[i] = 0.0f;
                 u[i] = load32(block + 2);
@@ -173,6 +200,8 @@ static void rows_k(int type, int64_t block_bytes, const uint8_t *w, const Act256
     for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
     float minimums[TILE] = {0};
     for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
+        for (int64_t line = 0; line < block_bytes; line += 64)
+            __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
         __m256i u[8];
         int16_t scale[16];
         float d, dmin = 0.0f;

@@ -1,0 +1,61 @@
+/* One call for a whole layer on GGUF blocks (model/quant_kernels.py's entry point): the
+ * activations quantized once for each block size the layer's parts need, then each part's
+ * product into its columns of the output. At batch 1 a decode step makes about 120 such calls
+ * of a few tens of microseconds each, so the Python side's per-call work (two foreign calls, a
+ * scratch tensor, a slice for each part) was a fifth of the matmuls' time; here it is one
+ * foreign call and the output's allocation.
+ *
+ * The quantized activations live in a buffer of the calling thread's, grown as needed and kept:
+ * engines in different threads never share one.
+ */
+#include <stdlib.h>
+
+#include "quant.h"
+
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_bytes;
+
+static void *scratch_of(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+static int is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* y [rows, sum of the parts' outs] = x [rows, k] times the parts' weights, stacked by output
+ * rows. Returns 0; -1 for a format or layout without a kernel, -3 if scratch memory ran out. */
+int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t rows, int64_t k,
+                 float *y, int64_t threads) {
+    int64_t total = 0, with32 = 0, with256 = 0;
+    for (int64_t p = 0; p < count; ++p) {
+        total += parts[p].out;
+        with256 |= is_k(parts[p].type);
+        with32 |= !is_k(parts[p].type);
+    }
+    const size_t bytes32 = with32 ? (size_t)(rows * (k / 32)) * sizeof(Act32) : 0;
+    const size_t bytes256 = with256 ? (size_t)(rows * (k / 256)) * sizeof(Act256) : 0;
+    uint8_t *buffer = scratch_of(bytes32 + bytes256);
+    if (buffer == NULL) return -3;
+    Act32 *x32 = (Act32 *)buffer;
+    Act256 *x256 = (Act256 *)(buffer + bytes32);
+    if (with32) quantize_act32(x, rows, k, x32, threads);
+    if (with256) quantize_act256(x, rows, k, x256, threads);
+    int64_t column = 0;
+    for (int64_t p = 0; p < count; ++p) {
+        const BlockPart *part = &parts[p];
+        const void *act = is_k(part->type) ? (const void *)x256 : (const void *)x32;
+        const int status =
+            part->interleaved
+                ? quant_matmul8((int)part->type, part->w, part->out, k, act, rows, y + column,
+                                total, threads)
+                : quant_matmul((int)part->type, part->w, part->out, k, part->block_bytes, act,
+                               rows, y + column, total, threads);
+        if (status != 0) return status;
+        column += part->out;
+    }
+    return 0;
+}
