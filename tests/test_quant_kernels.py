@@ -2,6 +2,8 @@
 blocks read as gguf reads them, the integer dot products exact, the 8-bit activations' error
 bounded, and each row's result the same bits however the call is grouped."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -97,3 +99,15 @@ def test_a_weight_whose_rows_do_not_match_the_input_is_refused():
     weight = quant_kernels.BlockWeight.prepare(Q.Q4_0, data, 64)
     with pytest.raises(ValueError, match="an input of 96 for a Q4_0 weight of 64"):
         quant_kernels.BlockProduct([weight])(torch.randn(1, 96))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's memory map")
+def test_the_kernels_share_torchs_openmp_threads():
+    """One OpenMP runtime in the process, torch's: a second one would keep threads of its own,
+    which fight torch's spinning ones for the cores (a batch-1 step took 1.4x as long)."""
+    quant_kernels.BlockProduct(
+        [quant_kernels.BlockWeight.prepare(Q.Q8_0, random_blocks(Q.Q8_0, 16, 64), 64)]
+    )(torch.randn(2, 64))
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
