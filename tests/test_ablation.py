@@ -130,7 +130,18 @@ def restore_threads():
 def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
     parser = argparse.ArgumentParser()
     ablation.add_command(parser.add_subparsers())
-    args = parser.parse_args(["ablation", "--quick", "--threads", "2", "--output", str(tmp_path)])
+    args = parser.parse_args(
+        [
+            "ablation",
+            "--quick",
+            "--threads",
+            "2",
+            "--quantization",
+            "none",
+            "--output",
+            str(tmp_path),
+        ]
+    )
     report = ablation.run(args, loaded_model)
 
     for name in ("ablation.json", "ablation.md", "ablation_bars.png", "ablation_trace.png"):
