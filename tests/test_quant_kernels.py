@@ -10,7 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from etinfer.model import quant_kernels
+from etinfer.model import native_kernels, quant_kernels
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
 
@@ -111,3 +111,23 @@ def test_the_kernels_share_torchs_openmp_threads():
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(tmp_path, monkeypatch, caplog):
+    """clang without libomp refuses -fopenmp: the kernels are built without it, said once, and
+    give the same bits on one thread."""
+    real = native_kernels._compiler()
+    compiler = tmp_path / "cc"
+    refuse = '[ "$a" = -fopenmp ] && { echo "no omp" >&2; exit 1; }'
+    compiler.write_text(f'#!/bin/sh\nfor a in "$@"; do {refuse}; done\nexec {real} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no build of ours to find
+    weight = quant_kernels.BlockWeight.prepare(Q.Q4_1, random_blocks(Q.Q4_1, 64, 256), 256)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(4))
+    expected = quant_kernels.BlockProduct([weight])(x)
+    with caplog.at_level("WARNING", logger="etinfer.model"):
+        library = quant_kernels.compiled(native_kernels.target())
+    assert "without OpenMP" in caplog.text and "no omp" in caplog.text
+    monkeypatch.setattr(quant_kernels, "_library", lambda: library)
+    assert torch.equal(quant_kernels.BlockProduct([weight])(x), expected)

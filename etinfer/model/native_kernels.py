@@ -29,9 +29,12 @@ import torch
 logger = logging.getLogger("etinfer.model")
 
 _SOURCES = [Path(__file__).parent / "native" / "kernels.c"]
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
-# one the library links), where threads started by the library fought torch's spinning ones.
-_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp"]
+# one the library links), where threads started by the library fought torch's spinning ones. A
+# compiler without it (clang lacking libomp) builds them without: the pragmas are ignored and
+# each call runs on one thread, with the same results.
+_OPENMP = ["-fopenmp"]
 # Entries per thread below which decode attention runs on one. On torch's threads a split costs
 # a few microseconds, so even batch 1 (about 3K entries a layer at 300 tokens) gains: 1.1 ms
 # against 1.5 for a step's 30 calls, held to AVX2.
@@ -61,13 +64,23 @@ def target() -> list[str]:
 
 def build_library(sources: list[Path], target: list[str]) -> Path:
     """``sources`` compiled for ``target`` into a shared library in the user's cache (built
-    once: the name carries a hash of the sources, the flags, the compiler and the CPU's flags).
-    Raises NoCompiler, or CalledProcessError when the build fails."""
+    once: the name carries a hash of the sources, the flags, the compiler and the CPU's flags),
+    with OpenMP where the compiler has it. Raises NoCompiler, or CalledProcessError when the
+    build fails."""
     compiler = _compiler()
     if compiler is None:
         raise NoCompiler("no C compiler found")
+    try:
+        return _build(compiler, sources, [*_FLAGS, *_OPENMP, *target])
+    except subprocess.CalledProcessError as error:
+        library = _build(compiler, sources, [*_FLAGS, *target])
+        said = (error.stderr or "").strip().splitlines()
+        logger.warning("native kernels built without OpenMP, on one thread: %s", said[-1:])
+        return library
+
+
+def _build(compiler: str, sources: list[Path], flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    flags = [*_FLAGS, *target]
     headers = sorted({h for source in sources for h in source.parent.glob("*.h")})
     texts = [path.read_text() for path in [*sources, *headers]]
     key = hashlib.sha256(
@@ -83,7 +96,7 @@ def build_library(sources: list[Path], target: list[str]) -> Path:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [compiler, *flags, "-o", str(partial), *map(str, sources), "-lm", "-lpthread"],
+            [compiler, *flags, "-o", str(partial), *map(str, sources), "-lm"],
             check=True,
             capture_output=True,
             text=True,
