@@ -3,6 +3,7 @@ blocks read as gguf reads them, the integer dot products exact, the 8-bit activa
 bounded, and each row's result the same bits however the call is grouped."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -131,3 +132,14 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(tmp_path, m
     assert "without OpenMP" in caplog.text and "no omp" in caplog.text
     monkeypatch.setattr(quant_kernels, "_library", lambda: library)
     assert torch.equal(quant_kernels.BlockProduct([weight])(x), expected)
+
+
+def test_no_rows_give_an_empty_product_on_any_thread():
+    """A thread that never ran the kernels has no scratch yet: zero rows still answer."""
+    weight = quant_kernels.BlockWeight.prepare(Q.Q8_0, random_blocks(Q.Q8_0, 16, 64), 64)
+    product = quant_kernels.BlockProduct([weight])
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(product(torch.empty(0, 64))))
+    thread.start()
+    thread.join()
+    assert answers[0].shape == (0, 16)

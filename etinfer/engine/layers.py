@@ -69,8 +69,7 @@ class EngineLayers:
         if control.kv_compression_config is not None:
             compressor = KVCompressor(control.kv_compression_config, loaded.config, kv, device)
         runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
+            loaded,
             selector,
             max_model_len=max_model_len,
             num_blocks=kv.pool.num_blocks,

@@ -17,10 +17,10 @@ from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import AttentionSelector, DecodeBlocks, PrefillContext
-from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import DecodePattern, build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
+from etinfer.model.loader import LoadedModel
 from etinfer.model.paged_attention import (
     AttentionMetadata,
     PagedAttention,
@@ -28,7 +28,6 @@ from etinfer.model.paged_attention import (
     PruningTelemetry,
     prefill_mask,
 )
-from etinfer.model.quantized import Weight
 
 
 class QueryCapture(Protocol):
@@ -71,8 +70,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        config: ModelConfig,
-        weights: dict[str, Weight],
+        model: LoadedModel,
         selector: AttentionSelector,
         *,
         max_model_len: int,
@@ -92,6 +90,7 @@ class ModelRunner:
         selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
         ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig).
         ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
+        config = model.config
         prefill_selector = None
         if sparse_prefill is not None:
             if config.sliding_window is not None:
@@ -120,9 +119,7 @@ class ModelRunner:
         )
         self.prefill_selector = prefill_selector
         self.batch_invariant = batch_invariant
-        self.model = LlamaModel(
-            config, weights, self.attention, max_model_len, device, dtype, quantization
-        )
+        self.model = LlamaModel(model, self.attention, max_model_len, device, dtype, quantization)
         self.cache = KVCache(
             config.num_layers,
             num_blocks,

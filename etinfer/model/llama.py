@@ -8,7 +8,6 @@ sequences go through each weight matmul together.
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
+from etinfer.model.loader import LoadedModel
 from etinfer.model.norm import RMSNorm
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.quantized import (
@@ -149,7 +149,6 @@ class LlamaWeights:
         dtype: torch.dtype,
     ) -> None:
         read = WeightReader(weights, quantization, device, dtype)
-        self.source = weights  # kept alive with these, so the cache's key stays this dict's
         self.embed = read.matrix("model.embed_tokens.weight")
         self.layers = [
             DecoderLayer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
@@ -165,26 +164,18 @@ class LlamaWeights:
         self.notes = read.notes
 
 
-# Prepared weights by the source dict's identity and everything that shapes them; an entry lives
-# while an engine holds it (and, through it, the source dict, so the identity is never reused).
-_PREPARED: weakref.WeakValueDictionary[tuple, LlamaWeights] = weakref.WeakValueDictionary()
-
-
 def prepared(
-    config: ModelConfig,
-    weights: dict[str, Weight],
-    quantization: str,
-    device: torch.device,
-    dtype: torch.dtype,
+    model: LoadedModel, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> LlamaWeights:
-    """``weights`` prepared for ``quantization`` on ``device``, shared with any engine that has
-    them already. The kernels' availability is part of the key: it decides each layer's form."""
+    """``model``'s weights prepared for ``quantization`` on ``device``, shared with any engine
+    over the same model that has them already. The kernels' availability is part of the key: it
+    decides each layer's form."""
     kernels = (native_kernels.available(), quant_kernels.available())
-    key = (id(weights), quantization, str(device), dtype, kernels)
-    found = _PREPARED.get(key)
-    if found is None or found.source is not weights:
-        found = LlamaWeights(config, weights, quantization, device, dtype)
-        _PREPARED[key] = found
+    key = (quantization, str(device), dtype, kernels)
+    found = model.prepared.get(key)
+    if found is None:
+        found = LlamaWeights(model.config, model.weights, quantization, device, dtype)
+        model.prepared[key] = found
     for note in found.notes:  # told for every engine that runs them so
         logger.warning(note)
     return found
@@ -193,19 +184,18 @@ def prepared(
 class LlamaModel:
     def __init__(
         self,
-        config: ModelConfig,
-        weights: dict[str, Weight],
+        model: LoadedModel,
         attention: PagedAttention,
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
         quantization: str = "auto",
     ) -> None:
-        """``weights`` (Hugging Face names) are read, not changed: engines share them, and their
-        prepared form (``prepared``)."""
-        self.config = config
+        """``model``'s weights are read, not changed: engines share them, and their prepared
+        form (``prepared``)."""
+        self.config = config = model.config
         self.dtype = dtype
-        self.weights = prepared(config, weights, quantization, device, dtype)
+        self.weights = prepared(model, quantization, device, dtype)
         self.embed, self.layers = self.weights.embed, self.weights.layers
         self.norm, self.lm_head = self.weights.norm, self.weights.lm_head
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)

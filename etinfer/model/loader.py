@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from etinfer.model.config import ModelConfig
@@ -22,6 +23,11 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, Weight]  # Hugging Face names, [out, in] layout
     tokenizer: Tokenizer
+    # The weights as engines over this model prepared them for their kernels (model/llama.py's
+    # ``prepared``), each kept while an engine holds it: engines built over one model share them.
+    prepared: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary, repr=False, compare=False
+    )
 
 
 def default_model_path() -> Path:

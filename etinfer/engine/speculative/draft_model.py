@@ -57,8 +57,7 @@ class DraftModelProposer:
             )
         self.kv = KVCacheManager(num_blocks, engine.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
+            loaded,
             BLOCK_SELECTORS.create("dense"),
             max_model_len=max_model_len,
             num_blocks=num_blocks,

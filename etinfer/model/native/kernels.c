@@ -173,8 +173,7 @@ static inline __attribute__((always_inline)) void attend_group(const Job *job, i
     }
 }
 
-static void *attend_groups(void *arg) {
-    const Job *job = arg;
+static void attend_groups(const Job *job) {
     for (int64_t g = job->first_group; g < job->end_group; ++g) {
         if (job->dim == 64)
             attend_group(job, g, 64);
@@ -183,7 +182,6 @@ static void *attend_groups(void *arg) {
         else
             attend_group(job, g, job->dim);
     }
-    return NULL;
 }
 
 /* q [rows, dim]; keys, values [cache_rows, dim]; crow [rows + 1]; cols, outside [nnz] (outside:

@@ -1,5 +1,6 @@
 /* Output rows shared among threads by OpenMP's dynamic schedule: a thread that starts late (its
- * core busy with another process) takes fewer chunks, and no call waits for one not running.
+ * core busy with another process) takes fewer chunks, though the call still ends at the loop's
+ * barrier, when every thread of the team has arrived.
  * The threads are torch's: the library links the libgomp that torch loaded. An earlier pool of
  * threads of its own spun beside torch's, which spin a while after each parallel operation of
  * theirs, and on two cores the two pools took turns: a batch-1 step took 15.3 ms against 10.8.

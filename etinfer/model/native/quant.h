@@ -1,5 +1,5 @@
-/* What the quantized matmul files share (quant_matmul.c, quant_interleaved.c): GGML's format ids,
- * the quantized activations' layout, and small AVX2 helpers. */
+/* What the quantized matmul files share (quant_linear.c, quant_matmul.c, quant_interleaved.c):
+ * GGML's format ids, the quantized activations' layout, the entry points, and AVX2 helpers. */
 #pragma once
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the quantized matmuls need x86-64-v3 (AVX2, FMA, F16C); quant_kernels.py builds them only there"

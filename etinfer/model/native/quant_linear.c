@@ -5,21 +5,28 @@
  * scratch tensor, a slice for each part) was a fifth of the matmuls' time; here it is one
  * foreign call and the output's allocation.
  *
- * The quantized activations live in a buffer of the calling thread's, grown as needed and kept:
- * engines in different threads never share one.
+ * The quantized activations live in a buffer of the calling thread's, grown as needed and kept
+ * until the thread ends: engines in different threads never share one.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "quant.h"
 
 static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
+static pthread_key_t scratch_owner;  // its destructor frees a thread's buffer when it exits
+static pthread_once_t owner_made = PTHREAD_ONCE_INIT;
+
+static void make_owner(void) { pthread_key_create(&scratch_owner, free); }
 
 static void *scratch_of(size_t bytes) {
     if (bytes > scratch_bytes) {
+        pthread_once(&owner_made, make_owner);
         free(scratch);
         scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
         scratch_bytes = scratch ? bytes : 0;
+        pthread_setspecific(scratch_owner, scratch);
     }
     return scratch;
 }
@@ -36,6 +43,7 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
         with256 |= is_k(parts[p].type);
         with32 |= !is_k(parts[p].type);
     }
+    if (rows == 0 || total == 0) return 0;
     const size_t bytes32 = with32 ? (size_t)(rows * (k / 32)) * sizeof(Act32) : 0;
     const size_t bytes256 = with256 ? (size_t)(rows * (k / 256)) * sizeof(Act256) : 0;
     uint8_t *buffer = scratch_of(bytes32 + bytes256);
