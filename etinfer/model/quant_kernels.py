@@ -150,10 +150,6 @@ class BlockWeight:
         return cls(qtype, repacked, out, in_features, True)
 
 
-def names_of(parts: tuple[BlockWeight, ...]) -> str:
-    return "+".join(part.qtype.name for part in parts)
-
-
 class BlockProduct:
     """Weights [out, in] in block formats stacked by output rows, as one kernel call: ``x``
     [rows, in] times their transpose, [rows, sum of outs] float32. Fused projections may mix
@@ -165,6 +161,7 @@ class BlockProduct:
         if len(widths) != 1:
             raise ValueError(f"stacked weights of different input widths {sorted(widths)}")
         self.parts = tuple(parts)  # the bytes the call's pointers point at
+        self.name = "+".join(part.qtype.name for part in parts)  # for errors: Q4_K+Q6_K
         self.in_features = widths.pop()
         self.out_features = sum(part.out_features for part in parts)
         self._table = (_Part * len(parts))(
@@ -179,9 +176,7 @@ class BlockProduct:
             x = x.float().contiguous()
         rows, k = x.shape
         if k != self.in_features:
-            raise ValueError(
-                f"an input of {k} for a {names_of(self.parts)} weight of {self.in_features}"
-            )
+            raise ValueError(f"an input of {k} for a {self.name} weight of {self.in_features}")
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = library.block_linear(
             self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
@@ -190,5 +185,5 @@ class BlockProduct:
         if status == -3:
             raise MemoryError(f"no memory for {rows} rows of quantized activations")
         if status != 0:  # BlockWeight.prepare admits only formats and layouts with a kernel
-            raise RuntimeError(f"block kernel refused a {names_of(self.parts)} weight: {status}")
+            raise RuntimeError(f"block kernel refused a {self.name} weight: {status}")
         return out

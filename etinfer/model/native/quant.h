@@ -10,6 +10,9 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // GGML's ids
 
+/* The K formats: blocks of 256, which meet activations quantized in blocks of 256 (Act256). */
+static inline int is_k_format(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
 /* Activations, quantized: a block of 32 for the 32-element formats, with s = d * sum(q) (the
  * offsets of Q4_0, Q4_1 and Q5_0 multiply it); a block of 256 for the K formats, with the sums
  * of each 16 codes (their minimums and offsets multiply those). */

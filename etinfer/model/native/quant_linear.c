@@ -31,8 +31,6 @@ static void *scratch_of(size_t bytes) {
     return scratch;
 }
 
-static int is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-
 /* y [rows, sum of the parts' outs] = x [rows, k] times the parts' weights, stacked by output
  * rows. Returns 0; -1 for a format or layout without a kernel, -3 if scratch memory ran out. */
 int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t rows, int64_t k,
@@ -40,8 +38,8 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
     int64_t total = 0, with32 = 0, with256 = 0;
     for (int64_t p = 0; p < count; ++p) {
         total += parts[p].out;
-        with256 |= is_k(parts[p].type);
-        with32 |= !is_k(parts[p].type);
+        with256 |= is_k_format(parts[p].type);
+        with32 |= !is_k_format(parts[p].type);
     }
     if (rows == 0 || total == 0) return 0;
     const size_t bytes32 = with32 ? (size_t)(rows * (k / 32)) * sizeof(Act32) : 0;
@@ -55,7 +53,7 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
     int64_t column = 0;
     for (int64_t p = 0; p < count; ++p) {
         const BlockPart *part = &parts[p];
-        const void *act = is_k(part->type) ? (const void *)x256 : (const void *)x32;
+        const void *act = is_k_format(part->type) ? (const void *)x256 : (const void *)x32;
         const int status =
             part->interleaved
                 ? quant_matmul8((int)part->type, part->w, part->out, k, act, rows, y + column,

@@ -277,7 +277,7 @@ typedef struct {
 static void run_rows(void *arg, int64_t first, int64_t end) {
     const Task *t = arg;
     const uint8_t *w = t->w + first * t->row_bytes;
-    if (t->type != Q4_K && t->type != Q5_K && t->type != Q6_K) {
+    if (!is_k_format(t->type)) {
         rows32(t->type, t->block_bytes, w, t->row_bytes, end - first, t->x, t->blocks, t->rows,
                t->y + first, t->ldy);
         return;
@@ -295,7 +295,7 @@ static void run_rows(void *arg, int64_t first, int64_t end) {
  * blocks of `block_bytes`. Returns -1 for a format without a kernel here. */
 int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t block_bytes,
                  const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads) {
-    const int64_t elements = type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32;
+    const int64_t elements = is_k_format(type) ? 256 : 32;
     if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q8_0 && elements == 32) return -1;
     const int64_t blocks = k / elements;
     Task task = {type, block_bytes, blocks, blocks * block_bytes, rows, ldy, w, x, y};
