@@ -18,6 +18,12 @@ from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What ``kv_cache_dtype="auto"`` stores: float16, as llama.cpp does by default. It halves the
+# bytes decode attention reads a token (the larger share of a step at long contexts), and keeps
+# about three decimal digits where keys and values need far fewer (BENCHMARKS.md, "A 16-bit KV
+# cache"); F16C (every x86-64-v3 host) widens it for free as the kernel loads it.
+AUTO_KV_CACHE_DTYPE = "float16"
+KV_CACHE_DTYPES = DTYPES | {"int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,9 @@ class EngineConfig:
     """Everything the engine needs besides the requests.
 
     ``max_model_len`` defaults to the model's own context length. ``num_kvcache_blocks`` defaults
-    to as many blocks as fit in ``kv_cache_gib`` (float32 keys and values). On the CPU the OS backs
-    the pool lazily, so an unused part costs address space, not memory; on CUDA it is reserved.
+    to as many blocks as fit in ``kv_cache_gib`` (keys and values in ``kv_cache_dtype``). On the
+    CPU the OS backs the pool lazily, so an unused part costs address space, not memory; on CUDA
+    it is reserved.
     """
 
     model: str | None = field(
@@ -145,6 +152,14 @@ class EngineConfig:
     )
     kv_cache_gib: float = field(
         default=4.0, metadata={"help": "KV pool size in GiB when num_kvcache_blocks is not set"}
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "of the KV cache: auto (float16), float16, bfloat16, int8 (a scale per token "
+            "and KV head), float32 (exact against transformers); attention computes in float32 "
+            "whatever it stores"
+        },
     )
     max_num_seqs: int = field(default=64, metadata={"help": "sequences one step may run"})
     # One chunk of prefill per step is bounded by this; on two CPU cores 1,024 tokens take about
@@ -214,6 +229,7 @@ class EngineConfig:
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, low=1)
         check_float("kv_cache_gib", self.kv_cache_gib, low=0.0, low_open=True)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
         check_int("max_num_seqs", self.max_num_seqs, low=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
@@ -302,3 +318,7 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        name = AUTO_KV_CACHE_DTYPE if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return KV_CACHE_DTYPES[name]

@@ -79,8 +79,9 @@ def llm(loaded_model: LoadedModel) -> LLM:
 
 @pytest.fixture(scope="session")
 def float_llm(loaded_model: LoadedModel) -> LLM:
-    """The engine on weights dequantized to float32: token for token what transformers computes."""
-    return LLM(loaded_model, max_num_seqs=16, quantization="none")
+    """The engine on weights dequantized to float32 and a float32 KV cache: token for token what
+    transformers computes."""
+    return LLM(loaded_model, max_num_seqs=16, quantization="none", kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -67,7 +67,7 @@ def write_tiny_model(folder, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_model_folder_matches_transformers(tmp_path, family):
     reference = write_tiny_model(tmp_path, family)
-    llm = LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), kv_cache_dtype="float32")
     prompt = [(7 * i + 3) % VOCAB for i in range(13)]
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)

@@ -1,6 +1,7 @@
 """The native decode-attention kernel against the torch operations it replaces, and the
 properties the engine rests on: each row computed independently of the others, bit for bit."""
 
+import platform
 import subprocess
 
 import pytest
@@ -10,9 +11,20 @@ from etinfer.control.block_selection import DenseSelector
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.kv_cache import quantize_rows
 from etinfer.model.paged_attention import PagedAttention
 
-pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(
+    native_kernels.compiler() is None or not native_kernels.enabled(), reason="no C compiler"
+)
+KV_DTYPES = list(native_kernels.KV_KINDS)
+
+
+def test_the_kernels_build_where_a_compiler_is():
+    """A compiler that cannot build them (a source error) fails here, instead of every kernel
+    test skipping and the engine quietly taking its torch paths."""
+    assert native_kernels.available()
+
 
 HEADS, KV_HEADS, BLOCK, SLOTS_BLOCKS = 12, 4, 16, 96
 GROUP = HEADS // KV_HEADS
@@ -36,9 +48,17 @@ def case(lengths, dim=64, window=None, keep=None, seed=0):
     return q, keys, values, pattern, blocks
 
 
-def native(q, keys, values, pattern):
+def native(q, keys, values, pattern, *scales):
     return native_kernels.decode_attention(
-        q, keys, values, pattern.crow, pattern.cols, pattern.outside, GROUP, q.shape[1] ** -0.5
+        q,
+        keys,
+        values,
+        pattern.crow,
+        pattern.cols,
+        pattern.outside,
+        GROUP,
+        q.shape[1] ** -0.5,
+        *scales,
     )
 
 
@@ -85,6 +105,8 @@ BUILDS = {
     "native": ["-march=native"],
     "x86-64-v3": ["-march=x86-64-v3"],
     "x86-64-v3, Zen 3 tuning": ["-march=x86-64-v3", "-mtune=znver3"],
+    # Without F16C: float16 caches through the portable conversions.
+    "x86-64": ["-march=x86-64"],
 }
 
 
@@ -93,6 +115,8 @@ def build(request, monkeypatch):
     """The kernels as compiled for ``BUILDS[param]``, in place of the engine's build."""
     target = BUILDS[request.param]
     cpu = native_kernels.cpu_flags().split()
+    if "x86-64" in target[0] and "x86_64" not in platform.machine():
+        pytest.skip("not an x86-64 host")
     if "x86-64-v3" in target[0] and not {"avx2", "fma"} <= set(cpu):
         pytest.skip("this CPU cannot run code built for x86-64-v3")
     try:
@@ -131,16 +155,7 @@ def test_every_build_gives_a_row_the_same_bits_however_the_call_is_grouped(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            out, row_max, denominators, _ = native_kernels.decode_attention(
-                q[rows].flatten(0, 1),
-                keys,
-                values,
-                pattern.crow,
-                pattern.cols,
-                pattern.outside,
-                GROUP,
-                dim**-0.5,
-            )
+            out, row_max, denominators, _ = native(q[rows].flatten(0, 1), keys, values, pattern)
         finally:
             torch.set_num_threads(before)
         stats = torch.stack([row_max, denominators], -1)
@@ -270,3 +285,94 @@ def test_cache_write_equals_indexed_copies():
     with pytest.raises(IndexError, match="outside"):
         native_kernels.write_cache(cache[0], cache[1], keys, values, slots + 60)
     assert torch.equal(cache, expected)
+
+
+SPECIAL = [
+    0.0,
+    -0.0,
+    1.0,
+    -2.5,
+    65504.0,
+    65519.9,
+    65520.0,
+    1e6,
+    6e-8,
+    3e-8,
+    2.9e-8,
+    1e-5,
+    6.1e-5,
+    -7.3e-6,
+    1e-40,
+    float("inf"),
+    -float("inf"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_write_rounds_as_torch_does(build, dtype):
+    """Into a 16-bit cache, each float rounded to nearest even as ``Tensor.to`` rounds it, bit
+    for bit: normal values, halfway cases, subnormals, overflow to infinity; in every build (the
+    x86-64 one converts without F16C)."""
+    gen = torch.Generator().manual_seed(5)
+    dim, rows = 24, 40  # 24: a remainder past the vector loop
+    floats = torch.randn(rows, KV_HEADS, dim, generator=gen) * 10.0 ** torch.randint(
+        -9, 6, (rows, KV_HEADS, dim), generator=gen
+    )
+    floats.view(-1)[: len(SPECIAL)] = torch.tensor(SPECIAL)
+    halfway = torch.arange(1024, 1024 + 64, dtype=torch.int32) << 13 | 1 << 12  # ties in float16
+    floats.view(-1)[len(SPECIAL) : len(SPECIAL) + 64] = (halfway + (127 - 15 << 23)).view(
+        torch.float32
+    )
+    cache = torch.zeros(2, KV_HEADS, 64, dim, dtype=dtype)
+    slots = torch.randperm(64, generator=gen)[:rows]
+    assert native_kernels.write_cache(cache[0], cache[1], floats, -floats, slots)
+    expected = floats.transpose(0, 1).to(dtype)
+    for got, want in ((cache[0][:, slots], expected), (cache[1][:, slots], -expected)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan = torch.full((1, KV_HEADS, dim), float("nan"))
+    assert native_kernels.write_cache(cache[0], cache[1], nan, nan, slots[:1])
+    assert cache[0][:, slots[0]].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_over_a_16_bit_cache_is_decode_over_its_widened_values(build, dtype):
+    """The kernel widens each stored element exactly and then computes as for float32: the
+    same bits as the float32 kernel given the widened cache."""
+    q, keys, values, pattern, _ = case([37, 5, 200, 16], dim=64, keep=0.5)
+    keys, values = keys.to(dtype), values.to(dtype)
+    got = native(q, keys, values, pattern)
+    wide = native(q, keys.float(), values.float(), pattern)
+    for a, b in zip(got, wide, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="one dtype"):
+        native(q, keys, values.float(), pattern)
+
+
+def test_an_int8_cache_is_written_as_quantize_rows_writes_it_and_read_with_its_scales(build):
+    """The native write quantizes each (token, KV head) row exactly as the torch path does (the
+    same scale bits, the same integers, ties to even); decode over the int8 rows equals decode
+    over their dequantized values within float32 rounding."""
+    gen = torch.Generator().manual_seed(6)
+    dim, rows, slots = 64, 50, 96
+    floats = torch.randn(rows, KV_HEADS, dim, generator=gen) * torch.rand(rows, KV_HEADS, 1) * 9
+    floats[3, 1] = 0.0  # a zero row: scale 0, integers 0
+    floats[4, 0, :2] = torch.tensor([127.0, 0.5])  # 0.5 rounds to 0 (even), 127 stays
+    cache = torch.zeros(2, KV_HEADS, slots, dim, dtype=torch.int8)
+    scales = torch.zeros(2, KV_HEADS, slots)
+    where = torch.randperm(slots, generator=gen)[:rows]
+    assert native_kernels.write_cache(cache[0], cache[1], floats, -floats, where, *scales)
+    quantized, scale = quantize_rows(floats.transpose(0, 1))
+    assert torch.equal(cache[0][:, where], quantized) and torch.equal(scales[0][:, where], scale)
+    assert torch.equal(cache[1][:, where], -quantized) and torch.equal(scales[1][:, where], scale)
+    assert cache[0][1, where[3]].eq(0).all() and scales[0][1, where[3]] == 0
+    with pytest.raises(ValueError, match="scales"):
+        native_kernels.write_cache(cache[0], cache[1], floats, floats, where)
+
+    q, keys, values, pattern, _ = case([37, 5, 200, 16], dim=64, keep=0.5)
+    (key_ints, key_scales), (value_ints, value_scales) = map(quantize_rows, (keys, values))
+    got = native(q, key_ints, value_ints, pattern, key_scales, value_scales)
+    dequantized = (key_ints * key_scales[:, None], value_ints * value_scales[:, None])
+    expected = native(q, *dequantized, pattern)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="int8"):
+        native(q, key_ints, value_ints, pattern)

@@ -34,12 +34,15 @@ def reference(q, keys, values, window=None):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, HEADS * DIM)
 
 
-def scattered_cache(lengths, num_blocks=40, seed=0):
-    """A cache holding one random context per length, in shuffled blocks."""
+CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+
+
+def scattered_cache(lengths, num_blocks=40, seed=0, dtype=torch.float32):
+    """A cache in ``dtype`` holding one random context per length, in shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"))
-    cache.keys.normal_(generator=gen)
-    cache.values.normal_(generator=gen)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype)
+    keys, values = (torch.randn(cache.num_slots, KV_HEADS, DIM, generator=gen) for _ in "kv")
+    cache.write(0, torch.arange(cache.num_slots), None, keys, values)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for length in lengths:
@@ -49,8 +52,10 @@ def scattered_cache(lengths, num_blocks=40, seed=0):
 
 
 def context_of(cache, table, length):
+    """The context's keys and values as the cache holds them, in float32: [length, heads, dim]."""
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
-    return cache.keys[0][:, slots].transpose(0, 1), cache.values[0][:, slots].transpose(0, 1)
+    keys, values = cache.read(0, slots)
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 def decode(attention, cache, tables, lengths, q, window=None):
@@ -67,23 +72,22 @@ def decode(attention, cache, tables, lengths, q, window=None):
         ]
     )
     meta = AttentionMetadata(last, len(lengths), blocks, pattern, [])
-    return attention(
-        0,
-        q,
-        cache.keys[0][:, last].transpose(0, 1),
-        cache.values[0][:, last].transpose(0, 1),
-        cache,
-        meta,
-    )
+    keys, values = cache.read(0, last)
+    return attention(0, q, keys.transpose(0, 1), values.transpose(0, 1), cache, meta)
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_matches_dense_reference_for_mixed_lengths(window):
+def test_decode_matches_dense_reference_for_mixed_lengths(window, native, dtype):
+    """Over the values as the cache holds them, in the native kernel and in torch."""
     lengths = [1, 7, 16, 33]
-    cache, tables = scattered_cache(lengths)
+    cache, tables = scattered_cache(lengths, dtype=dtype)
     q = torch.randn(len(lengths), HEADS, DIM)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window)
+    attention.native &= native
     out = decode(
-        PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window),
+        attention,
         cache,
         tables,
         lengths,
@@ -165,14 +169,22 @@ def test_pattern_rows_list_each_heads_context_slots():
     assert pattern.crow.diff().tolist() == [8] * HEADS + [4] * HEADS
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(
     ("start", "length", "window"), [(0, 9, None), (6, 5, None), (6, 5, 4), (0, 9, 3)]
 )
-def test_prefill_chunk_after_a_cached_prefix(start, length, window):
+def test_prefill_chunk_after_a_cached_prefix(start, length, window, dtype):
+    """Over the cached prefix as stored, and over the chunk's own fresh keys as they will be
+    stored: a token's result is the same whether its context was cached or computed with it."""
     context = start + length
-    cache, (table,) = scattered_cache([context])
+    cache, (table,) = scattered_cache([context], dtype=dtype)
     q = torch.randn(length, HEADS, DIM)
     keys, values = context_of(cache, table, context)
+    if dtype != torch.float32:  # fresh keys the cache would round
+        keys, values = (
+            keys + 1e-3 * torch.randn_like(keys),
+            values + 1e-3 * torch.randn_like(values),
+        )
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)])
     chunk = PrefillChunk(
         0,
@@ -183,4 +195,5 @@ def test_prefill_chunk_after_a_cached_prefix(start, length, window):
     meta = AttentionMetadata(slots[start:], 0, None, None, [chunk])
     attention = PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window)
     out = attention(0, q, keys[start:], values[start:], cache, meta)
+    keys, values = context_of(cache, table, context)  # as the chunk's write left them
     torch.testing.assert_close(out, reference(q, keys, values, window), rtol=1e-5, atol=1e-5)

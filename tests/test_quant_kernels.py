@@ -117,7 +117,7 @@ def test_the_kernels_share_torchs_openmp_threads():
 def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(tmp_path, monkeypatch, caplog):
     """clang without libomp refuses -fopenmp: the kernels are built without it, said once, and
     give the same bits on one thread."""
-    real = native_kernels._compiler()
+    real = native_kernels.compiler()
     compiler = tmp_path / "cc"
     refuse = '[ "$a" = -fopenmp ] && { echo "no omp" >&2; exit 1; }'
     compiler.write_text(f'#!/bin/sh\nfor a in "$@"; do {refuse}; done\nexec {real} "$@"\n')

@@ -23,7 +23,14 @@ from etinfer.control.sparse_prefill import (
 )
 from etinfer.model.block_layout import PrefillPiece
 from etinfer.model.paged_attention import PagedAttention, PrefillChunk
-from tests.test_paged_attention import BLOCK, DIM, HEADS, KV_HEADS, scattered_cache
+from tests.test_paged_attention import (
+    BLOCK,
+    CACHE_DTYPES,
+    DIM,
+    HEADS,
+    KV_HEADS,
+    scattered_cache,
+)
 
 B0 = float(SparsePrefillConfig().base_budget)
 
@@ -143,11 +150,12 @@ def reference(q, keys, values, query_pos, visible):
     return out
 
 
-def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window():
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(dtype):
     length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
-    cache, (table,) = scattered_cache([length])
+    cache, (table,) = scattered_cache([length], dtype=dtype)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
-    keys, values = (c[0][:, slots].transpose(0, 1) for c in (cache.keys, cache.values))
+    keys, values = (c.transpose(0, 1) for c in cache.read(0, slots))
     q = torch.randn(length - start, HEADS, DIM)
     attention = PagedAttention(HEADS, KV_HEADS, DIM, selector=None)
     chunk = PrefillChunk(0, length - start, slots, None)
@@ -155,7 +163,7 @@ def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window():
     # the second attends densely.
     kept = [torch.tensor([0, 3]), torch.tensor([1])]
     pieces = [PrefillPiece(slice(0, 8), 32, kept, 24), PrefillPiece(slice(8, 16), 40)]
-    out = attention._sparse_prefill(q, cache.keys[0], cache.values[0], chunk, pieces, BLOCK)
+    out = attention._sparse_prefill(0, q, cache, chunk, pieces)
 
     query_pos, key_pos = torch.arange(start, length), torch.arange(length)
     causal = key_pos[None] <= query_pos[:, None]

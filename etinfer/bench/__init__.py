@@ -13,7 +13,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench.laws import pruning, sampling, scheduling_sim
     from etinfer.bench.seed_systems import longcontext, speculative, switching
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
-    from etinfer.bench.speed import kernels, quantization, speed
+    from etinfer.bench.speed import kernels, kv_cache, quantization, speed
     from etinfer.bench.stress import iss_check, stress
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -32,5 +32,6 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     iss_check.add_command(kinds)
     stress.add_command(kinds)
     quantization.add_command(kinds)
+    kv_cache.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)

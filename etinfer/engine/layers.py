@@ -76,6 +76,7 @@ class EngineLayers:
             block_size=config.block_size,
             device=device,
             dtype=config.torch_dtype(),
+            kv_cache_dtype=config.torch_kv_cache_dtype(),
             seed=config.seed,
             quantization=config.quantization,
             calibration_temperature=1.0 if calibration is None else calibration.temperature,

@@ -41,7 +41,7 @@ from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
-from etinfer.model.kv_cache import KVCache
+from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
@@ -63,7 +63,7 @@ class LLMEngine:
         if config.batch_invariant:
             check_batch_invariant_fits(config, loaded.config.num_heads, self.max_model_len)
         self.num_blocks = config.resolve_num_blocks(
-            loaded.config.kv_bytes_per_token(KVCache.dtype.itemsize)
+            kv_bytes_per_token(loaded.config, config.torch_kv_cache_dtype())
         )
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.validator = RequestValidator(

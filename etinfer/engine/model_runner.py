@@ -79,6 +79,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        kv_cache_dtype: torch.dtype = torch.float32,
         quantization: str = "auto",
         calibration_temperature: float = 1.0,
         stress: StressConfig | None = None,
@@ -127,6 +128,7 @@ class ModelRunner:
             config.num_kv_heads,
             config.head_dim,
             device,
+            kv_cache_dtype,
             summaries=selector.needs_summaries or prefill_selector is not None,
         )
         self.sampler = Sampler(

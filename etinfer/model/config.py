@@ -29,7 +29,3 @@ class ModelConfig:
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """KV cache bytes one token holds over all layers, keys and values."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

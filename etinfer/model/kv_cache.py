@@ -22,21 +22,48 @@ import torch
 
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import BlockSummaries
+from etinfer.model.config import ModelConfig
 
 # index_reduce is stable in the pinned torch; the notice would only confuse.
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., dim] in int8 with a float32 scale per row [...]: the row's largest magnitude
+    over 127, each element divided by it and rounded to nearest even (the native write's
+    arithmetic, operation for operation)."""
+    scale = x.abs().amax(-1) / 127.0
+    divisor = torch.where(scale > 0, scale, 1.0)
+    return torch.round(x / divisor[..., None]).to(torch.int8), scale
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Cache bytes one token holds over all layers, keys and values, in ``dtype`` (int8 with its
+    scales)."""
+    scale_bytes = 4 if dtype == torch.int8 else 0
+    return (
+        2
+        * config.num_layers
+        * config.num_kv_heads
+        * (config.head_dim * dtype.itemsize + scale_bytes)
+    )
+
+
 class KVCache:
     """Keys and values of every layer, paged in blocks of ``block_size`` slots.
 
-    Always float32, whatever the weights' dtype: attention runs in float32 (the CPU's sparse
-    kernels take no half types, and softmax over long contexts wants the precision). With
-    ``summaries`` it also keeps per block and KV head the key bounds and the last attention
-    mass, about 1/16 of the cache's size at a block size of 16.
+    Stored in ``dtype``: float32, float16, bfloat16, or int8 with a float32 scale per token and
+    KV head (``key_scales``, ``value_scales``: [layers, kv_heads, slots]), as llama.cpp's q8_0
+    cache and vLLM's fp8 one keep theirs. Computed with in float32 whatever the weights' dtype
+    (``compute_dtype``): softmax over long contexts wants the precision, and widening on load
+    costs nothing beside the bandwidth it saves. Attention reads every key and value as stored,
+    prefill's fresh ones too (``as_stored``), so a token's result does not depend on whether its
+    context came from this step or the cache. With ``summaries`` it also keeps per block and KV
+    head the key bounds (of the stored keys) and the last attention mass, in float32, about 1/16
+    of a float32 cache at a block size of 16.
     """
 
-    dtype = torch.float32
+    compute_dtype = torch.float32
 
     def __init__(
         self,
@@ -46,24 +73,71 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
         summaries: bool = False,
     ) -> None:
+        if dtype not in native_kernels.KV_KINDS:
+            raise ValueError(f"a KV cache of {dtype}: it stores {list(native_kernels.KV_KINDS)}")
+        self.dtype = dtype
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         # On the CPU, torch.empty leaves pages untouched until written: unused slots cost nothing.
         self.keys = torch.empty(shape, device=device, dtype=self.dtype)
         self.values = torch.empty(shape, device=device, dtype=self.dtype)
+        self.key_scales = self.value_scales = None
+        if dtype == torch.int8:
+            self.key_scales = torch.empty(shape[:3], device=device, dtype=self.compute_dtype)
+            self.value_scales = torch.empty(shape[:3], device=device, dtype=self.compute_dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.native = device.type == "cpu" and native_kernels.available()
         self.key_bounds = self.mass = self.value_sums = None
         if summaries:
-            per_block = (num_layers, num_kv_heads, num_blocks)
+            per_block, summary_dtype = (num_layers, num_kv_heads, num_blocks), self.compute_dtype
             self.key_bounds = torch.empty(
-                (*per_block, 2, head_dim), device=device, dtype=self.dtype
+                (*per_block, 2, head_dim), device=device, dtype=summary_dtype
             )
-            self.mass = torch.empty(per_block, device=device, dtype=self.dtype)
-            self.value_sums = torch.empty((*per_block, head_dim), device=device, dtype=self.dtype)
+            self.mass = torch.empty(per_block, device=device, dtype=summary_dtype)
+            self.value_sums = torch.empty(
+                (*per_block, head_dim), device=device, dtype=summary_dtype
+            )
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., head_dim] (float32) as the cache would store it, in float32."""
+        if self.dtype == torch.int8:
+            quantized, scale = quantize_rows(x)
+            return quantized.to(x.dtype) * scale[..., None]
+        return x if self.dtype == x.dtype else x.to(self.dtype).to(x.dtype)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's key and value scales, a row each [kv_heads * slots] (None unless int8)."""
+        if self.key_scales is None:
+            return None, None
+        return self.key_scales[layer].view(-1), self.value_scales[layer].view(-1)
+
+    def read(
+        self, layer: int, slots: torch.Tensor, heads: slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` (any shape), in float32: [kv_heads, *slots.shape, dim]."""
+        flat = slots.reshape(-1)
+        keys = self.keys[layer, heads].index_select(1, flat).to(self.compute_dtype)
+        values = self.values[layer, heads].index_select(1, flat).to(self.compute_dtype)
+        if self.key_scales is not None:
+            keys *= self.key_scales[layer, heads].index_select(1, flat)[..., None]
+            values *= self.value_scales[layer, heads].index_select(1, flat)[..., None]
+        shape = (keys.shape[0], *slots.shape, keys.shape[-1])
+        return keys.view(shape), values.view(shape)
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at cache rows ``kv_head * num_slots + slot`` (decode's pattern
+        columns), in float32: [len(rows), dim]."""
+        keys = self.keys[layer].flatten(0, 1).index_select(0, rows).to(self.compute_dtype)
+        values = self.values[layer].flatten(0, 1).index_select(0, rows).to(self.compute_dtype)
+        key_scales, value_scales = self.scales(layer)
+        if key_scales is not None:
+            keys *= key_scales.index_select(0, rows)[:, None]
+            values *= value_scales.index_select(0, rows)[:, None]
+        return keys, values
 
     def summaries(self, layer: int) -> BlockSummaries | None:
         if self.key_bounds is None:
@@ -81,20 +155,32 @@ class KVCache:
         if fresh_blocks is not None and fresh_blocks.numel():
             # Decode reads a kept block whole and gives its slots past the context zero weight;
             # zero times a NaN left in reused memory is NaN, so a block's values start at zero.
-            blocks = self.values[layer].view(
-                self.values.shape[1], self.num_blocks, self.block_size, -1
-            )
-            blocks.index_fill_(1, fresh_blocks, 0.0)
+            per_block = (self.values.shape[1], self.num_blocks, self.block_size)
+            self.values[layer].view(*per_block, -1).index_fill_(1, fresh_blocks, 0)
+            if self.value_scales is not None:
+                self.value_scales[layer].view(per_block).index_fill_(1, fresh_blocks, 0.0)
         key_cache, value_cache = self.keys[layer], self.values[layer]
+        key_scales = value_scales = None
+        if self.key_scales is not None:
+            key_scales, value_scales = self.key_scales[layer], self.value_scales[layer]
         native = self.native and native_kernels.write_cache(
-            key_cache, value_cache, keys, values, slots
+            key_cache, value_cache, keys, values, slots, key_scales, value_scales
         )
         if not native:
-            key_cache.index_copy_(1, slots, keys.transpose(0, 1))
-            value_cache.index_copy_(1, slots, values.transpose(0, 1))
+            for cache, rows, row_scales in (
+                (key_cache, keys, key_scales),
+                (value_cache, values, value_scales),
+            ):
+                rows = rows.transpose(0, 1)
+                if row_scales is None:
+                    cache.index_copy_(1, slots, rows.to(self.dtype))
+                else:
+                    quantized, scale = quantize_rows(rows)
+                    cache.index_copy_(1, slots, quantized)
+                    row_scales.index_copy_(1, slots, scale)
         if self.key_bounds is None:
             return
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        keys, values = self.as_stored(keys).transpose(0, 1), self.as_stored(values).transpose(0, 1)
         key_max, key_min = self.key_bounds[layer].unbind(2)
         if fresh_blocks is not None and fresh_blocks.numel():
             # A block's first token starts its bounds afresh; its mass is unknown until it is

@@ -39,6 +39,9 @@ _OPENMP = ["-fopenmp"]
 # a few microseconds, so even batch 1 (about 3K entries a layer at 300 tokens) gains: 1.1 ms
 # against 1.5 for a step's 30 calls, held to AVX2.
 _ENTRIES_PER_THREAD = 1024
+# The element types of a KV cache the kernels read and write, by their number in kernels.c (int8
+# with a float32 scale per row).
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 
 def cpu_flags() -> str:
@@ -51,7 +54,8 @@ def cpu_flags() -> str:
     return ""
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C compiler the kernels are built with (``CC`` first), if any."""
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and which(c)), None)
 
 
@@ -67,13 +71,13 @@ def build_library(sources: list[Path], target: list[str]) -> Path:
     once: the name carries a hash of the sources, the flags, the compiler and the CPU's flags),
     with OpenMP where the compiler has it. Raises NoCompiler, or CalledProcessError when the
     build fails."""
-    compiler = _compiler()
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         raise NoCompiler("no C compiler found")
     try:
-        return _build(compiler, sources, [*_FLAGS, *_OPENMP, *target])
+        return _build(cc, sources, [*_FLAGS, *_OPENMP, *target])
     except subprocess.CalledProcessError as error:
-        library = _build(compiler, sources, [*_FLAGS, *target])
+        library = _build(cc, sources, [*_FLAGS, *target])
         said = (error.stderr or "").strip().splitlines()
         logger.warning("native kernels built without OpenMP, on one thread: %s", said[-1:])
         return library
@@ -121,8 +125,9 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     function = library.decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
+    function.argtypes += [ctypes.c_int, pointer, pointer]
     function.restype = ctypes.c_int
-    library.write_cache.argtypes = [pointer] * 5 + [i64] * 6
+    library.write_cache.argtypes = [pointer] * 5 + [i64] * 6 + [ctypes.c_int, pointer, pointer]
     library.write_cache.restype = ctypes.c_int
     library.residual_rms_norm.argtypes = [pointer, pointer, ctypes.c_int, pointer, i64, i64]
     library.residual_rms_norm.argtypes += [ctypes.c_float, pointer, pointer, ctypes.c_int]
@@ -130,9 +135,14 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     return library
 
 
+def enabled() -> bool:
+    """False where the user turned the kernels off (``ETINFER_NATIVE=0``)."""
+    return os.environ.get("ETINFER_NATIVE", "1") != "0"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("ETINFER_NATIVE", "1") == "0":
+    if not enabled():
         return None
     try:
         return compiled(target())
@@ -187,16 +197,24 @@ def residual_rms_norm(
 
 
 def write_cache(
-    key_cache: torch.Tensor,  # [kv_heads, slots, dim] float32, contiguous
+    key_cache: torch.Tensor,  # [kv_heads, slots, dim] of a KV_KINDS dtype, contiguous
     value_cache: torch.Tensor,
     keys: torch.Tensor,  # [rows, kv_heads, dim] float32, heads contiguous within a row
     values: torch.Tensor,
     slots: torch.Tensor,  # [rows] int64
+    key_scales: torch.Tensor | None = None,  # [kv_heads, slots] float32, for an int8 cache
+    value_scales: torch.Tensor | None = None,
 ) -> bool:
-    """Copy each row's keys and values into its slot; False (nothing written) where the
-    tensors are not laid out as the kernel reads them."""
+    """Each row's keys and values into its slot, converted to the cache's dtype (rounded to
+    nearest even, as ``Tensor.to`` does; int8 with a scale a row, as ``kv_cache.quantize_rows``
+    computes it); False (nothing written) where the tensors are not laid out as the kernel reads
+    them."""
     library = _library()
     kv_heads, num_slots, dim = key_cache.shape
+    if key_cache.dtype not in KV_KINDS or value_cache.dtype != key_cache.dtype:
+        return False
+    if (key_cache.dtype == torch.int8) != (key_scales is not None and value_scales is not None):
+        raise ValueError("an int8 cache is written with its scales, and only an int8 cache")
     for rows in (keys, values):
         if rows.shape != (slots.shape[0], kv_heads, dim) or rows.dtype != torch.float32:
             return False
@@ -216,6 +234,9 @@ def write_cache(
         dim,
         keys.stride(0),
         values.stride(0),
+        KV_KINDS[key_cache.dtype],
+        None if key_scales is None else key_scales.data_ptr(),
+        None if value_scales is None else value_scales.data_ptr(),
     )
     if status != 0:
         raise IndexError(f"a cache slot outside [0, {num_slots}) in {slots.tolist()}")
@@ -224,13 +245,15 @@ def write_cache(
 
 def decode_attention(
     q: torch.Tensor,  # [rows, dim] float32
-    keys: torch.Tensor,  # [cache rows, dim] float32
+    keys: torch.Tensor,  # [cache rows, dim] of a KV_KINDS dtype
     values: torch.Tensor,
     crow: torch.Tensor,  # [rows + 1] int32
     cols: torch.Tensor,  # [nnz] int32
     outside: torch.Tensor,  # [nnz] uint8, 1 where the entry is outside the context
     group: int,  # consecutive rows that read the same entries (query heads of one KV head)
     scale: float,
+    key_scales: torch.Tensor | None = None,  # [cache rows] float32, for an int8 cache
+    value_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention of each query row over its pattern's cache rows: the output [rows, dim],
     each row's largest score and softmax denominator, and each entry's ``exp(score - max)``."""
@@ -245,6 +268,16 @@ def decode_attention(
         )
     if keys.shape[1] != dim:
         raise ValueError(f"decode attention: keys and values must be [cache rows, {dim}]")
+    if keys.dtype not in KV_KINDS or values.dtype != keys.dtype:
+        raise ValueError(
+            f"decode attention: keys and values of one dtype among {list(KV_KINDS)}, got "
+            f"{keys.dtype} and {values.dtype}"
+        )
+    scaled = key_scales is not None and value_scales is not None
+    if (keys.dtype == torch.int8) != scaled or (
+        scaled and not key_scales.shape == value_scales.shape == keys.shape[:1]
+    ):
+        raise ValueError("decode attention: an int8 cache comes with a scale a row, only it")
     q = q.contiguous()
     out = torch.empty_like(q)
     stats = torch.empty(2, rows, dtype=torch.float32)
@@ -268,6 +301,9 @@ def decode_attention(
         stats[1].data_ptr(),
         weights.data_ptr(),
         threads,
+        KV_KINDS[keys.dtype],
+        None if key_scales is None else key_scales.data_ptr(),
+        None if value_scales is None else value_scales.data_ptr(),
     )
     if status == -2:
         raise IndexError(

@@ -16,6 +16,7 @@ chunk, and gathering the chunk's cached prefix once is cheap beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -118,8 +119,9 @@ class PagedAttention:
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if q.dtype != cache.dtype:  # a call per tensor even when it is a no-op: 30 layers add up
-            q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+        if q.dtype != cache.compute_dtype:  # a call per tensor even when a no-op: 30 layers add up
+            dtype = cache.compute_dtype
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if meta.capture_rows is not None:
             meta.captured[layer] = q[meta.capture_rows]
         cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
@@ -128,7 +130,6 @@ class PagedAttention:
         out = torch.empty_like(q)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(layer, q[: meta.num_decode], cache, meta)
-        key_cache, value_cache = cache.keys[layer], cache.values[layer]
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             pieces = None
@@ -137,11 +138,9 @@ class PagedAttention:
                     layer, q[rows], chunk.sparse, cache.summaries(layer)
                 )
             if pieces is None:
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
+                out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], cache, chunk)
             else:
-                out[rows] = self._sparse_prefill(
-                    q[rows], key_cache, value_cache, chunk, pieces, cache.block_size
-                )
+                out[rows] = self._sparse_prefill(layer, q[rows], cache, chunk, pieces)
         return out.flatten(1)
 
     def _decode(
@@ -161,15 +160,30 @@ class PagedAttention:
                 self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
+        q = q.reshape(rows, self.head_dim)
         keys = cache.keys[layer].view(-1, self.head_dim)  # row kv_head * num_slots + slot
         values = cache.values[layer].view(-1, self.head_dim)
-        q = q.reshape(rows, self.head_dim)
         if self.native and q.device.type == "cpu":
             out, row_max, denominators, weights = native_kernels.decode_attention(
-                q, keys, values, pattern.crow, pattern.cols, pattern.outside, group, self.scale
+                q,
+                keys,
+                values,
+                pattern.crow,
+                pattern.cols,
+                pattern.outside,
+                group,
+                self.scale,
+                *cache.scales(layer),
             )
-        else:
+        elif cache.dtype == cache.compute_dtype:
             out, row_max, denominators, weights = self._decode_torch(q, keys, values, pattern)
+        else:
+            # The pattern's rows widened once, in entry order (the CPU's sparse kernels take no
+            # half or int8 types); the entries then read those rows one to one.
+            keys, values = cache.read_rows(layer, pattern.cols)
+            cols = torch.arange(pattern.nnz, dtype=pattern.cols.dtype, device=q.device)
+            gathered = dataclasses.replace(pattern, cols=cols)
+            out, row_max, denominators, weights = self._decode_torch(q, keys, values, gathered)
         if meta.telemetry is not None:
             self._record(layer, selection, visible, row_max, denominators, meta.telemetry)
         if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
@@ -180,7 +194,7 @@ class PagedAttention:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the native kernel computes, in torch operations (off the CPU, or without a C
-        compiler)."""
+        compiler), over float32 cache rows."""
         structure = torch.sparse_csr_tensor(
             pattern.crow,
             pattern.cols,
@@ -243,18 +257,17 @@ class PagedAttention:
 
     def _prefill(
         self,
+        layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        cache: KVCache,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
-        if chunk.context_slots is None:
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if chunk.context_slots is None:  # the chunk's own keys, as the cache holds them
+            k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
         else:
-            k = key_cache.index_select(1, chunk.context_slots)
-            v = value_cache.index_select(1, chunk.context_slots)
+            k, v = cache.read(layer, chunk.context_slots)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.unsqueeze(0),
@@ -268,18 +281,17 @@ class PagedAttention:
 
     def _sparse_prefill(
         self,
+        layer: int,
         q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        cache: KVCache,
         chunk: PrefillChunk,
         pieces: list[PrefillPiece],
-        block_size: int,
     ) -> torch.Tensor:
         """Each piece of the chunk over its own keys: densely, or per KV head over the kept
         blocks and the local window (each head its own call: the kept sets differ in size, and
         padding them to one would compute the padding)."""
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
+        group, block_size = self.num_heads // self.num_kv_heads, cache.block_size
         block = torch.arange(block_size, device=q.device)
         for piece in pieces:
             end = piece.end
@@ -287,7 +299,7 @@ class PagedAttention:
             if piece.kept is None:
                 keys = torch.arange(end, device=q.device)
                 out[piece.rows] = self._attend(
-                    q[piece.rows], keys, query_pos, key_cache, value_cache, chunk, slice(None)
+                    layer, q[piece.rows], keys, query_pos, cache, chunk, slice(None)
                 )
                 continue
             local = torch.arange(piece.local_start, end, device=q.device)
@@ -295,11 +307,11 @@ class PagedAttention:
                 keys = torch.cat([(kept[:, None] * block_size + block).flatten(), local])
                 heads = slice(head * group, (head + 1) * group)
                 out[piece.rows, heads] = self._attend(
+                    layer,
                     q[piece.rows, heads],
                     keys,
                     query_pos,
-                    key_cache,
-                    value_cache,
+                    cache,
                     chunk,
                     slice(head, head + 1),
                 )
@@ -307,18 +319,16 @@ class PagedAttention:
 
     def _attend(
         self,
+        layer: int,
         q: torch.Tensor,  # [rows, heads, head_dim]
         key_pos: torch.Tensor,
         query_pos: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        cache: KVCache,
         chunk: PrefillChunk,
         kv_heads: slice,
     ) -> torch.Tensor:
         """Attention of queries at ``query_pos`` over the keys at ``key_pos`` (causally)."""
-        slots = chunk.context_slots[key_pos]
-        k = key_cache[kv_heads].index_select(1, slots)
-        v = value_cache[kv_heads].index_select(1, slots)
+        k, v = cache.read(layer, chunk.context_slots[key_pos], kv_heads)
         mask = key_pos[None, :] <= query_pos[:, None]
         if self.sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window

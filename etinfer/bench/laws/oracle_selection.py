@@ -29,7 +29,7 @@ class OracleSelector(EntropicSelector):
         kv_heads = self.cache.keys.shape[1]
         width = tables.shape[1]
         slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(seqs, -1)
-        keys = self.cache.keys[layer][:, slots]  # [kv_heads, seqs, width * bs, dim]
+        keys = self.cache.read(layer, slots)[0]  # [kv_heads, seqs, width * bs, dim]
         q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
         logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
         inside = torch.arange(width * bs, device=tables.device) < blocks.context_lens[:, None]

@@ -144,8 +144,7 @@ class KVCompressor:
         new_slots = new_table[kept_index // bs] * bs + kept_index % bs
         query_pos = torch.arange(voters.start, voters.stop, device=device)[voted]
         for layer in range(len(cache.keys)):
-            keys = cache.keys[layer].index_select(1, slots)  # [kv_heads, context, dim]
-            values = cache.values[layer].index_select(1, slots)
+            keys, values = cache.read(layer, slots)  # [kv_heads, context, dim] float32
             attention = observed_attention(queries[layer], query_pos, keys, self.scale)
             kept = kept_positions(attention, keys, self.config)
             kept = kept[..., None].expand(-1, -1, self.head_dim)

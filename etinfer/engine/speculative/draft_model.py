@@ -64,6 +64,7 @@ class DraftModelProposer:
             block_size=engine.block_size,
             device=engine.torch_device(),
             dtype=engine.torch_dtype(),
+            kv_cache_dtype=engine.torch_kv_cache_dtype(),
             seed=engine.seed,
             quantization=engine.quantization,
             batch_invariant=engine.batch_invariant,
