@@ -65,7 +65,7 @@ def test_the_torch_path_reads_the_cache_as_the_native_kernel_does(make_llm, name
     for a, b in zip(native, torch_path, strict=True):
         assert a.token_ids == b.token_ids
         token = a.token_ids[1]  # the first decode step's
-        assert a.logprobs[1][token].logprob == pytest.approx(b.logprobs[1][token].logprob, abs=1e-4)
+        assert a.logprobs[1][token].logprob == pytest.approx(b.logprobs[1][token].logprob, abs=5e-4)
 
 
 def test_pruning_and_prefix_caching_run_on_an_int8_cache(make_llm):

@@ -4,6 +4,7 @@ the others still in their blocks), tokenizer."""
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,9 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, np.memmap]:
+    """The file's configuration, weights and tokenizer, and its memory mapping: the weights in
+    blocks are read-only views of it (the OS pages them in as they are read)."""
     try:
         reader = _CheckedReader(path)
     except ValueError as error:
@@ -87,7 +90,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             weights[name] = _unpermute_rotary_rows(tensor, heads)
-    return config, weights, tokenizer
+    return config, weights, tokenizer, reader.data
 
 
 def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: bool) -> ModelConfig:
@@ -131,12 +134,16 @@ def _hf_name(name: str, path: Path) -> str:
 
 
 def _tensor(t) -> Weight:
-    # GGUF lists dimensions fastest-first, so [in, out] there is row-major [out, in] here. The
-    # reader's arrays are read-only views of the memory-mapped file; they are copied.
+    # GGUF lists dimensions fastest-first, so [in, out] there is row-major [out, in] here. Float
+    # tensors are copied (as float32); blocks stay read-only views of the memory-mapped file,
+    # which nothing writes to (an engine prepares its own copy when it changes their layout):
+    # one copy of the weights in memory, not two.
     shape = tuple(reversed(t.shape.tolist()))
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return torch.from_numpy(np.array(t.data, np.float32).reshape(shape))
-    data = torch.from_numpy(np.array(t.data, np.uint8).reshape(shape[0], -1))
+    with warnings.catch_warnings():  # torch's notice that the view is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.asarray(t.data, np.uint8).reshape(shape[0], -1))
     return GGUFBlocks(t.tensor_type, data, shape[-1])
 
 

@@ -176,6 +176,7 @@ def prepared(
     if found is None:
         found = LlamaWeights(model.config, model.weights, quantization, device, dtype)
         model.prepared[key] = found
+        model.release_file_pages()
     for note in found.notes:  # told for every engine that runs them so
         logger.warning(note)
     return found

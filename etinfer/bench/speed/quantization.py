@@ -118,7 +118,8 @@ def fidelity_windows(llm: LLM, fidelity_tokens: int) -> list[list[int]]:
 
 
 def float_llm() -> LLM:
-    return LLM(quantization="none", num_kvcache_blocks=64)
+    """The float32 path: weights dequantized at load, a float32 KV cache."""
+    return LLM(quantization="none", kv_cache_dtype="float32", num_kvcache_blocks=64)
 
 
 def against_float(
