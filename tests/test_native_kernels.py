@@ -123,7 +123,7 @@ def build(request, monkeypatch):
         library = native_kernels.compiled(target)
     except subprocess.CalledProcessError as error:  # a compiler that does not know the target
         pytest.skip(f"{' '.join(target)} not built: {error.stderr.strip()[:200]}")
-    monkeypatch.setattr(native_kernels, "_library", lambda: library)
+    monkeypatch.setattr(native_kernels, "library", lambda: library)
     return request.param
 
 
@@ -217,13 +217,13 @@ def test_entries_outside_the_cache_are_refused_before_any_read():
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ETINFER_NATIVE", "0")
-    native_kernels._library.cache_clear()
+    native_kernels.library.cache_clear()
     try:
         assert not native_kernels.available()
         assert not PagedAttention(HEADS, KV_HEADS, 64, DenseSelector()).native
     finally:
         monkeypatch.delenv("ETINFER_NATIVE")
-        native_kernels._library.cache_clear()
+        native_kernels.library.cache_clear()
     assert native_kernels.available()
 
 

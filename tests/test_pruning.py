@@ -21,7 +21,8 @@ from etinfer.control.block_selection import (
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.paged_attention import AttentionMetadata, PagedAttention, PruningTelemetry
+from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
+from etinfer.model.pruning_telemetry import PruningTelemetry
 from tests.conftest import rows_read
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -264,7 +265,7 @@ def test_dropped_mass_bound_holds_and_certifies():
     config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
     attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
     visible = visible_blocks(blocks, KV_HEADS)
-    telemetry = PruningTelemetry.empty(1, blocks, visible)
+    telemetry = PruningTelemetry.empty(1, blocks, visible, DIM**-0.5)
     meta = AttentionMetadata(last, 2, blocks, dense, [], None, telemetry)
     attention(0, query, keys, values, cache, meta)
     mask = attention.selector.select(0, query, blocks, cache.summaries(0)).mask

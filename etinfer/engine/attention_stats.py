@@ -9,7 +9,7 @@ import torch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.engine.step_sampling import Emitted
-from etinfer.model.paged_attention import PruningTelemetry
+from etinfer.model.pruning_telemetry import PruningTelemetry
 
 
 @dataclass

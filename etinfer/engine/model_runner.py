@@ -17,7 +17,7 @@ from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import AttentionSelector, DecodeBlocks, PrefillContext
-from etinfer.model.decode_pattern import DecodePattern, build_decode_pattern, visible_blocks
+from etinfer.model.decode_pattern import DecodePattern, decode_pattern
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
@@ -222,9 +222,12 @@ class ModelRunner:
         """Rows that attend as decode rows: each to its ``context_lens`` first cache entries
         through its row of ``tables``. Their layout, visible blocks and dense pattern."""
         blocks = DecodeBlocks(tables.to(self.device), context_lens.to(self.device), self.block_size)
-        visible = visible_blocks(blocks, self.config.num_kv_heads, None, self.sliding_window)
-        pattern = build_decode_pattern(
-            blocks, visible, self.config.queries_per_kv, self.cache.num_slots, self.sliding_window
+        visible, pattern = decode_pattern(
+            blocks,
+            self.config.num_kv_heads,
+            self.config.queries_per_kv,
+            self.cache.num_slots,
+            sliding_window=self.sliding_window,
         )
         return blocks, visible, pattern
 
@@ -271,7 +274,9 @@ class ModelRunner:
             if budgets is not None:
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
-                telemetry = PruningTelemetry.empty(self.config.num_layers, decode_blocks, visible)
+                telemetry = PruningTelemetry.empty(
+                    self.config.num_layers, decode_blocks, visible, self.attention.scale
+                )
         prefills = []
         for i in range(num_decode, len(seqs)):
             start, n = starts[i], counts[i]

@@ -8,7 +8,7 @@ hook it calls; the control layer (``etinfer.control.block_selection``) implement
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -26,6 +26,10 @@ class DecodeBlocks:
     # the host so that a selector's top-k needs no device sync.
     budgets: torch.Tensor | None = None
     max_budget: int = 0
+    # What a selector derives from the layout alone, once a step for all its layers (keyed by the
+    # selector): at batch 1 a layer's selection is a few dozen small operations, each a few
+    # microseconds, and the layout does not change within the step.
+    derived: dict[tuple, object] = field(default_factory=dict, repr=False)
 
     # Derived once a step (the layout does not change within it), though every layer reads them.
     @cached_property

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from etinfer.model import block_kernels
 from etinfer.model.block_layout import DecodeBlocks
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class DecodePattern:
     """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern.
 
-    Every kept block is read whole; ``masked`` lists the entries outside the context (past the
+    Every kept block is read whole; ``outside`` flags the entries outside the context (past the
     current token in the last block, before the window in the first), whose scores are set to
     -inf. They are few (under two blocks' worth per row), and reading them costs less than
     making every row's length exact: that needs a compaction over all entries.
@@ -32,11 +33,15 @@ class DecodePattern:
 
     crow: torch.Tensor  # [rows + 1] int32
     cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
-    masked: torch.Tensor  # [few] entries outside the context
-    outside: torch.Tensor  # [nnz] uint8, 1 at the entries of ``masked`` (the native kernel's form)
+    outside: torch.Tensor  # [nnz] uint8, 1 at the entries outside the context
 
     # Built when first asked for (the torch path and the mass scorer ask): the native kernel
-    # needs neither, and a prefill chunk's pattern has tens of millions of entries.
+    # needs none, and a prefill chunk's pattern has tens of millions of entries.
+    @cached_property
+    def masked(self) -> torch.Tensor:
+        """[few] the entries outside the context, as indices (the torch path's form)."""
+        return self.outside.nonzero().flatten()
+
     @cached_property
     def row_ids(self) -> torch.Tensor:
         """[nnz] the row of each entry, to subtract its row's max."""
@@ -51,6 +56,35 @@ class DecodePattern:
     @property
     def nnz(self) -> int:
         return self.cols.numel()
+
+
+def decode_pattern(
+    blocks: DecodeBlocks,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    num_slots: int,
+    block_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, DecodePattern]:
+    """The blocks each (sequence, KV head) reads (``visible_blocks``) and the pattern of their
+    cache rows (``build_decode_pattern``): in one native call where the kernels run (a pruned
+    layer at 8K tokens built it in some thirty torch operations, 0.5 ms at batch 8), else as
+    torch operations, with the same bits."""
+    native = block_kernels.decode_pattern(
+        blocks.block_tables,
+        blocks.context_lens,
+        blocks.block_size,
+        num_kv_heads,
+        queries_per_kv,
+        num_slots // blocks.block_size,
+        block_mask,
+        sliding_window,
+    )
+    if native is not None:
+        visible, crow, cols, outside = native
+        return visible, DecodePattern(crow, cols, outside)
+    visible = visible_blocks(blocks, num_kv_heads, block_mask, sliding_window)
+    return visible, build_decode_pattern(blocks, visible, queries_per_kv, num_slots, sliding_window)
 
 
 def visible_blocks(
@@ -127,7 +161,7 @@ def build_decode_pattern(
     outside = (offsets >= end[cut, None]) | (offsets < skip[cut, None])
     masked = (cut[:, None] * bs + offsets)[outside]
     flags = torch.zeros(cols.numel(), dtype=torch.uint8, device=device).index_fill_(0, masked, 1)
-    return DecodePattern(crow, cols, masked, flags)
+    return DecodePattern(crow, cols, flags)
 
 
 def check_batch_invariant_fits(config: EngineConfig, num_heads: int, max_model_len: int) -> None:

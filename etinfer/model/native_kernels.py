@@ -1,5 +1,6 @@
-"""Kernels in C (``native/kernels.c``), compiled for this machine on first use and called
-through ctypes: decode attention, the cache write, the residual add with an RMS norm.
+"""Kernels in C (``native/kernels.c``, ``native/block_sparse.c``), compiled for this machine on
+first use and called through ctypes: decode attention, the cache write, the residual add with an
+RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py`` calls those).
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
@@ -28,7 +29,7 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_SOURCES = [Path(__file__).parent / "native" / "kernels.c"]
+_SOURCES = [Path(__file__).parent / "native" / name for name in ("kernels.c", "block_sparse.c")]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
 # one the library links), where threads started by the library fought torch's spinning ones. A
@@ -132,6 +133,12 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.residual_rms_norm.argtypes = [pointer, pointer, ctypes.c_int, pointer, i64, i64]
     library.residual_rms_norm.argtypes += [ctypes.c_float, pointer, pointer, ctypes.c_int]
     library.residual_rms_norm.restype = None
+    library.decode_pattern.argtypes = [pointer] * 3 + [i64] * 7 + [pointer] * 4 + [i64]
+    library.decode_pattern.restype = i64
+    library.key_bound_scores.argtypes = [pointer] * 3 + [i64] * 6 + [pointer, i64]
+    library.key_bound_scores.restype = ctypes.c_int
+    library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
+    library.keep_largest.restype = None
     return library
 
 
@@ -141,7 +148,8 @@ def enabled() -> bool:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
+    """The engine's build of the kernels, or None where they are off or cannot be built."""
     if not enabled():
         return None
     try:
@@ -155,7 +163,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def takes(head_dim: int, group: int) -> bool:
@@ -173,15 +181,15 @@ def residual_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x + residual`` (float32) and its RMS norm times ``weight`` in ``out_dtype`` (bfloat16
     or float32), in one pass."""
-    library = _library()
-    assert library is not None, "check available() first"
+    native = library()
+    assert native is not None, "check available() first"
     rows, hidden = x.shape
     # Held in names until the call returns: a temporary's memory could be reused before it.
     x, weight = x.contiguous(), weight.contiguous()
     residual = None if residual is None else residual.contiguous()
     out = x if residual is None else torch.empty_like(x)
     h = torch.empty(rows, hidden, dtype=out_dtype)
-    library.residual_rms_norm(
+    native.residual_rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         residual is not None and residual.dtype == torch.float32,
@@ -209,7 +217,7 @@ def write_cache(
     nearest even, as ``Tensor.to`` does; int8 with a scale a row, as ``kv_cache.quantize_rows``
     computes it); False (nothing written) where the tensors are not laid out as the kernel reads
     them."""
-    library = _library()
+    native = library()
     kv_heads, num_slots, dim = key_cache.shape
     if key_cache.dtype not in KV_KINDS or value_cache.dtype != key_cache.dtype:
         return False
@@ -220,9 +228,9 @@ def write_cache(
             return False
         if rows.stride()[1:] != (dim, 1):
             return False
-    if library is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+    if native is None or slots.dtype != torch.int64 or not slots.is_contiguous():
         return False
-    status = library.write_cache(
+    status = native.write_cache(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         keys.data_ptr(),
@@ -257,8 +265,8 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention of each query row over its pattern's cache rows: the output [rows, dim],
     each row's largest score and softmax denominator, and each entry's ``exp(score - max)``."""
-    library = _library()
-    assert library is not None, "check available() first"
+    native = library()
+    assert native is not None, "check available() first"
     rows, dim = q.shape
     # The buffers' sizes, which the C side cannot see (it checks the pattern's values); the
     # dtypes and layouts are the caller's (paged attention's cache and pattern always match).
@@ -283,7 +291,7 @@ def decode_attention(
     stats = torch.empty(2, rows, dtype=torch.float32)
     weights = torch.empty(cols.shape[0], dtype=torch.float32)
     threads = min(torch.get_num_threads(), 1 + cols.shape[0] // _ENTRIES_PER_THREAD)
-    status = library.decode_attention(
+    status = native.decode_attention(
         q.data_ptr(),
         keys.data_ptr(),
         values.data_ptr(),

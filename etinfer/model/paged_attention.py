@@ -31,8 +31,9 @@ from etinfer.model.block_layout import (
     PrefillPiece,
     PrefillSelector,
 )
-from etinfer.model.decode_pattern import DecodePattern, build_decode_pattern, visible_blocks
+from etinfer.model.decode_pattern import DecodePattern, decode_pattern
 from etinfer.model.kv_cache import KVCache
+from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
 
 # The CSR kernels are stable in the pinned torch; the notice would only confuse.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
@@ -49,26 +50,6 @@ class PrefillChunk:
     # What a prefill selector needs to narrow the chunk's attention (None: dense); then
     # ``context_slots`` is always set.
     sparse: PrefillContext | None = None
-
-
-@dataclass
-class PruningTelemetry:
-    """Per layer and decode sequence, what attention kept; filled in as layers run."""
-
-    in_context: torch.Tensor  # [seqs, kv_heads, blocks] blocks in context (and window)
-    log_tokens: torch.Tensor  # [seqs, blocks] log of each block's tokens in context
-    kept: torch.Tensor  # [layers, seqs] (block, KV head) pairs attended to
-    total: torch.Tensor  # [layers, seqs] (block, KV head) pairs in context
-    # [layers, seqs] upper bound of the softmax mass the dropped blocks carried (max over heads)
-    dropped_mass: torch.Tensor
-
-    @classmethod
-    def empty(cls, layers: int, blocks: DecodeBlocks, in_context: torch.Tensor) -> PruningTelemetry:
-        """Before the step; ``in_context`` is what dense attention reads. What every layer's
-        record shares is built here, once per step."""
-        log_tokens = blocks.block_tokens.log()
-        total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
-        return cls(in_context, log_tokens, torch.zeros_like(total), total, torch.zeros_like(total))
 
 
 @dataclass
@@ -151,12 +132,12 @@ class PagedAttention:
         selection = self.selector.select(layer, q, blocks, summaries)
         pattern, visible = meta.dense_pattern, None
         if selection is not None:
-            visible = visible_blocks(blocks, self.num_kv_heads, selection.mask, self.sliding_window)
-            pattern = build_decode_pattern(
+            visible, pattern = decode_pattern(
                 blocks,
-                visible,
+                self.num_kv_heads,
                 group,
                 cache.num_slots,
+                selection.mask,
                 self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
@@ -184,8 +165,10 @@ class PagedAttention:
             cols = torch.arange(pattern.nnz, dtype=pattern.cols.dtype, device=q.device)
             gathered = dataclasses.replace(pattern, cols=cols)
             out, row_max, denominators, weights = self._decode_torch(q, keys, values, gathered)
-        if meta.telemetry is not None:
-            self._record(layer, selection, visible, row_max, denominators, meta.telemetry)
+        if meta.telemetry is not None and selection is not None:
+            meta.telemetry.record(
+                PrunedLayer(layer, selection.bounds, visible, row_max, denominators)
+            )
         if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
             self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
         return out.view(-1, self.num_heads, self.head_dim)
@@ -218,30 +201,6 @@ class PagedAttention:
             include_last_offset=True,
         )
         return out.div_(denominators[:, None]), row_max, denominators, weights
-
-    def _record(self, layer, selection, visible, row_max, denominators, telemetry) -> None:
-        """Blocks kept, and an upper bound of the attention mass the dropped blocks carried.
-
-        With ``D`` the dropped blocks' true softmax numerator sum and ``K`` the kept one (exact),
-        the dropped mass is ``D / (K + D)``; each key's score is at most its block's key bound,
-        so ``D <= sum_dropped tokens * exp(bound)`` bounds it from above. The attention output
-        error is that mass times the gap between dropped and kept mean values.
-        """
-        if selection is None:
-            telemetry.kept[layer] = telemetry.total[layer]
-            return
-        telemetry.kept[layer] = visible.sum((1, 2))
-        dropped = telemetry.in_context & ~visible  # [seqs, kv_heads, blocks]
-        seqs, kv_heads, group, _ = selection.bounds.shape
-        # One fresh tensor, updated in place: the terms are small but there are many layers.
-        relative = selection.bounds * self.scale
-        relative += telemetry.log_tokens[:, None, None, :]
-        relative -= row_max.view(seqs, kv_heads, group, 1)
-        relative.masked_fill_(~dropped[:, :, None, :], -torch.inf)
-        log_kept = denominators.log().view(seqs, kv_heads, group)
-        telemetry.dropped_mass[layer] = torch.sigmoid(relative.logsumexp(-1) - log_kept).amax(
-            (1, 2)
-        )
 
     def _observe_mass(self, mass, pattern, weights, denominators, block_size) -> None:
         """Record each attended block's attention mass, averaged over the query heads that

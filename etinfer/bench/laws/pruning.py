@@ -44,6 +44,7 @@ CONFIGS = {
     "mass": PruningConfig(scorer="mass"),
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
     "bound-fifth": PruningConfig(budget_low=0.2, budget_high=0.2),
+    "bound-quarter": PruningConfig(budget_low=0.25, budget_high=0.25),
     "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
     # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
     "heads-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, head_budgets=True),

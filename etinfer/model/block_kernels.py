@@ -1,0 +1,132 @@
+"""The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``): the CSR
+pattern of the blocks each decode row reads, the key-bound score of every block, and the mask of
+each row's best blocks.
+
+Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
+the attention that pruning saves. Their torch forms (``decode_pattern.py``,
+``control/block_selection.py``) remain for other devices and where the kernels are off; the
+tests hold each pair to the same answers. Every function returns None where the native form
+does not apply, and its caller then takes the torch one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from etinfer.model import native_kernels
+
+
+def _native(*tensors: torch.Tensor):
+    """The loaded kernels where every tensor is on the CPU, else None."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    return native_kernels.library()
+
+
+def decode_pattern(
+    tables: torch.Tensor,  # [rows, width] block ids
+    context_lens: torch.Tensor,  # [rows]
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    num_blocks: int,
+    block_mask: torch.Tensor | None,  # [rows, kv_heads, width] bool, or None for every block
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(visible, crow, cols, outside)`` as ``decode_pattern.visible_blocks`` and
+    ``build_decode_pattern`` compute them, bit for bit."""
+    native = _native(tables, context_lens)
+    if native is None:
+        return None
+    rows, width = tables.shape
+    query_rows = rows * num_kv_heads * group
+    capacity = query_rows * width * block_size
+    if capacity >= 2**31:  # the entries' int32 offsets: the torch form checks the exact count
+        return None
+    tables = tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    mask = None if block_mask is None else block_mask.to(torch.uint8).contiguous()
+    visible = torch.empty(rows, num_kv_heads, width, dtype=torch.bool)
+    crow = torch.empty(query_rows + 1, dtype=torch.int32)
+    # Room for every block of every row; only the entries written are kept (views).
+    cols = torch.empty(capacity, dtype=torch.int32)
+    outside = torch.empty(capacity, dtype=torch.uint8)
+    entries = native.decode_pattern(
+        tables.data_ptr(),
+        lens.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        rows,
+        num_kv_heads,
+        width,
+        group,
+        block_size,
+        num_blocks,
+        sliding_window or 0,
+        visible.data_ptr(),
+        crow.data_ptr(),
+        cols.data_ptr(),
+        outside.data_ptr(),
+        capacity,
+    )
+    if entries < 0:
+        raise IndexError(f"decode pattern: a block id outside [0, {num_blocks}) in {tables}")
+    return visible, crow, cols[:entries], outside[:entries]
+
+
+def key_bound_scores(
+    query: torch.Tensor,  # [rows, heads, dim] float32
+    key_bounds: torch.Tensor,  # [kv_heads, num_blocks, 2, dim] float32: maxima, then minima
+    tables: torch.Tensor,  # [rows, width] block ids
+) -> torch.Tensor | None:
+    """``[rows, kv_heads, group, width]``: per query head, the upper bound of ``q.k`` over each
+    block's keys, as ``control.block_selection.key_bound_scores`` computes it."""
+    rows, heads, dim = query.shape
+    kv_heads, num_blocks = key_bounds.shape[:2]
+    native = _native(query, key_bounds, tables)
+    if native is None or dim % 8 or query.dtype != torch.float32:
+        return None
+    if key_bounds.dtype != torch.float32 or not key_bounds.is_contiguous():
+        return None
+    width = tables.shape[1]
+    query = query.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    out = torch.empty(rows, kv_heads, heads // kv_heads, width)
+    threads = min(torch.get_num_threads(), rows * kv_heads)
+    status = native.key_bound_scores(
+        query.data_ptr(),
+        key_bounds.data_ptr(),
+        tables.data_ptr(),
+        rows,
+        kv_heads,
+        heads // kv_heads,
+        width,
+        num_blocks,
+        dim,
+        out.data_ptr(),
+        threads,
+    )
+    if status != 0:
+        raise IndexError(f"key bounds: a block id outside [0, {num_blocks}) in {tables}")
+    return out
+
+
+def keep_largest(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | None:
+    """``[..., width]`` bool: the ``budgets[...]`` largest scores of each row (ties at the
+    threshold in index order, NaN as -inf), as a top-k and a scatter compute it."""
+    native = _native(scores, budgets)
+    if native is None or scores.dtype != torch.float32:
+        return None
+    width = scores.shape[-1]
+    flat = scores.reshape(-1, width).contiguous()
+    counts = budgets.expand(scores.shape[:-1]).reshape(-1).to(torch.int64).contiguous()
+    mask = torch.empty(flat.shape, dtype=torch.bool)
+    scratch = torch.empty(width)
+    native.keep_largest(
+        flat.data_ptr(),
+        counts.data_ptr(),
+        flat.shape[0],
+        width,
+        mask.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return mask.view(scores.shape)

@@ -1,0 +1,160 @@
+/* Block-sparse decode, the parts around the attention kernel (model/block_kernels.py calls
+ * them): the CSR pattern of the blocks each decode row reads, and the key-bound score of every
+ * block for every query head. In torch each is some twenty operations a layer, which at 8K
+ * tokens cost more than the attention that pruning saves (BENCHMARKS.md, issue 37); here each is
+ * one pass over what it writes. Both compute exactly what their torch forms in decode_pattern.py
+ * and control/block_selection.py compute (the pattern bit for bit; the scores up to the order of
+ * a dot product's additions).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Which blocks each (row, KV head) reads, and the pattern of cache rows its query heads read.
+ *
+ * tables [rows, width] block ids, lens [rows] tokens in context (the current one included);
+ * mask [rows, kv_heads, width] the blocks a selector keeps, or NULL for all of them (the block
+ * of the current token is read whatever the mask says); window: a sliding window in tokens, or
+ * 0 for none. Writes visible [rows, kv_heads, width] (1 where read), crow [rows * kv_heads *
+ * group + 1], and cols and outside (one entry a slot of every read block: its cache row
+ * kv_head * num_slots + slot, and 1 where the slot is outside the context). A query row
+ * (row, kv_head, j) reads its blocks in order, as decode_pattern.build_decode_pattern lays them
+ * out. Returns the entries written, or -1 (nothing valid written) if they would pass
+ * `capacity`, or a block id is outside [0, num_blocks). */
+int64_t decode_pattern(const int64_t *tables, const int64_t *lens, const uint8_t *mask,
+                       int64_t rows, int64_t kv_heads, int64_t width, int64_t group,
+                       int64_t block_size, int64_t num_blocks, int64_t window, uint8_t *visible,
+                       int32_t *crow, int32_t *cols, uint8_t *outside, int64_t capacity) {
+    int64_t entries = 0, query_row = 0;
+    crow[0] = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = lens[r], current = (len - 1) / block_size;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            uint8_t *read = visible + (r * kv_heads + h) * width;
+            const uint8_t *kept = mask ? mask + (r * kv_heads + h) * width : NULL;
+            int64_t count = 0;
+            for (int64_t b = 0; b < width; ++b) {
+                int in_context = b * block_size < len;
+                if (window > 0) in_context &= (b + 1) * block_size > len - window;
+                read[b] = in_context && (!kept || kept[b] || b == current);
+                count += read[b];
+            }
+            const int64_t run = count * block_size;
+            if (entries + group * run > capacity) return -1;
+            const int64_t first = entries;  // of the group's first query row
+            for (int64_t b = 0; b < width; ++b) {
+                if (!read[b]) continue;
+                const int64_t block = tables[r * width + b];
+                if (block < 0 || block >= num_blocks) return -1;
+                const int64_t start = (h * num_blocks + block) * block_size;
+                const int64_t offset = b * block_size;
+                const int64_t end = len - offset;
+                const int64_t skip = window > 0 ? len - window - offset : 0;
+                for (int64_t t = 0; t < block_size; ++t) {
+                    cols[entries + t] = (int32_t)(start + t);
+                    outside[entries + t] = t >= end || t < skip;
+                }
+                entries += block_size;
+            }
+            for (int64_t j = 1; j < group; ++j) {  // the group's other query heads read the same
+                memcpy(cols + entries, cols + first, run * sizeof *cols);
+                memcpy(outside + entries, outside + first, run);
+                entries += run;
+            }
+            for (int64_t j = 0; j < group; ++j, ++query_row)
+                crow[query_row + 1] = (int32_t)(crow[query_row] + run);
+        }
+    }
+    return entries;
+}
+
+/* Upper bounds of q.k over each block's keys, per query head: out [rows, kv_heads, group,
+ * width] = sum_c max(q_c M_c, q_c m_c), with M and m the block's per-channel key maxima and
+ * minima, bounds [kv_heads, num_blocks, 2, dim] (maxima first). q is [rows, kv_heads * group,
+ * dim]; `dim` a multiple of 8. Every table entry is scored, padding included, as the torch form
+ * does. Parallel over (row, KV head) pairs; returns -1 (nothing written) for a block id outside
+ * [0, num_blocks). */
+int key_bound_scores(const float *q, const float *bounds, const int64_t *tables, int64_t rows,
+                     int64_t kv_heads, int64_t group, int64_t width, int64_t num_blocks,
+                     int64_t dim, float *out, int64_t threads) {
+    for (int64_t i = 0; i < rows * width; ++i)
+        if (tables[i] < 0 || tables[i] >= num_blocks) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
+        const int64_t r = pair / kv_heads, h = pair % kv_heads;
+        const float *queries = q + pair * group * dim;
+        float *scores = out + pair * group * width;
+        for (int64_t b = 0; b < width; ++b) {
+            const float *top = bounds + (h * num_blocks + tables[r * width + b]) * 2 * dim;
+            const float *bottom = top + dim;
+            for (int64_t j = 0; j < group; ++j) {
+                const float *query = queries + j * dim;
+                v8 acc = {0};
+                for (int64_t c = 0; c < dim; c += 8) {
+                    v8 x, upper, lower;
+                    memcpy(&x, query + c, sizeof x);
+                    memcpy(&upper, top + c, sizeof upper);
+                    memcpy(&lower, bottom + c, sizeof lower);
+                    const v8 a = x * upper, z = x * lower;
+                    const v8i more = a > z;
+                    acc += (v8)((more & (v8i)a) | (~more & (v8i)z));
+                }
+                scores[j * width + b] =
+                    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            }
+        }
+    }
+    return 0;
+}
+
+/* The index of the k-th largest of values[0, n) once they are partially ordered around it
+ * (quickselect, median of three): every value before it is >= it, every one after <= it. */
+static int64_t select_largest(float *values, int64_t n, int64_t k) {
+    int64_t low = 0, high = n - 1;
+    while (low < high) {
+        const int64_t middle = low + (high - low) / 2;
+        float a = values[low], b = values[middle], c = values[high];
+        const float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        int64_t i = low, j = high;
+        while (i <= j) {
+            while (values[i] > pivot) ++i;
+            while (values[j] < pivot) --j;
+            if (i <= j) {
+                const float swap = values[i];
+                values[i++] = values[j];
+                values[j--] = swap;
+            }
+        }
+        if (k <= j) high = j;
+        else if (k >= i) low = i;
+        else return k;
+    }
+    return k;
+}
+
+/* mask [rows, width]: 1 at the budgets[r] largest of each row of scores (ties at the threshold
+ * taken in index order; NaN ranks as -inf), one thread: a torch top-k of this size goes parallel
+ * and, on a 2-core VM whose second core has gone idle, spends ~150 us waking it, five times the
+ * work. scratch holds `width` floats. A budget outside [0, width] is clamped to it. */
+void keep_largest(const float *scores, const int64_t *budgets, int64_t rows, int64_t width,
+                  uint8_t *mask, float *scratch) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = scores + r * width;
+        uint8_t *keep = mask + r * width;
+        const int64_t budget = budgets[r] < 0 ? 0 : budgets[r] > width ? width : budgets[r];
+        memset(keep, 0, width);
+        if (budget == 0) continue;
+        for (int64_t b = 0; b < width; ++b) scratch[b] = row[b] == row[b] ? row[b] : -INFINITY;
+        const float threshold = scratch[select_largest(scratch, width, budget - 1)];
+        int64_t above = 0;
+        for (int64_t b = 0; b < width; ++b) above += row[b] > threshold;
+        int64_t ties = budget - above;
+        for (int64_t b = 0; b < width; ++b) {
+            const float value = row[b] == row[b] ? row[b] : -INFINITY;
+            keep[b] = value > threshold || (value == threshold && ties-- > 0);
+        }
+    }
+}
