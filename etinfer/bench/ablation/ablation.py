@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -36,46 +36,70 @@ from etinfer.bench.common.machine import machine
 from etinfer.bench.common.mixed_workload import AblationRequest
 from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
 
-CONFIGS = ("baseline", "sampling", "scheduling", "attention", "full")
+CONFIGS = ("baseline", "sampling", "scheduling", "attention", "full", "etinfer")
 # Quick mode's contexts (512-768 tokens) are below the default PruningConfig.min_context (1,024),
 # so it lowers the threshold to keep pruning in play.
 QUICK_MIN_CONTEXT = 256
-# KV pools that hold every request of the mode's workload at once, so no figure hangs on
-# preemptions (a long prompt recomputed costs many seconds on this CPU): 2,048 blocks of 16
-# tokens are 32K tokens, 1.4 GiB in float32.
-KV_BLOCKS = {"quick": 512, "full": 2048}
+# KV pools that hold the requests of the mode's workload that run at once, so no figure hangs
+# on preemptions (a long prompt recomputed costs many seconds on this CPU): 2,048 blocks of 16
+# tokens are 32K tokens, 0.7 GiB in float16; the long workload's 4,096 hold eight of its
+# longest requests.
+KV_BLOCKS = {"quick": 512, "full": 2048, "long": 4096}
 
 
-def control_configs(pruning: PruningConfig) -> dict[str, ControlConfig]:
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the study: its control layers, and engine settings beyond them."""
+
+    control: ControlConfig
+    engine: dict = field(default_factory=dict)
+
+
+def arms(pruning: PruningConfig) -> dict[str, Arm]:
+    """The paper's five rows, and ``etinfer``: every layer that removes work and is meant to
+    keep quality (the three laws with per-head budgets, sparse prefill, prompt-lookup
+    speculation). KV compression stays out: it cannot run beside speculation yet."""
     return {
-        "baseline": ControlConfig.baseline(),
-        "sampling": ControlConfig(sampling=True),
-        "scheduling": ControlConfig(scheduling=True),
-        "attention": ControlConfig(pruning=pruning),
-        "full": ControlConfig(sampling=True, pruning=pruning, scheduling=True),
+        "baseline": Arm(ControlConfig.baseline()),
+        "sampling": Arm(ControlConfig(sampling=True)),
+        "scheduling": Arm(ControlConfig(scheduling=True)),
+        "attention": Arm(ControlConfig(pruning=pruning)),
+        "full": Arm(ControlConfig(sampling=True, pruning=pruning, scheduling=True)),
+        "etinfer": Arm(
+            ControlConfig(
+                sampling=True,
+                pruning=replace(pruning, head_budgets=True),
+                scheduling=True,
+                sparse_prefill=True,
+            ),
+            {"speculative": SpeculativeConfig()},
+        ),
     }
 
 
 def run_all(
     loaded: LoadedModel,
     requests: list[AblationRequest],
-    controls: dict[str, ControlConfig],
+    configurations: dict[str, Arm],
     repeats: int,
     engine_kwargs: dict,
     clock: str,
 ) -> list[Run]:
     runs = []
-    names = list(controls)
+    names = list(configurations)
     with tqdm(total=repeats * len(names) * len(requests), unit="req") as bar:
         for repeat in range(repeats):
             batch = ablation_workload.for_repeat(requests, repeat)
             # Rotate the order, so no configuration always runs first (or last) in a repeat.
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 bar.set_description(f"repeat {repeat + 1}/{repeats} {name}")
+                arm = configurations[name]
+                settings = engine_kwargs | arm.engine
                 runs.append(
-                    run_once(loaded, name, repeat, controls[name], batch, engine_kwargs, clock, bar)
+                    run_once(loaded, name, repeat, arm.control, batch, settings, clock, bar)
                 )
                 gc.collect()  # the finished engine's KV pool goes before the next one's
     return runs
@@ -89,8 +113,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     # own work, which is what eta divides by.
     options.set_threads(args)
     loaded = loaded or load_model(args.model)
-    mode = "quick" if args.quick else "full"
-    sizes = ablation_workload.QUICK if args.quick else ablation_workload.FULL
+    mode = "quick" if args.quick else "long" if args.workload == "long" else "full"
+    sizes = ablation_workload.SIZES[mode]
     if args.rate is not None:
         sizes = replace(sizes, rate=args.rate)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -99,8 +123,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     engine_kwargs = options.engine_kwargs(args)
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
     started = time.strftime("%Y-%m-%d %H:%M")
-    controls = control_configs(pruning)
-    runs = run_all(loaded, requests, controls, repeats, engine_kwargs, args.clock)
+    runs = run_all(loaded, requests, arms(pruning), repeats, engine_kwargs, args.clock)
     settings = {
         "command": command_line(args, repeats),
         "date": started,
@@ -113,6 +136,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
         "seed": args.seed,
         "engine": engine_kwargs,
         "pruning": vars(pruning) | {"quick_mode_lowered_min_context": args.quick},
+        "configurations": {name: repr(arm) for name, arm in arms(pruning).items()},
         "references": ablation_workload.REFERENCE_SOURCE,
     }
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)

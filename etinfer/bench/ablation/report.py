@@ -15,6 +15,7 @@ LABELS = {
     "scheduling": "Scheduling only",
     "attention": "Attention only",
     "full": "Full system",
+    "etinfer": "etinfer full",
 }
 # The paper's Table 1 (section 6.9): latency, throughput, eta, quality.
 PAPER = {
@@ -23,6 +24,7 @@ PAPER = {
     "scheduling": (0.88, 1.15, 1.12, 1.00),
     "attention": (0.85, 1.20, 1.25, 0.98),
     "full": (0.70, 1.40, 1.55, 1.00),
+    "etinfer": (None, None, None, None),  # not in the paper: every layer we have that keeps quality
 }
 # Figure: (label, unit, multiplier from the stored SI value).
 FIGURES = {
@@ -115,7 +117,7 @@ def paper_table(summary: dict) -> str:
         for (name, _), paper in zip(TABLE1.values(), PAPER[config], strict=True):
             entry = figures.get(name, {}).get("relative")
             ours = "-" if entry is None else f"{entry['mean']:.2f}"
-            cells.append(f"{ours} / {paper:.2f}")
+            cells.append(f"{ours} / {'-' if paper is None else f'{paper:.2f}'}")
         lines.append(f"| {LABELS[config]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -254,7 +256,7 @@ def plot_bars(report: dict, path: Path) -> None:
         x = range(len(configs))
         ax.bar(x, means, yerr=[low, high], capsize=4, color="tab:blue", alpha=0.8, label="ours")
         if name in paper_columns:
-            paper = [PAPER[c][paper_columns[name]] for c in configs]
+            paper = [PAPER[c][paper_columns[name]] or float("nan") for c in configs]
             ax.scatter(x, paper, marker="_", s=400, color="tab:red", zorder=3, label="paper")
             ax.legend(fontsize=7)
         ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
