@@ -53,14 +53,16 @@ def test_without_the_kernels_the_pattern_is_built_in_torch(monkeypatch):
     assert torch.equal(native.cols, fallback.cols) and torch.equal(native.crow, fallback.crow)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 4, 128), (1, 1, 8)])
-def test_native_key_bounds_are_the_signed_matmul(kv_heads, group, dim):
+def test_native_key_bounds_are_the_signed_matmul(kv_heads, group, dim, dtype):
+    """In float32, or in a 16-bit cache's own type (the cache keeps its bounds so)."""
     blocks, gen = layout([40, 200, 9], seed=dim)
     keys = torch.randn(kv_heads, NUM_BLOCKS, 2, dim, generator=gen)
-    bounds = torch.stack([keys.amax(2), keys.amin(2)], dim=2)  # maxima, then minima
+    bounds = torch.stack([keys.amax(2), keys.amin(2)], dim=2).to(dtype)  # maxima, then minima
     query = torch.randn(3, kv_heads * group, dim, generator=gen)
     got = key_bound_scores(query, BlockSummaries(bounds), blocks.block_tables)
-    gathered = bounds[:, blocks.block_tables].flatten(-2)  # [kv, seqs, width, 2 * dim]
+    gathered = bounds[:, blocks.block_tables].flatten(-2).float()  # [kv, seqs, width, 2 * dim]
     parts = signed_parts(query).view(3, kv_heads, group, 2 * dim)
     expected = torch.einsum("skgc,kswc->skgw", parts, gathered)
     assert got.shape == (3, kv_heads, group, blocks.block_tables.shape[1])

@@ -29,11 +29,11 @@ HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 GROUP = HEADS // KV_HEADS
 
 
-def filled_cache(lengths, num_blocks=64, seed=0, chunk=3):
+def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32):
     """A cache with key bounds, filled through ``KVCache.write`` in chunks of ``chunk`` tokens
     per sequence (so bounds grow across writes), with blocks previously used by other data."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), summaries=True)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype, True)
     # Stale contents from an earlier owner of every block: bounds must reset on reuse.
     cache.key_bounds[..., 0, :] = 100.0  # stale maxima
     cache.key_bounds[..., 1, :] = -100.0  # stale minima
@@ -57,13 +57,16 @@ def filled_cache(lengths, num_blocks=64, seed=0, chunk=3):
 
 def context_keys(cache, table, n):
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-    return cache.keys[0][:, slots], cache.values[0][:, slots]  # [kv_heads, n, dim]
+    return cache.read(0, slots)  # [kv_heads, n, dim] each, float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=4), st.integers(0, 10_000))
-def test_key_bounds_are_upper_bounds_of_every_score_in_the_block(lengths, seed):
-    cache, tables = filled_cache(lengths, seed=seed)
+def test_key_bounds_are_upper_bounds_of_every_score_in_the_block(dtype, lengths, seed):
+    """Over the keys as stored: a float16 cache keeps its bounds in float16, exactly."""
+    cache, tables = filled_cache(lengths, seed=seed, dtype=dtype)
+    assert cache.key_bounds.dtype == dtype
     query = torch.randn(len(lengths), HEADS, DIM, generator=torch.Generator().manual_seed(seed + 1))
     bounds = key_bound_scores(query, cache.summaries(0), tables)  # [seqs, kv, group, blocks]
     for i, n in enumerate(lengths):

@@ -341,6 +341,6 @@ def key_bound_scores(
         check_invariants=False,
     )
     q = signed_parts(query).view(rows, 2 * dim)
-    bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim)
+    bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim).to(query.dtype)
     scores = torch.sparse.sampled_addmm(structure, q, bounds.t(), beta=0.0).values()
     return scores.view(seqs, kv_heads, group, width)

@@ -287,7 +287,7 @@ class SparsePrefillSelector(PrefillSelector):
         mean = torch.stack([query[p.rows].mean(0) for p in pieces])  # [pieces, heads, dim]
         visible = torch.tensor([p.start // bs for p in pieces])
         width = int(visible.max())
-        bounds = summaries.key_bounds[:, context.block_table[:width]]  # [kv, blocks, 2, dim]
+        bounds = summaries.key_bounds[:, context.block_table[:width]].to(mean.dtype)
         signed = signed_parts(mean).view(len(pieces), kv_heads, -1, 2 * mean.shape[-1])
         scores = torch.einsum("pkgc,kbc->pkgb", signed, bounds.flatten(2)) * self.scale
         hidden = torch.arange(width, device=query.device) >= visible[:, None].to(query.device)

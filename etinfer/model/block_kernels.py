@@ -15,6 +15,12 @@ import torch
 
 from etinfer.model import native_kernels
 
+# The types key bounds are read in: float32, or a 16-bit cache's own type.
+BOUND_KINDS = {
+    dtype: native_kernels.KV_KINDS[dtype]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+}
+
 
 def _native(*tensors: torch.Tensor):
     """The loaded kernels where every tensor is on the CPU, else None."""
@@ -75,7 +81,7 @@ def decode_pattern(
 
 def key_bound_scores(
     query: torch.Tensor,  # [rows, heads, dim] float32
-    key_bounds: torch.Tensor,  # [kv_heads, num_blocks, 2, dim] float32: maxima, then minima
+    key_bounds: torch.Tensor,  # [kv_heads, num_blocks, 2, dim]: maxima, then minima
     tables: torch.Tensor,  # [rows, width] block ids
 ) -> torch.Tensor | None:
     """``[rows, kv_heads, group, width]``: per query head, the upper bound of ``q.k`` over each
@@ -85,7 +91,7 @@ def key_bound_scores(
     native = _native(query, key_bounds, tables)
     if native is None or dim % 8 or query.dtype != torch.float32:
         return None
-    if key_bounds.dtype != torch.float32 or not key_bounds.is_contiguous():
+    if key_bounds.dtype not in BOUND_KINDS or not key_bounds.is_contiguous():
         return None
     width = tables.shape[1]
     query = query.contiguous()
@@ -95,6 +101,7 @@ def key_bound_scores(
     status = native.key_bound_scores(
         query.data_ptr(),
         key_bounds.data_ptr(),
+        BOUND_KINDS[key_bounds.dtype],
         tables.data_ptr(),
         rows,
         kv_heads,

@@ -94,8 +94,11 @@ class KVCache:
         self.key_bounds = self.mass = self.value_sums = None
         if summaries:
             per_block, summary_dtype = (num_layers, num_kv_heads, num_blocks), self.compute_dtype
+            # Key bounds in a 16-bit cache's own type: the extremes of its keys are values of
+            # that type, so they stay exact at half the bytes pruning's scoring reads.
+            bound_dtype = self.dtype if self.dtype.itemsize == 2 else summary_dtype
             self.key_bounds = torch.empty(
-                (*per_block, 2, head_dim), device=device, dtype=summary_dtype
+                (*per_block, 2, head_dim), device=device, dtype=bound_dtype
             )
             self.mass = torch.empty(per_block, device=device, dtype=summary_dtype)
             self.value_sums = torch.empty(
@@ -190,6 +193,7 @@ class KVCache:
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
             self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        keys = keys.to(key_max.dtype)  # exact: the keys as stored
         key_max.index_reduce_(1, blocks, keys, "amax")
         key_min.index_reduce_(1, blocks, keys, "amin")
         self.value_sums[layer].index_add_(1, blocks, values)

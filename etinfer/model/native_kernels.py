@@ -135,7 +135,8 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.residual_rms_norm.restype = None
     library.decode_pattern.argtypes = [pointer] * 3 + [i64] * 7 + [pointer] * 4 + [i64]
     library.decode_pattern.restype = i64
-    library.key_bound_scores.argtypes = [pointer] * 3 + [i64] * 6 + [pointer, i64]
+    library.key_bound_scores.argtypes = [pointer, pointer, ctypes.c_int, pointer] + [i64] * 6
+    library.key_bound_scores.argtypes += [pointer, i64]
     library.key_bound_scores.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None

@@ -6,12 +6,7 @@
  * and control/block_selection.py compute (the pattern bit for bit; the scores up to the order of
  * a dot product's additions).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "kv_elements.h"
 
 /* Which blocks each (row, KV head) reads, and the pattern of cache rows its query heads read.
  *
@@ -73,13 +68,15 @@ int64_t decode_pattern(const int64_t *tables, const int64_t *lens, const uint8_t
 
 /* Upper bounds of q.k over each block's keys, per query head: out [rows, kv_heads, group,
  * width] = sum_c max(q_c M_c, q_c m_c), with M and m the block's per-channel key maxima and
- * minima, bounds [kv_heads, num_blocks, 2, dim] (maxima first). q is [rows, kv_heads * group,
- * dim]; `dim` a multiple of 8. Every table entry is scored, padding included, as the torch form
+ * minima, bounds [kv_heads, num_blocks, 2, dim] (maxima first) of `kind` (float32, or the
+ * 16-bit type of a cache that stores its keys so). q is [rows, kv_heads * group, dim]; `dim` a
+ * multiple of 8. Every table entry is scored, padding included, as the torch form
  * does. Parallel over (row, KV head) pairs; returns -1 (nothing written) for a block id outside
- * [0, num_blocks). */
-int key_bound_scores(const float *q, const float *bounds, const int64_t *tables, int64_t rows,
-                     int64_t kv_heads, int64_t group, int64_t width, int64_t num_blocks,
-                     int64_t dim, float *out, int64_t threads) {
+ * [0, num_blocks), or a kind it does not read. */
+int key_bound_scores(const float *q, const void *bounds, int kind, const int64_t *tables,
+                     int64_t rows, int64_t kv_heads, int64_t group, int64_t width,
+                     int64_t num_blocks, int64_t dim, float *out, int64_t threads) {
+    if (kind != KV_FLOAT32 && kind != KV_FLOAT16 && kind != KV_BFLOAT16) return -1;
     for (int64_t i = 0; i < rows * width; ++i)
         if (tables[i] < 0 || tables[i] >= num_blocks) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -88,22 +85,18 @@ int key_bound_scores(const float *q, const float *bounds, const int64_t *tables,
         const float *queries = q + pair * group * dim;
         float *scores = out + pair * group * width;
         for (int64_t b = 0; b < width; ++b) {
-            const float *top = bounds + (h * num_blocks + tables[r * width + b]) * 2 * dim;
-            const float *bottom = top + dim;
+            const int64_t top = (h * num_blocks + tables[r * width + b]) * 2 * dim, bottom = top + dim;
             for (int64_t j = 0; j < group; ++j) {
                 const float *query = queries + j * dim;
                 v8 acc = {0};
                 for (int64_t c = 0; c < dim; c += 8) {
-                    v8 x, upper, lower;
-                    memcpy(&x, query + c, sizeof x);
-                    memcpy(&upper, top + c, sizeof upper);
-                    memcpy(&lower, bottom + c, sizeof lower);
-                    const v8 a = x * upper, z = x * lower;
+                    const v8 x = load8(query + c);
+                    const v8 a = x * load_kv(bounds, top + c, kind);
+                    const v8 z = x * load_kv(bounds, bottom + c, kind);
                     const v8i more = a > z;
                     acc += (v8)((more & (v8i)a) | (~more & (v8i)z));
                 }
-                scores[j * width + b] =
-                    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                scores[j * width + b] = lane_sum(acc);
             }
         }
     }
