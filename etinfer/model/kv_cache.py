@@ -183,8 +183,12 @@ class KVCache:
                     row_scales.index_copy_(1, slots, scale)
         if self.key_bounds is None:
             return
-        keys, values = self.as_stored(keys).transpose(0, 1), self.as_stored(values).transpose(0, 1)
         key_max, key_min = self.key_bounds[layer].unbind(2)
+        # The keys as stored, in the bounds' type: a 16-bit cache's own (exact), with no round
+        # trip through float32.
+        same_type = key_max.dtype == self.dtype
+        keys = (keys.to(self.dtype) if same_type else self.as_stored(keys)).transpose(0, 1)
+        values = self.as_stored(values).transpose(0, 1)
         if fresh_blocks is not None and fresh_blocks.numel():
             # A block's first token starts its bounds afresh; its mass is unknown until it is
             # attended to, and +inf keeps it in the mass scorer's ranking until then.
@@ -193,7 +197,6 @@ class KVCache:
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
             self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        keys = keys.to(key_max.dtype)  # exact: the keys as stored
         key_max.index_reduce_(1, blocks, keys, "amax")
         key_min.index_reduce_(1, blocks, keys, "amin")
         self.value_sums[layer].index_add_(1, blocks, values)
