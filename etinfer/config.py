@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # about three decimal digits where keys and values need far fewer (BENCHMARKS.md, "A 16-bit KV
 # cache"); F16C (every x86-64-v3 host) widens it for free as the kernel loads it.
 AUTO_KV_CACHE_DTYPE = "float16"
+# On CUDA ``auto`` is bfloat16 for weights and cache alike, as vLLM and transformers run there:
+# tensor cores take it natively, and its float32 range needs no overflow care.
+CUDA_AUTO_DTYPE = "bfloat16"
+# Where set, what ``device="auto"`` means (the test suite sets it to pick its device).
+DEVICE_ENV = "ETINFER_DEVICE"
 KV_CACHE_DTYPES = DTYPES | {"int8": torch.int8}
 
 
@@ -128,7 +134,10 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "of the weights: auto (float32), float32, bfloat16, float16"},
+        metadata={
+            "help": "of the weights: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
+            "float16"
+        },
     )
     quantization: str = field(
         default="auto",
@@ -140,7 +149,8 @@ class EngineConfig:
         },
     )
     device: str = field(
-        default="auto", metadata={"help": "auto (cuda when available), cpu, cuda[:N]"}
+        default="auto",
+        metadata={"help": f"auto (${DEVICE_ENV} if set, else cuda when available), cpu, cuda[:N]"},
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence (default: the model's context length)"}
@@ -156,9 +166,9 @@ class EngineConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
-            "help": "of the KV cache: auto (float16), float16, bfloat16, int8 (a scale per token "
-            "and KV head), float32 (exact against transformers); attention computes in float32 "
-            "whatever it stores"
+            "help": "of the KV cache: auto (float16 on CPU, bfloat16 on CUDA), float16, "
+            "bfloat16, int8 (a scale per token and KV head), float32 (exact against "
+            "transformers); attention computes in float32 whatever it stores"
         },
     )
     max_num_seqs: int = field(default=64, metadata={"help": "sequences one step may run"})
@@ -216,13 +226,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", *DTYPES))
         check_choice("quantization", self.quantization, QUANTIZATION_MODES)
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError as e:
-                raise ValueError(
-                    f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}"
-                ) from e
+        self.device_type()  # a device torch does not know, named with where it came from
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, low=2)
         check_int("block_size", self.block_size, low=1, high=1024)
@@ -311,14 +315,42 @@ class EngineConfig:
         block_bytes = kv_bytes_per_token * self.block_size
         return self.num_kvcache_blocks or max(1, int(self.kv_cache_gib * 2**30) // block_bytes)
 
+    def _named_device(self) -> torch.device:
+        """The device asked for, without asking whether it is there."""
+        if self.device != "auto":
+            try:
+                return torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(
+                    f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}"
+                ) from e
+        chosen = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(chosen)
+        except RuntimeError as e:
+            raise ValueError(
+                f"${DEVICE_ENV} (what device='auto' means) must be 'cpu' or 'cuda[:N]', got "
+                f"{chosen!r}"
+            ) from e
+
+    def device_type(self) -> str:
+        """'cpu' or 'cuda': what the ``auto`` dtypes resolve by."""
+        return self._named_device().type
+
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = self._named_device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: torch sees no CUDA device on this machine")
+        return device
 
     def torch_dtype(self) -> torch.dtype:
-        return torch.float32 if self.dtype == "auto" else DTYPES[self.dtype]
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        # No CPU here has bf16 arithmetic; float32 is also what is exact against transformers.
+        return torch.float32 if self.device_type() == "cpu" else DTYPES[CUDA_AUTO_DTYPE]
 
     def torch_kv_cache_dtype(self) -> torch.dtype:
-        name = AUTO_KV_CACHE_DTYPE if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        name = self.kv_cache_dtype
+        if name == "auto":
+            name = AUTO_KV_CACHE_DTYPE if self.device_type() == "cpu" else CUDA_AUTO_DTYPE
         return KV_CACHE_DTYPES[name]

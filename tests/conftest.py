@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import pytest
 import torch
 
 from etinfer import LLM, SamplingParams
+from etinfer.config import DEVICE_ENV
 from etinfer.model.decode_pattern import DecodePattern
 from etinfer.model.loader import LoadedModel, default_model_path, load_model
+
+# The device every engine of the suite runs on (``device="auto"`` reads it): the CPU unless the
+# run says otherwise, as `ETINFER_DEVICE=cuda pytest` does on a machine with a GPU. Servers the
+# tests start inherit it.
+os.environ.setdefault(DEVICE_ENV, "cpu")
+ON_CUDA = os.environ[DEVICE_ENV].startswith("cuda")
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="a CPU kernel or a CPU-specific default")
+# What the suite's shared engines assert (the same tokens however a batch is cut, after
+# preemption, with each layer at its identity) is exact in float32. On the CPU ``auto`` is
+# float32 weights already; on CUDA it is bfloat16, whose rounding moves near-tied tokens, so
+# there the shared engines take float32 weights and bfloat16 has tests of its own (test_cuda.py).
+ENGINE_DEFAULTS = {"dtype": "float32"} if ON_CUDA else {}
 
 # Prompts of varied kinds and lengths; their greedy continuations do not end within 64 tokens
 # for every one of them, so EOS handling is exercised too.
@@ -73,15 +87,21 @@ def tiny_model(loaded_model: LoadedModel) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def llm(loaded_model: LoadedModel) -> LLM:
-    """The default engine over the real model: the file's own 4-bit weights, CPU."""
-    return LLM(loaded_model, max_num_seqs=16)
+    """The default engine over the real model: the file's own 4-bit weights on the CPU."""
+    return LLM(loaded_model, max_num_seqs=16, **ENGINE_DEFAULTS)
 
 
 @pytest.fixture(scope="session")
 def float_llm(loaded_model: LoadedModel) -> LLM:
     """The engine on weights dequantized to float32 and a float32 KV cache: token for token what
     transformers computes."""
-    return LLM(loaded_model, max_num_seqs=16, quantization="none", kv_cache_dtype="float32")
+    return LLM(
+        loaded_model,
+        max_num_seqs=16,
+        quantization="none",
+        dtype="float32",
+        kv_cache_dtype="float32",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +109,7 @@ def make_llm(loaded_model: LoadedModel):
     """Engines with other settings over the same weights (no second read of the file)."""
 
     def make(**kwargs) -> LLM:
-        return LLM(loaded_model, **kwargs)
+        return LLM(loaded_model, **ENGINE_DEFAULTS | kwargs)
 
     return make
 

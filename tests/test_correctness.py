@@ -107,7 +107,7 @@ def test_batch_invariant_rows_are_bit_exact_however_computed(make_llm):
     assert_pool_free(chunked)
     # And teacher-forced, every position in one call (engine.score), as the sampler reads them.
     scored = whole.engine.score(ids + alone.token_ids)[len(ids) - 1 : -1]
-    generated = torch.tensor(alone.token_ids)[:, None]
+    generated = torch.tensor(alone.token_ids, device=scored.device)[:, None]
     forced = softmax_entropy(scored).logprobs(scored).gather(1, generated)[:, 0]
     assert forced.tolist() == logprob_trace(alone)
 

@@ -17,7 +17,7 @@ from etinfer.corpus import corpus_windows
 from etinfer.model import quant_kernels
 from etinfer.model.linear import BlockLinear, Int4Linear, TopRefinedLinear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, MixedBlocks, stack_rows, weight_format
-from tests.conftest import assert_alone_equals_batched
+from tests.conftest import assert_alone_equals_batched, cpu_only
 from tests.test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
@@ -41,6 +41,7 @@ def test_gguf_mode_keeps_q4_1_in_its_blocks_where_auto_maps_it_onto_torchs_kerne
     assert isinstance(weight_format(blocks, "auto", "w")[0], Int4Weight)
 
 
+@cpu_only
 def test_without_the_kernels_gguf_mode_says_so_once_and_runs_as_auto(
     loaded_model, monkeypatch, caplog
 ):
@@ -62,6 +63,7 @@ def gguf_llm(make_llm):
     return make_llm(quantization="gguf", max_num_seqs=16)
 
 
+@cpu_only
 def test_every_matrix_of_the_default_file_runs_in_its_blocks(gguf_llm):
     model = gguf_llm.engine.runner.model
     layers = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -72,6 +74,7 @@ def test_every_matrix_of_the_default_file_runs_in_its_blocks(gguf_llm):
     assert isinstance(model.embed, GGUFBlocks)
 
 
+@cpu_only
 def test_gguf_mode_stays_close_to_the_float_model(gguf_llm, float_llm):
     """Teacher-forced on 1,024 positions of real text: 96.6 % top-1 agreement measured on 2,048
     (llama.cpp 95.3 % with its own 8-bit activations; torch's kernels in ``auto`` 98.8 %)."""
@@ -83,6 +86,7 @@ def test_gguf_mode_stays_close_to_the_float_model(gguf_llm, float_llm):
     assert figures["kl_mean"] < 0.005, figures
 
 
+@cpu_only
 def test_a_prompt_gives_the_same_tokens_and_logprobs_alone_and_in_a_batch(gguf_llm):
     assert_alone_equals_batched(gguf_llm)
 

@@ -67,7 +67,7 @@ def write_tiny_model(folder, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_model_folder_matches_transformers(tmp_path, family):
     reference = write_tiny_model(tmp_path, family)
-    llm = LLM(str(tmp_path), kv_cache_dtype="float32")
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="float32")
     prompt = [(7 * i + 3) % VOCAB for i in range(13)]
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -86,7 +86,7 @@ def test_bfloat16_weights_run_with_float32_attention(tmp_path):
     write_tiny_model(tmp_path, "qwen2-biases")
     prompt = [(5 * i + 1) % VOCAB for i in range(9)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    full = LLM(str(tmp_path)).generate([prompt], params)[0]
+    full = LLM(str(tmp_path), dtype="float32").generate([prompt], params)[0]
     half = LLM(str(tmp_path), dtype="bfloat16").generate([prompt], params)[0]
     assert len(half.token_ids) == 6
     first = full.token_ids[0]
@@ -111,7 +111,7 @@ def test_real_model_exported_as_folder_equals_the_gguf(
         "chat_template": llm.tokenizer.chat_template,
     }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    folder = LLM(str(tmp_path))
+    folder = LLM(str(tmp_path), dtype="float32")
     assert folder.engine.model_config == llm.engine.model_config
     params = SamplingParams(temperature=0, max_tokens=32)
     messages = [{"role": "user", "content": "Name three fruits."}]

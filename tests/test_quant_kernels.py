@@ -104,14 +104,18 @@ def test_a_weight_whose_rows_do_not_match_the_input_is_refused():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's memory map")
 def test_the_kernels_share_torchs_openmp_threads():
-    """One OpenMP runtime in the process, torch's: a second one would keep threads of its own,
-    which fight torch's spinning ones for the cores (a batch-1 step took 1.4x as long)."""
+    """The kernels bring no OpenMP runtime of their own, they use torch's: a second one would keep
+    threads of its own, which fight torch's spinning ones for the cores (a batch-1 step took
+    1.4x as long). Runtimes that other Python packages bundle (scikit-learn's, where an image
+    imports it) live in their own package folders; one outside every package folder could
+    only be the system's, which is what a kernel library linked on its own would load."""
     quant_kernels.BlockProduct(
         [quant_kernels.BlockWeight.prepare(Q.Q8_0, random_blocks(Q.Q8_0, 16, 64), 64)]
     )(torch.randn(2, 64))
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
-    assert len(runtimes) == 1, runtimes
+    assert any("torch" in path for path in runtimes), runtimes
+    assert all("-packages/" in path for path in runtimes), runtimes
 
 
 def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(tmp_path, monkeypatch, caplog):

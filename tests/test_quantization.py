@@ -15,7 +15,7 @@ from etinfer.config import EngineConfig
 from etinfer.corpus import corpus_windows
 from etinfer.model.linear import Int4Linear, Int8Linear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, Int8Weight, weight_format
-from tests.conftest import PROMPTS, assert_alone_equals_batched
+from tests.conftest import PROMPTS, assert_alone_equals_batched, cpu_only
 
 
 def blocks_of(values: np.ndarray, qtype: Q) -> GGUFBlocks:
@@ -155,6 +155,7 @@ def test_separately_loaded_engines_give_the_same_logits(loaded_model):
     assert torch.equal(a, b)
 
 
+@cpu_only
 def test_default_engine_runs_quantized_kernels(llm, float_llm):
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].gate_up, Int4Linear)
@@ -164,6 +165,7 @@ def test_default_engine_runs_quantized_kernels(llm, float_llm):
     assert isinstance(float_llm.engine.runner.model.embed, torch.Tensor)
 
 
+@cpu_only
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_float_weights_quantized_at_load_batch_invariantly(tiny_model, mode):
     """A float model quantized at load: every matrix on a kernel, and a prompt's greedy tokens

@@ -8,6 +8,10 @@
    transformers a ``DynamicCache`` is filled with random keys and values of the same length
    (a decode step's time does not depend on what the cache holds; this saves minutes of its
    prefill per point).
+3. Prefill: one prompt of L tokens to its first token, tokens per second (``--prefill-contexts``).
+
+Transformers runs on the engine's device in the engine's weight dtype (float32 on the CPU,
+bfloat16 on CUDA), from the same file or folder.
 
     etinfer bench speed --output results/speed.json
 """
@@ -25,7 +29,7 @@ from pathlib import Path
 import torch
 
 from etinfer import options
-from etinfer.bench.common.decode_steps import decode_budget, ours_decode_step_ms
+from etinfer.bench.common.decode_steps import context_prompts, decode_budget, ours_decode_step_ms
 from etinfer.bench.common.prompts import TOPICS
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
@@ -61,6 +65,26 @@ class StepRow:
         return None if self.transformers_ms is None else self.ours_ms / self.transformers_ms
 
 
+@dataclass
+class PrefillRow:
+    context: int
+    ours_tok_s: float
+    transformers_tok_s: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.transformers_tok_s is None:
+            return None
+        return self.ours_tok_s / self.transformers_tok_s
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """``perf_counter`` once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def ours_throughput(llm: LLM, batch: int, output_len: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts(batch), SamplingParams(temperature=0, max_tokens=2))  # warm-up
@@ -73,14 +97,35 @@ def ours_throughput(llm: LLM, batch: int, output_len: int) -> float:
 def transformers_throughput(model, tokenizer, batch: int, output_len: int) -> float:
     encoded = [tokenizer.encode(p) for p in prompts(batch)]
     width = max(map(len, encoded))
-    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])
-    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=model.device
+    )
     kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
-        start = time.perf_counter()
+        start = synchronized_clock(model.device)
         model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
-    return batch * output_len / (time.perf_counter() - start)
+    return batch * output_len / (synchronized_clock(model.device) - start)
+
+
+def ours_prefill_tok_s(llm: LLM, context: int) -> float:
+    """One prompt of ``context`` tokens to its first token (the engine's chunked prefill)."""
+    prompt = context_prompts(llm, 1, context)[0]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt[:64]], params)  # warm-up
+    start = time.perf_counter()
+    llm.generate([prompt], params)
+    return context / (time.perf_counter() - start)
+
+
+def transformers_prefill_tok_s(model, llm: LLM, context: int) -> float:
+    ids = torch.tensor([context_prompts(llm, 1, context)[0]], device=model.device)
+    with torch.no_grad():
+        model(ids[:, :64], logits_to_keep=1)  # warm-up
+        start = synchronized_clock(model.device)
+        model(ids, logits_to_keep=1)
+    return context / (synchronized_clock(model.device) - start)
 
 
 def transformers_decode_step_ms(model, batch: int, context: int, steps: int) -> float:
@@ -89,32 +134,39 @@ def transformers_decode_step_ms(model, batch: int, context: int, steps: int) -> 
     config = model.config
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     cache = DynamicCache(config=config)
+    device, dtype = model.device, model.dtype
     for layer in range(config.num_hidden_layers):
         shape = (batch, heads, context, dim)
-        cache.update(torch.randn(shape), torch.randn(shape), layer)
-    ids = torch.randint(0, config.vocab_size, (batch, 1))
+        keys, values = (torch.randn(shape, device=device, dtype=dtype) for _ in "kv")
+        cache.update(keys, values, layer)
+    ids = torch.randint(0, config.vocab_size, (batch, 1), device=device)
     times = []
     with torch.no_grad():
         for i in range(steps + 1):
-            position = torch.full((batch, 1), context + i)
-            start = time.perf_counter()
+            position = torch.full((batch, 1), context + i, device=device)
+            start = synchronized_clock(device)
             model(
                 ids, past_key_values=cache, use_cache=True, position_ids=position, logits_to_keep=1
             )
-            times.append(time.perf_counter() - start)
+            times.append(synchronized_clock(device) - start)
     return statistics.median(times[1:]) * 1000
 
 
-def load_transformers_model():
+def load_transformers_model(llm: LLM):
+    """transformers' model of the engine's file or folder, on its device in its weight dtype."""
     from transformers import AutoModelForCausalLM
 
     from etinfer.model.loader import default_model_path
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    config = llm.engine.config
+    path = Path(config.model) if config.model else default_model_path()
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=config.torch_dtype()
+        )
+    return model.to(config.torch_device()).eval()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -128,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
         num_kvcache_blocks=batch * (longest // args.block_size + 1) + 64,
         **options.engine_kwargs(args),
     )
-    reference = None if args.skip_transformers else load_transformers_model()
+    reference = None if args.skip_transformers else load_transformers_model(llm)
     throughput = []
     for batch in args.batch_sizes:
         ours = ours_throughput(llm, batch, args.output_len)
@@ -150,12 +202,19 @@ def run(args: argparse.Namespace) -> dict:
             )
             step_rows.append(StepRow(batch, context, ours, theirs))
             print_row(step_rows[-1])
+    prefill_rows = []
+    for context in args.prefill_contexts:
+        ours = ours_prefill_tok_s(llm, context)
+        theirs = None if reference is None else transformers_prefill_tok_s(reference, llm, context)
+        prefill_rows.append(PrefillRow(context, ours, theirs))
+        print_row(prefill_rows[-1])
     result = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}",
+        f"torch {torch.__version__}, {device_name(llm)}",
         "date": time.strftime("%Y-%m-%d"),
         "throughput": [asdict(r) | {"ratio": r.ratio} for r in throughput],
         "decode_step": [asdict(r) | {"ratio": r.ratio} for r in step_rows],
+        "prefill": [asdict(r) | {"ratio": r.ratio} for r in prefill_rows],
     }
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -163,12 +222,24 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def device_name(llm: LLM) -> str:
+    device = llm.engine.config.torch_device()
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_row(row: ThroughputRow | StepRow) -> None:
-    if isinstance(row, ThroughputRow):
+def print_row(row: ThroughputRow | StepRow | PrefillRow) -> None:
+    if isinstance(row, PrefillRow):
+        print(
+            f"prefill     context {row.context:5d}: ours {row.ours_tok_s:9.1f} tok/s, "
+            f"transformers {_fmt(row.transformers_tok_s, '9.1f')} tok/s, "
+            f"ratio {_fmt(row.ratio, '.2f')}x",
+            flush=True,
+        )
+    elif isinstance(row, ThroughputRow):
         print(
             f"throughput  batch {row.batch:3d}: ours {row.ours_tok_s:7.1f} tok/s, "
             f"transformers {_fmt(row.transformers_tok_s, '7.1f')} tok/s, "
@@ -198,6 +269,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8000])
     parser.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output", help="write the figures as JSON here")
     parser.set_defaults(func=main)
