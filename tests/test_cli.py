@@ -64,3 +64,18 @@ def test_commands_share_the_engine_options():
     assert parser.parse_args(["bench", "serving"]).max_num_seqs == 16
     ablation = parser.parse_args(["bench", "ablation", "--output", "out", "--kv-blocks", "7"])
     assert ablation.num_kvcache_blocks == 7 and ablation.threads == 1
+
+
+def test_step_profile_reports_a_decode_steps_work(capsys):
+    from etinfer.bench.speed import step_profile
+
+    args = build_parser().parse_args(
+        ["bench", "step-profile", "--batch", "2", "--warmup", "3", "--steps", "2", "--rows", "3"]
+    )
+    args.num_kvcache_blocks = 64
+    figures = step_profile.run(args)
+    assert figures["host ms a step"] > 0
+    # Kernels are launched on a GPU only; on the CPU the operators run where they are called.
+    on_cuda = EngineConfig(**options.engine_kwargs(args)).device_type() == "cuda"
+    assert (figures["kernel launches a step"] > 0) == on_cuda
+    assert "batch 2, 2 decode steps" in capsys.readouterr().out

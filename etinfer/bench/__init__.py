@@ -13,12 +13,13 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench.laws import pruning, sampling, scheduling_sim
     from etinfer.bench.seed_systems import longcontext, speculative, switching
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
-    from etinfer.bench.speed import kernels, kv_cache, quantization, speed
+    from etinfer.bench.speed import kernels, kv_cache, quantization, speed, step_profile
     from etinfer.bench.stress import iss_check, stress
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
     speed.add_command(kinds)
+    step_profile.add_command(kinds)
     sampling.add_command(kinds)
     pruning.add_commands(kinds)
     serving.add_command(kinds)

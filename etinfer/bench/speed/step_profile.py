@@ -1,0 +1,70 @@
+"""Where a decode step goes, by torch's profiler: the operators that take the host's time, and
+per step the device kernels launched, the host-device copies and the host syncs (each a wait for
+the device on CUDA, where a step should have at most one).
+
+    etinfer bench step-profile --batch 16 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch.profiler import ProfilerActivity, profile
+
+from etinfer import options
+from etinfer.bench.common.prompts import TOPICS
+from etinfer.llm import LLM
+from etinfer.sampling_params import SamplingParams
+
+# Host-side events that move data or wait for the device, as the profiler names them.
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item")
+COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    llm = LLM(args.model, max_num_seqs=args.batch, **options.engine_kwargs(args))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"Write a detailed essay about {TOPICS[i % len(TOPICS)]}.", params)
+    for _ in range(args.warmup):  # prefills, and the first decode steps
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    if engine.config.torch_device().type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as profiler:
+        for _ in range(args.steps):
+            engine.step()
+    events = profiler.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+    def per_step(names: tuple[str, ...]) -> float:
+        return sum(e.count for e in events if e.key.startswith(names)) / args.steps
+
+    figures = {
+        "host ms a step": sum(e.self_cpu_time_total for e in events) / 1000 / args.steps,
+        "device ms a step": sum(e.self_device_time_total for e in events) / 1000 / args.steps,
+        "kernel launches a step": per_step(LAUNCH_EVENTS),
+        "host-device copies a step": per_step(COPY_EVENTS),
+        "host syncs a step": per_step(SYNC_EVENTS),
+    }
+    print(f"{engine.config.torch_device()}, batch {args.batch}, {args.steps} decode steps:")
+    for name, value in figures.items():
+        print(f"  {name}: {value:.1f}")
+    return figures
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("step-profile", help="where a decode step goes (torch's profiler)")
+    options.add_engine_options(parser, exclude=("max_num_seqs",))
+    parser.add_argument("--batch", type=int, default=16, help="sequences decoding together")
+    parser.add_argument("--warmup", type=int, default=8, help="steps run before profiling")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    parser.add_argument("--rows", type=int, default=25, help="operators listed")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
