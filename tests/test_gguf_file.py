@@ -3,7 +3,8 @@
 import pytest
 from gguf import GGUFWriter
 
-from etinfer.model.loader import default_model_path, load_model
+from etinfer.model.catalog import default_model_path
+from etinfer.model.loader import load_model
 
 
 def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):

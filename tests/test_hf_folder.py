@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from etinfer import LLM, SamplingParams
+from etinfer import LLM, ControlConfig, SamplingParams
 from etinfer.model.quantized import as_float
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +45,21 @@ FAMILIES = {
         transformers.MistralForCausalLM,
         {"sliding_window": 6},
     ),
+    # One sliding layer and one global, each with its RoPE base; a query scale of its own.
+    "gemma3-mixed-windows": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        },
+    ),
 }
 
 
@@ -54,7 +69,8 @@ def write_tiny_model(folder, family):
     model = model_class(config_class(**TINY, **extra)).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):  # transformers initialises biases to zero
+            # transformers initialises biases to zero, and Gemma's norms (which scale by 1 + w)
+            if name.endswith("bias") or (family.startswith("gemma") and "norm" in name):
                 parameter.normal_(0, 0.5)
     model.save_pretrained(folder)
     words = {f"w{i}": i for i in range(VOCAB)}
@@ -117,3 +133,26 @@ def test_real_model_exported_as_folder_equals_the_gguf(
     messages = [{"role": "user", "content": "Name three fruits."}]
     assert folder.chat(messages, params)[0].token_ids == llm.chat(messages, params)[0].token_ids
     assert folder.tokenizer.eos_token_ids == llm.tokenizer.eos_token_ids
+
+
+def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_path):
+    """Gemma 3's sliding layers read the step's windowed view: prefill cut into chunks of 5
+    (each chunk's mask over a cached prefix) and a second run over the prefix cache give the
+    same tokens and logprobs as one whole prefill. Pruning, which has no per-layer windows yet,
+    is refused by name."""
+    write_tiny_model(tmp_path, "gemma3-mixed-windows")
+    prompt = [(11 * i + 2) % VOCAB for i in range(21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    exact = {"dtype": "float32", "kv_cache_dtype": "float32"}
+    whole = LLM(str(tmp_path), **exact).generate([prompt], params)[0]
+    chunked = LLM(str(tmp_path), max_num_batched_tokens=5, enable_prefix_caching=True, **exact)
+    again = chunked.generate([prompt], params) + chunked.generate([prompt], params)
+    assert again[1].num_cached_tokens > 0
+    for out in again:
+        assert out.token_ids == whole.token_ids
+        for got, want in zip(out.logprobs, whole.logprobs, strict=True):
+            assert next(iter(got.values())).logprob == pytest.approx(
+                next(iter(want.values())).logprob, abs=1e-5
+            )
+    with pytest.raises(ValueError, match=r"pruning does not support .* \(gemma3_text\)"):
+        LLM(str(tmp_path), control=ControlConfig(pruning=True))

@@ -5,7 +5,7 @@ from itertools import pairwise
 import pytest
 
 from etinfer import LLM, SamplingParams
-from etinfer.model.loader import default_model_path
+from etinfer.model.catalog import default_model_path
 from tests.conftest import PROMPTS, assert_pool_free
 
 

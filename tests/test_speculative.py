@@ -9,7 +9,7 @@ import torch
 
 from etinfer import ControlConfig, SamplingParams, SpeculativeConfig
 from etinfer.engine.speculative.drafter import NgramProposer
-from etinfer.model.loader import default_model_path
+from etinfer.model.catalog import default_model_path
 from tests.conftest import PROMPTS, assert_pool_free
 
 PASSAGE = (

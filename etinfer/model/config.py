@@ -1,11 +1,11 @@
-"""Architecture hyperparameters of a Llama-family model, whatever file they came from."""
+"""Architecture hyperparameters of a decoder-only model, whatever file they came from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # Names as Hugging Face's config.json spells them in `model_type`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,33 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 puts biases on q, k and v
     rope_scaling: dict | None = None
     sliding_window: int | None = None
+    # Each layer's own window where layers differ (Gemma 3: five of six layers slide, the sixth
+    # attends to everything); None: every layer takes ``sliding_window``.
+    layer_windows: tuple[int | None, ...] | None = None
+    # RoPE base of the sliding layers where it is not ``rope_theta`` (Gemma 3: 10,000 against 1M).
+    local_rope_theta: float | None = None
+    # Attention's score scale where it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar).
+    attention_scale: float | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
 
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: the whole context)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Whether some layers slide and others see the whole context."""
+        return self.layer_windows is not None and len(set(self.layer_windows)) > 1
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window every layer shares (Mistral), or None (none, or they differ)."""
+        return None if self.mixed_windows else self.window(0)
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5

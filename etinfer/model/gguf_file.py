@@ -15,11 +15,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import ModelConfig
 from etinfer.model.quantized import GGUFBlocks, Weight
+from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer
 from etinfer.model.tokenizer import Tokenizer
 
-# GGUF architectures read here (Mistral files say "llama"). Other families load from their
-# Hugging Face folders.
-_ARCHITECTURES = ("llama",)
+# GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
+# model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
+_ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
 # llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex; the SmolLM one is
 # checked token for token against transformers in the tests. Others (llama-bpe, qwen2, ...) use
 # other regexes that could not be checked here, so they are refused rather than guessed.
@@ -36,15 +37,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 has norms after attention and MLP too, and query/key norms; its "ffn_norm" is the
+# norm before the MLP.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_LAYER_NAMES_BY_ARCH = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# What llama.cpp fixes for Gemma 3 rather than writing to the file: one layer in six attends to
+# the whole context (the others slide), and the sliding layers' RoPE base.
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 class _CheckedReader(GGUFReader):
@@ -84,12 +96,16 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, np
         )
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = _model_config(meta, arch, path, tie_word_embeddings=not has_output)
-    tokenizer = _tokenizer(meta, path)
-    weights = {_hf_name(t.name, path): _tensor(t) for t in reader.tensors}
+    tokenizer = _tokenizer(meta, arch, path)
+    weights = {_hf_name(t.name, arch, path): _tensor(t) for t in reader.tensors}
     for name, tensor in weights.items():
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             weights[name] = _unpermute_rotary_rows(tensor, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as the 1 + weight they scale by; Hugging Face's
+            # convention (which the model's reader follows) is the weight.
+            weights[name] = tensor - 1
     return config, weights, tokenizer, reader.data
 
 
@@ -101,15 +117,35 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
         return value
 
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    rope_scaling = None
+    if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B and larger, on global layers
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
         raise ValueError(
             f"{path}: GGUF rope scaling {scaling!r} is not supported (load the Hugging Face folder)"
         )
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelConfig(
-        architecture=arch,
+    extra = {}
+    if arch == "gemma3":
+        window, layers = int(get("attention.sliding_window")), int(get("block_count"))
+        head_dim = int(get("attention.key_length"))
+        extra = {
+            "head_dim": head_dim,
+            "layer_windows": tuple(
+                None if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else window for i in range(layers)
+            ),
+            "sliding_window": window,
+            "local_rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
+            # query_pre_attn_scalar is the head size for every Gemma 3 but 27B, whose file
+            # llama.cpp recognises by its size.
+            "attention_scale": head_dim**-0.5,
+            "hidden_act": "gelu_tanh",
+            "rope_scaling": rope_scaling,
+        }
+    fields = dict(
+        architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -122,15 +158,16 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=tie_word_embeddings,
     )
+    return ModelConfig(**(fields | extra))
 
 
-def _hf_name(name: str, path: Path) -> str:
+def _hf_name(name: str, arch: str, path: Path) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    match = _LAYER.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"{path}: unexpected tensor {name!r} in a Llama-family GGUF file")
+    match, names = _LAYER.fullmatch(name), _LAYER_NAMES_BY_ARCH[arch]
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
+    raise ValueError(f"{path}: unexpected tensor {name!r} in a {arch} GGUF file")
 
 
 def _tensor(t) -> Weight:
@@ -156,27 +193,20 @@ def _unpermute_rotary_rows(weight: Weight, heads: int) -> Weight:
     return weight.rows(order) if isinstance(weight, GGUFBlocks) else weight[order]
 
 
-def _tokenizer(meta: dict, path: Path) -> Tokenizer:
+def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _GPT2_PRE_TOKENIZERS:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type", [])
+    if kind == "llama" and arch == "gemma3":  # SentencePiece BPE, Gemma's spelling
+        backend = gemma_tokenizer(tokens, types)
+    elif kind == "gpt2" and pre in _GPT2_PRE_TOKENIZERS:
+        backend = _byte_level_tokenizer(meta, tokens, types)
+    else:
         raise ValueError(
             f"{path}: GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"expected 'gpt2' with one of {', '.join(_GPT2_PRE_TOKENIZERS)} "
-            "(load the model's Hugging Face folder instead)"
+            f"expected 'gpt2' with one of {', '.join(_GPT2_PRE_TOKENIZERS)}, or a Gemma 3 "
+            "file's 'llama' (SentencePiece) (load the model's Hugging Face folder instead)"
         )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", [])
-    backend.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, kind in enumerate(types)
-            if kind in (_CONTROL, _USER_DEFINED)
-        ]
-    )
     # End of turn (llama.cpp's EOT) ends a generation as end of sequence does.
     ends = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
     return Tokenizer(
@@ -186,3 +216,19 @@ def _tokenizer(meta: dict, path: Path) -> Tokenizer:
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _byte_level_tokenizer(meta: dict, tokens: list[str], types: list[int]) -> HFTokenizer:
+    """GPT-2's byte-level BPE with the file's merges (SmolLM)."""
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(types)
+            if kind in (CONTROL, USER_DEFINED)
+        ]
+    )
+    return backend

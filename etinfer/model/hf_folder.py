@@ -31,13 +31,17 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
         )
     heads = raw["num_attention_heads"]
     rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    local_rope = None
+    if rope_scaling is not None and "full_attention" in rope_scaling:  # per layer type (Gemma 3)
+        local_rope = rope_scaling.get("sliding_attention", {})
+        rope_scaling = rope_scaling["full_attention"]
     rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
     if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
         None,
         "default",
     ):
         rope_scaling = None
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -55,6 +59,35 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
     )
+    if arch == "gemma3_text":
+        fields |= _gemma3_fields(raw, local_rope, path)
+    return ModelConfig(**fields)
+
+
+def _gemma3_fields(raw: dict, local_rope: dict | None, path: Path) -> dict:
+    """What Gemma 3's config.json adds: per-layer windows, the sliding layers' RoPE base, the
+    query scale and the activation."""
+    for unsupported in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(unsupported) is not None:
+            raise ValueError(f"{path}: {unsupported} is not supported (Gemma 2's soft-capping)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{path}: use_bidirectional_attention is not supported")
+    if local_rope and local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{path}: scaled RoPE on sliding layers is not supported")
+    window = raw["sliding_window"]
+    kinds = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0 else "sliding"
+        for i in range(raw["num_hidden_layers"])
+    ]
+    local_theta = (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq", 10000.0)
+    return {
+        "layer_windows": tuple(None if kind == "full_attention" else window for kind in kinds),
+        "local_rope_theta": float(local_theta),
+        "attention_scale": raw["query_pre_attn_scalar"] ** -0.5,
+        "hidden_act": "gelu_tanh",
+        # Gemma ties its head to the embeddings unless the file says otherwise.
+        "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+    }
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,7 @@
-"""The Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2) over a paged KV cache, and the
+machinery other families share with it (weights read by name, the model around the layers):
+a family differs in its decoder layer and a few details (``family.py``; Gemma 3 in
+``gemma3.py``).
 
 Inference only: plain tensors, no autograd, no nn.Module machinery on the hot path. The batch is
 flat: every row is one token of some sequence, so prefill chunks and decode tokens of different
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.config import ModelConfig
+from etinfer.model.family import Family
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
@@ -68,9 +72,10 @@ class WeightReader:
         self.used.add(name)
         return self.weights[name]
 
-    def vector(self, name: str) -> torch.Tensor:
-        """A norm weight or bias: always float, in the engine's dtype."""
-        return as_float(self.raw(name)).to(self.device, self.dtype)
+    def vector(self, name: str, offset: float = 0.0) -> torch.Tensor:
+        """A norm weight or bias: always float, in the engine's dtype; ``offset`` added in
+        float32 first (Gemma's norms scale by 1 + weight, computed so in float32)."""
+        return (as_float(self.raw(name)) + offset).to(self.device, self.dtype)
 
     def matrix(self, *names: str) -> Format:
         """The weights of ``names`` stacked by output rows, in their format."""
@@ -120,13 +125,23 @@ class DecoderLayer:
         _, h = self.input_norm(x)
         # As heads: [rows, q heads + k heads + v heads, head_dim], views taken in few calls.
         qkv = self.qkv(h).to(x.dtype).view(rows, -1, self.head_dim)
+        q, k, v = self.rotate(qkv, cos, sin, rope)
+        attended = attention(index, q, k, v, cache, meta).to(x.dtype)
+        return self.feed_forward(x, self.o(attended))
+
+    def rotate(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries and keys rotated, and the values, of the projected heads."""
         qk_heads = self.num_heads + self.num_kv_heads
         q, k = rope.apply(qkv[:, :qk_heads], cos, sin).split(
             (self.num_heads, self.num_kv_heads), dim=1
         )
-        v = qkv[:, qk_heads:]
-        attended = attention(index, q, k, v, cache, meta).to(x.dtype)
-        x, h = self.post_attention_norm(x, self.o(attended))
+        return q, k, qkv[:, qk_heads:]
+
+    def feed_forward(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention's output ``attended`` and the MLP."""
+        x, h = self.post_attention_norm(x, attended)
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -143,6 +158,7 @@ class LlamaWeights:
     def __init__(
         self,
         config: ModelConfig,
+        family: Family,
         weights: dict[str, Weight],
         quantization: str,
         device: torch.device,
@@ -151,9 +167,9 @@ class LlamaWeights:
         read = WeightReader(weights, quantization, device, dtype)
         self.embed = read.matrix("model.embed_tokens.weight")
         self.layers = [
-            DecoderLayer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
+            family.layer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
-        self.norm = read.vector("model.norm.weight")
+        self.norm = read.vector("model.norm.weight", family.norm_offset)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
         unexpected = sorted(set(weights) - read.used - {"lm_head.weight"})
@@ -165,7 +181,7 @@ class LlamaWeights:
 
 
 def prepared(
-    model: LoadedModel, quantization: str, device: torch.device, dtype: torch.dtype
+    model: LoadedModel, family: Family, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> LlamaWeights:
     """``model``'s weights prepared for ``quantization`` on ``device``, shared with any engine
     over the same model that has them already. The kernels' availability is part of the key: it
@@ -174,7 +190,7 @@ def prepared(
     key = (quantization, str(device), dtype, kernels)
     found = model.prepared.get(key)
     if found is None:
-        found = LlamaWeights(model.config, model.weights, quantization, device, dtype)
+        found = LlamaWeights(model.config, family, model.weights, quantization, device, dtype)
         model.prepared[key] = found
         model.release_file_pages()
     for note in found.notes:  # told for every engine that runs them so
@@ -186,6 +202,7 @@ class LlamaModel:
     def __init__(
         self,
         model: LoadedModel,
+        family: Family,
         attention: PagedAttention,
         max_positions: int,
         device: torch.device,
@@ -196,16 +213,26 @@ class LlamaModel:
         form (``prepared``)."""
         self.config = config = model.config
         self.dtype = dtype
-        self.weights = prepared(model, quantization, device, dtype)
+        self.weights = prepared(model, family, quantization, device, dtype)
         self.embed, self.layers = self.weights.embed, self.weights.layers
         self.norm, self.lm_head = self.weights.norm, self.weights.lm_head
-        self.rope = RotaryEmbedding(config, max_positions, device, dtype)
+        # One table of each RoPE the layers use: the sliding layers' own where their base differs.
+        self.ropes = [RotaryEmbedding(config, max_positions, device, dtype)]
+        self.layer_rope = [0] * config.num_layers
+        if config.local_rope_theta is not None:
+            self.ropes.append(RotaryEmbedding(config, max_positions, device, dtype, local=True))
+            self.layer_rope = [int(config.window(i) is not None) for i in range(config.num_layers)]
+        self.embed_scale = None
+        if family.scales_embeddings:
+            self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.attention = attention
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
-            return F.embedding(input_ids, self.embed)
-        return self.embed.dequantize(input_ids).to(self.dtype)
+            x = F.embedding(input_ids, self.embed)
+        else:
+            x = self.embed.dequantize(input_ids).to(self.dtype)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def forward(
         self,
@@ -229,9 +256,12 @@ class LlamaModel:
         meta: AttentionMetadata,
         layers: range,
     ) -> torch.Tensor:
-        cos, sin = self.rope.tables(positions)
+        tables = [rope.tables(positions) for rope in self.ropes]
         for index in layers:
-            x = self.layers[index](index, x, cos, sin, self.rope, self.attention, cache, meta)
+            rope = self.layer_rope[index]
+            cos, sin = tables[rope]
+            layer = self.layers[index]
+            x = layer(index, x, cos, sin, self.ropes[rope], self.attention, cache, meta)
         return x
 
     def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:
@@ -241,3 +271,6 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+LLAMA = Family(DecoderLayer)

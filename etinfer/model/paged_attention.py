@@ -66,6 +66,9 @@ class AttentionMetadata:
     # KV compression: rows whose queries every layer copies out into ``captured[layer]``.
     capture_rows: torch.Tensor | None = None
     captured: torch.Tensor | None = None
+    # Where some layers slide and others do not (Gemma 3): the step as the sliding layers see
+    # it, the same batch with the window's decode pattern and prefill masks.
+    local: AttentionMetadata | None = None
 
 
 class PagedAttention:
@@ -77,14 +80,19 @@ class PagedAttention:
         selector: AttentionSelector,
         sliding_window: int | None = None,
         prefill_selector: PrefillSelector | None = None,
+        scale: float | None = None,
+        local_layers: frozenset[int] = frozenset(),
     ) -> None:
+        """``sliding_window``: every layer's; ``local_layers``: the layers that read the step's
+        ``local`` view instead (a model whose layers differ in their window)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale or head_dim**-0.5
         self.selector = selector
         self.sliding_window = sliding_window
         self.prefill_selector = prefill_selector
+        self.local_layers = local_layers
         # Decode attention in one native call where the kernel takes these shapes (and runs on
         # the CPU, checked per call); else as torch operations.
         self.native = native_kernels.available() and native_kernels.takes(
@@ -106,6 +114,8 @@ class PagedAttention:
         if meta.capture_rows is not None:
             meta.captured[layer] = q[meta.capture_rows]
         cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
+        if layer in self.local_layers:
+            meta = meta.local
         if not meta.prefills:
             return self._decode(layer, q, cache, meta).flatten(1)
         out = torch.empty_like(q)

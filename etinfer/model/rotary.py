@@ -9,13 +9,14 @@ import torch
 from etinfer.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The global layers' frequencies, or with ``local`` the sliding layers' (their own base,
+    unscaled, as Gemma 3 has them)."""
     dim = config.head_dim
+    theta = config.local_rope_theta if local else config.rope_theta
     # Same expression as transformers, so the tables agree bit for bit.
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -39,13 +40,19 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables, indexed by position once per step and shared by all layers."""
+    """Precomputed cos/sin tables, indexed by position once per step and shared by the layers
+    that use them (``local``: the sliding layers' own tables, where their base differs)."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        local: bool = False,
     ):
         freqs = torch.outer(
-            torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config)
+            torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config, local)
         )
         angles = torch.cat((freqs, freqs), dim=-1)
         half = config.head_dim // 2

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from etinfer.engine.llm_engine import LLMEngine
-from etinfer.model.loader import default_model_path
+from etinfer.model.catalog import default_model_path
 from etinfer.server.engine_loop import EngineLoop
 from etinfer.server.errors import APIError, install_handlers
 from etinfer.server.limits import BodySizeLimit, default_max_request_bytes

@@ -33,7 +33,7 @@ from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
-from etinfer.model.loader import default_model_path
+from etinfer.model.catalog import default_model_path
 from etinfer.model.quantized import QUANTIZATION_MODES
 
 DECODE_CONTEXT = 128  # tokens each decoding sequence holds: the short-chat regime
@@ -80,12 +80,15 @@ VARIANTS = ("batch-invariant", "no-native")
 MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES for v in VARIANTS)]
 
 
-def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_tokens: int) -> dict:
+def measure_ours(
+    engine: str, model: str | None, batches: list[int], prompt_len: int, fidelity_tokens: int
+) -> dict:
     import psutil
 
     mode, _, variant = engine.partition("+")
     start = time.perf_counter()
     llm = LLM(
+        model,
         quantization=mode,
         batch_invariant=variant == "batch-invariant",
         max_num_seqs=max(batches),
@@ -108,7 +111,7 @@ def measure_ours(engine: str, batches: list[int], prompt_len: int, fidelity_toke
         windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
         del llm
-        result |= against_float(logits, float_llm(), windows, fidelity_tokens)
+        result |= against_float(logits, float_llm(model), windows, fidelity_tokens)
     return result
 
 
@@ -117,9 +120,15 @@ def fidelity_windows(llm: LLM, fidelity_tokens: int) -> list[list[int]]:
     return list(corpus_windows(llm.tokenizer, 256))[: fidelity_tokens // 255 + 1]
 
 
-def float_llm() -> LLM:
+def float_llm(model: str | None) -> LLM:
     """The float32 path: weights dequantized at load, a float32 KV cache."""
-    return LLM(quantization="none", kv_cache_dtype="float32", num_kvcache_blocks=64)
+    return LLM(
+        model, quantization="none", dtype="float32", kv_cache_dtype="float32", num_kvcache_blocks=64
+    )
+
+
+def model_path(args: argparse.Namespace) -> str:
+    return str(args.model or default_model_path())
 
 
 def against_float(
@@ -136,12 +145,12 @@ def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
     engine, which multiplies 4-bit weights by 8-bit activations, is from float32."""
     import numpy
 
-    reference = float_llm()
+    reference = float_llm(args.model)
     windows = fidelity_windows(reference, args.fidelity_tokens)
     with tempfile.TemporaryDirectory() as folder:
         windows_path, logits_path = Path(folder, "windows.json"), Path(folder, "logits.npy")
         windows_path.write_text(json.dumps(windows))
-        command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
+        command = [args.llama_cpp_python, "-c", LLAMA_CPP, model_path(args)]
         command += [str(args.prompt_len), str(args.threads), "1", str(windows_path)]
         done = subprocess.run([*command, str(logits_path)], capture_output=True, text=True)
         if done.returncode:
@@ -151,11 +160,11 @@ def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
     return against_float(logits, reference, windows, args.fidelity_tokens)
 
 
-def measure_transformers(batches: list[int], prompt_len: int) -> dict:
+def measure_transformers(model_file: str | None, batches: list[int], prompt_len: int) -> dict:
     import psutil
 
     start = time.perf_counter()
-    model = load_transformers_model()
+    model = load_transformers_model(model_file)
     result = {"load_s": time.perf_counter() - start}
     result["rss_mib"] = psutil.Process().memory_info().rss / 2**20
     result["decode_tok_s"] = {
@@ -174,16 +183,17 @@ def measure_transformers(batches: list[int], prompt_len: int) -> dict:
 def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     if args.child == "transformers":
-        return measure_transformers(args.batches, args.prompt_len)
-    return measure_ours(args.child, args.batches, args.prompt_len, args.fidelity_tokens)
+        return measure_transformers(args.model, args.batches, args.prompt_len)
+    return measure_ours(args.child, args.model, args.batches, args.prompt_len, args.fidelity_tokens)
 
 
 def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
     if engine == "llama.cpp":
-        command = [args.llama_cpp_python, "-c", LLAMA_CPP, str(default_model_path())]
+        command = [args.llama_cpp_python, "-c", LLAMA_CPP, model_path(args)]
         command += [str(args.prompt_len), str(args.threads), str(STEPS)]
     else:
         command = [sys.executable, "-m", "etinfer.cli", "bench", "quantization", "--child", engine]
+        command += ["--model", model_path(args)]
         command += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
         command += ["--fidelity-tokens", str(args.fidelity_tokens), "--batches"]
         command += [str(b) for b in args.batches]
@@ -272,6 +282,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         metavar="MODE[+VARIANT]",
         help=f"quantization modes, each optionally with a variant: {', '.join(VARIANTS)}",
     )
+    parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--fidelity-tokens", type=int, default=2048)

@@ -152,21 +152,23 @@ def transformers_decode_step_ms(model, batch: int, context: int, steps: int) -> 
     return statistics.median(times[1:]) * 1000
 
 
-def load_transformers_model(llm: LLM):
-    """transformers' model of the engine's file or folder, on its device in its weight dtype."""
+def load_transformers_model(
+    model: str | None = None, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+):
+    """transformers' model of a GGUF file or folder (default: the embedded model), read by its
+    own loader, on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from etinfer.model.loader import default_model_path
+    from etinfer.model.catalog import default_model_path
 
-    config = llm.engine.config
-    path = Path(config.model) if config.model else default_model_path()
+    path = Path(model) if model else default_model_path()
     if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype())
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=config.torch_dtype()
+        reference = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype
         )
-    return model.to(config.torch_device()).eval()
+    return reference.to(device or torch.device("cpu")).eval()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -180,7 +182,12 @@ def run(args: argparse.Namespace) -> dict:
         num_kvcache_blocks=batch * (longest // args.block_size + 1) + 64,
         **options.engine_kwargs(args),
     )
-    reference = None if args.skip_transformers else load_transformers_model(llm)
+    config = llm.engine.config
+    reference = None
+    if not args.skip_transformers:
+        reference = load_transformers_model(
+            config.model, config.torch_device(), config.torch_dtype()
+        )
     throughput = []
     for batch in args.batch_sizes:
         ours = ours_throughput(llm, batch, args.output_len)

