@@ -45,6 +45,12 @@ FAMILIES = {
         transformers.MistralForCausalLM,
         {"sliding_window": 6},
     ),
+    "qwen3-qk-norms": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3-fused-projections": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
+    ),
     # One sliding layer and one global, each with its RoPE base; a query scale of its own.
     "gemma3-mixed-windows": (
         transformers.Gemma3TextConfig,
@@ -70,7 +76,7 @@ def write_tiny_model(folder, family):
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             # transformers initialises biases to zero, and Gemma's norms (which scale by 1 + w)
-            if name.endswith("bias") or (family.startswith("gemma") and "norm" in name):
+            if name.endswith("bias") or (family.startswith(("gemma", "qwen3")) and "norm" in name):
                 parameter.normal_(0, 0.5)
     model.save_pretrained(folder)
     words = {f"w{i}": i for i in range(VOCAB)}

@@ -85,3 +85,19 @@ def model_path(name: str) -> Path:
 
 def default_model_path() -> Path:
     return model_path(DEFAULT_MODEL)
+
+
+def resolve(model: str | Path | None) -> Path:
+    """The file or folder ``model`` names: a path, an installed model's name, or (None) the
+    default model."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if isinstance(model, str) and "/" not in model and not model.endswith(".gguf"):
+        return model_path(model)  # a model name, or the error that lists them
+    raise ValueError(
+        f"{path}: no such file or folder (expected a .gguf file, a model folder or a model "
+        f"name: {', '.join(CATALOG)})"
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Names as Hugging Face's config.json spells them in `model_type`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": LLAMA,
+    "qwen3": LLAMA,  # the Llama layer with query/key norms, which it reads where they are
+    "phi3": LLAMA,  # its fused projections are split at load (hf_folder.py)
     "gemma3_text": GEMMA3,
 }
 

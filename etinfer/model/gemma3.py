@@ -21,7 +21,6 @@ from etinfer.model.family import Family
 from etinfer.model.linear import kernel_input_dtype, make_linear
 from etinfer.model.llama import DecoderLayer, WeightReader
 from etinfer.model.norm import RMSNorm
-from etinfer.model.rotary import RotaryEmbedding
 
 NORM_OFFSET = 1.0
 
@@ -54,14 +53,6 @@ class Gemma3DecoderLayer(DecoderLayer):
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-
-    def rotate(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries and keys RMS-normed per head, then rotated; the values as projected."""
-        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-        q = rope.apply(self._rms(q, self.q_norm), cos, sin)
-        return q, rope.apply(self._rms(k, self.k_norm), cos, sin), v
 
     def feed_forward(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Both halves' outputs normed again before their residual adds; a GELU-tanh MLP."""

@@ -19,7 +19,10 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], To
         raise ValueError(f"{path}: not a Hugging Face model folder (expected config.json in it)")
     raw = json.loads(config_file.read_text())
     config = _model_config(raw, path)
-    return config, _weights(path), _tokenizer(path)
+    weights = _weights(path)
+    if config.architecture == "phi3":
+        weights = _split_fused(weights, config)
+    return config, weights, _tokenizer(path)
 
 
 def _model_config(raw: dict, path: Path) -> ModelConfig:
@@ -61,7 +64,33 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
     )
     if arch == "gemma3_text":
         fields |= _gemma3_fields(raw, local_rope, path)
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"{path}: partial_rotary_factor is not supported (RoPE on every dimension)"
+        )
     return ModelConfig(**fields)
+
+
+def _split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the Llama names of their row blocks
+    (views, no copy): the layer stacks them again as it prepares them."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    split = {
+        "self_attn.qkv_proj.weight": (("q", q), ("k", kv), ("v", kv)),
+        "mlp.gate_up_proj.weight": (("gate", config.intermediate_size), ("up", None)),
+    }
+    out = {}
+    for name, weight in weights.items():
+        fused = next((suffix for suffix in split if name.endswith(suffix)), None)
+        if fused is None:
+            out[name] = weight
+            continue
+        start, prefix = 0, name.removesuffix(fused) + fused.split(".")[0] + "."
+        for part, rows in split[fused]:
+            end = weight.shape[0] if rows is None else start + rows
+            out[f"{prefix}{part}_proj.weight"] = weight[start:end]
+            start = end
+    return out
 
 
 def _gemma3_fields(raw: dict, local_rope: dict | None, path: Path) -> dict:

@@ -97,7 +97,12 @@ class DecoderLayer:
         self.o = make_linear(read.matrix(attn + "o_proj.weight"))
         self.gate_up = make_linear(read.matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
         self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
-        eps = config.rms_norm_eps
+        eps = self.eps = config.rms_norm_eps
+        # Query and key RMS norms per head, before RoPE, where the model has them (Qwen 3).
+        self.q_norm = self.k_norm = None
+        if attn + "q_norm.weight" in read.weights:
+            self.q_norm = read.vector(attn + "q_norm.weight")
+            self.k_norm = read.vector(attn + "k_norm.weight")
         self.input_norm = RMSNorm(
             read.vector(prefix + "input_layernorm.weight"), eps, kernel_input_dtype(self.qkv)
         )
@@ -132,7 +137,16 @@ class DecoderLayer:
     def rotate(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The queries and keys rotated, and the values, of the projected heads."""
+        """The queries and keys rotated (RMS-normed per head first, where the model norms them),
+        and the values, of the projected heads."""
+        if self.q_norm is not None:
+            q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+            q = rope.apply(F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps), cos, sin)
+            return (
+                q,
+                rope.apply(F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps), cos, sin),
+                v,
+            )
         qk_heads = self.num_heads + self.num_kv_heads
         q, k = rope.apply(qkv[:, :qk_heads], cos, sin).split(
             (self.num_heads, self.num_kv_heads), dim=1

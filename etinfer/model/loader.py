@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from etinfer.model.catalog import CATALOG, default_model_path, model_path
+from etinfer.model.catalog import resolve
 from etinfer.model.config import ModelConfig
 from etinfer.model.gguf_file import load_gguf
 from etinfer.model.hf_folder import load_hf_folder
@@ -53,15 +53,7 @@ class LoadedModel:
 def load_model(model: str | Path | None = None) -> LoadedModel:
     """A GGUF file, a Hugging Face folder, or an installed model by name (``catalog.py``;
     default: the embedded SmolLM2)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        if isinstance(model, str) and "/" not in model and not model.endswith(".gguf"):
-            path = model_path(model)  # a model name, or the error that lists them
-        else:
-            raise ValueError(
-                f"{path}: no such file or folder (expected a .gguf file, a model folder or a "
-                f"model name: {', '.join(CATALOG)})"
-            )
+    path = resolve(model)
     if path.is_dir():
         config, weights, tokenizer = load_hf_folder(path)
         return LoadedModel(path, config, weights, tokenizer)

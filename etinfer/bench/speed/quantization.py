@@ -33,7 +33,7 @@ from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
-from etinfer.model.catalog import default_model_path
+from etinfer.model.catalog import resolve
 from etinfer.model.quantized import QUANTIZATION_MODES
 
 DECODE_CONTEXT = 128  # tokens each decoding sequence holds: the short-chat regime
@@ -128,7 +128,7 @@ def float_llm(model: str | None) -> LLM:
 
 
 def model_path(args: argparse.Namespace) -> str:
-    return str(args.model or default_model_path())
+    return str(resolve(args.model))
 
 
 def against_float(

@@ -132,7 +132,8 @@ def transformers_decode_step_ms(model, batch: int, context: int, steps: int) -> 
     from transformers import DynamicCache
 
     config = model.config
-    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = DynamicCache(config=config)
     device, dtype = model.device, model.dtype
     for layer in range(config.num_hidden_layers):
@@ -159,9 +160,9 @@ def load_transformers_model(
     own loader, on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from etinfer.model.catalog import default_model_path
+    from etinfer.model.catalog import resolve
 
-    path = Path(model) if model else default_model_path()
+    path = resolve(model)
     if path.is_dir():
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
