@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from etinfer import LLM, ControlConfig, SamplingParams
+from etinfer.control.block_selection import PruningConfig
 from etinfer.model.quantized import as_float
 
 transformers = pytest.importorskip("transformers")
@@ -144,8 +145,9 @@ def test_real_model_exported_as_folder_equals_the_gguf(
 def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_path):
     """Gemma 3's sliding layers read the step's windowed view: prefill cut into chunks of 5
     (each chunk's mask over a cached prefix) and a second run over the prefix cache give the
-    same tokens and logprobs as one whole prefill. Pruning, which has no per-layer windows yet,
-    is refused by name."""
+    same tokens and logprobs as one whole prefill. Pruning prunes the global layer alone (the
+    sliding one reads its window): a budget of every block gives the dense tokens, a quarter
+    reads fewer blocks."""
     write_tiny_model(tmp_path, "gemma3-mixed-windows")
     prompt = [(11 * i + 2) % VOCAB for i in range(21)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -160,5 +162,13 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
             assert next(iter(got.values())).logprob == pytest.approx(
                 next(iter(want.values())).logprob, abs=1e-5
             )
-    with pytest.raises(ValueError, match=r"pruning does not support .* \(gemma3_text\)"):
-        LLM(str(tmp_path), control=ControlConfig(pruning=True))
+    every = dict(min_context=8, dense_layers=0, min_blocks=2, sink_blocks=1, recent_blocks=1)
+    for budget in (1.0, 0.25):
+        config = PruningConfig(**every, budget_low=budget, budget_high=budget, max_shrink=1.0)
+        pruned = LLM(str(tmp_path), block_size=2, control=ControlConfig(pruning=config), **exact)
+        out = pruned.generate([prompt], params)[0]
+        if budget == 1.0:
+            assert out.token_ids == whole.token_ids
+            assert min(out.blocks_kept) == 1.0
+        else:
+            assert max(out.blocks_kept) < 0.75

@@ -54,11 +54,6 @@ class EngineLayers:
             chunk_tokens=config.max_num_batched_tokens,
         )
         pruning = control.pruning_config
-        if pruning is not None and loaded.config.mixed_windows:
-            raise ValueError(
-                "pruning does not support models whose layers differ in their sliding window "
-                f"({loaded.config.architecture}) yet"
-            )
         selector = (
             BLOCK_SELECTORS.create("dense")
             if pruning is None

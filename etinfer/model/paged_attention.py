@@ -139,7 +139,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         blocks, group = meta.decode_blocks, self.num_heads // self.num_kv_heads
         summaries = cache.summaries(layer) if self.selector.needs_summaries else None
-        selection = self.selector.select(layer, q, blocks, summaries)
+        # A sliding layer of a model that mixes windows is sparse already: it reads its window,
+        # and only the layers that see the whole context are pruned.
+        selection = None
+        if layer not in self.local_layers:
+            selection = self.selector.select(layer, q, blocks, summaries)
         pattern, visible = meta.dense_pattern, None
         if selection is not None:
             visible, pattern = decode_pattern(
