@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from etinfer import LLM, ControlConfig, SamplingParams
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.model.quantized import as_float
 
 transformers = pytest.importorskip("transformers")
@@ -147,7 +148,8 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
     (each chunk's mask over a cached prefix) and a second run over the prefix cache give the
     same tokens and logprobs as one whole prefill. Pruning prunes the global layer alone (the
     sliding one reads its window): a budget of every block gives the dense tokens, a quarter
-    reads fewer blocks."""
+    reads fewer blocks. Sparse prefill narrows the global layer alone: with a budget of the
+    whole context it is dense prefill."""
     write_tiny_model(tmp_path, "gemma3-mixed-windows")
     prompt = [(11 * i + 2) % VOCAB for i in range(21)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -172,3 +174,11 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
             assert min(out.blocks_kept) == 1.0
         else:
             assert max(out.blocks_kept) < 0.75
+    segments = dict(segment_size=4, min_context=4, sink=2, window=4)
+    for budget, same in ((64, True), (6, False)):
+        sparse = SparsePrefillConfig(**segments, base_budget=budget, max_budget_factor=1.0)
+        control = ControlConfig(sparse_prefill=sparse)
+        out = LLM(str(tmp_path), block_size=2, control=control, **exact).generate([prompt], params)
+        assert (out[0].metrics.prefill_attention_skipped == 0.0) == same
+        if same:
+            assert out[0].token_ids == whole.token_ids

@@ -60,7 +60,9 @@ class ModelRunner:
         config = model.config
         prefill_selector = None
         if sparse_prefill is not None:
-            if config.sliding_window is not None:
+            # Where only some layers slide (Gemma 3), those read their window densely and the
+            # others are narrowed; a window on every layer (Mistral) leaves nothing to narrow.
+            if config.uniform_window is not None:
                 raise ValueError("sparse_prefill does not support sliding-window attention yet")
             prefill_selector = SparsePrefillSelector(
                 sparse_prefill,

@@ -124,7 +124,7 @@ class PagedAttention:
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             pieces = None
-            if chunk.sparse is not None:
+            if chunk.sparse is not None and layer not in self.local_layers:
                 pieces = self.prefill_selector.select_prefill(
                     layer, q[rows], chunk.sparse, cache.summaries(layer)
                 )

@@ -14,7 +14,9 @@ ships with Python or with this package (nothing is downloaded):
   - ``continuation``: continued greedily; its reference is the text that really follows the
     window in the corpus, written by people and shipped by CPython;
   - ``free``: continued by sampling (free-form generation).
-- ``instruction``: a chat-templated instruction from ``bench/common/prompts.py``, answered greedily.
+- ``instruction``: a chat-templated instruction from ``bench/common/prompts.py``, answered greedily
+  (a base model without a chat template, such as Gemma 3 270M, reads it as "Question: ...
+  Answer:").
 - ``chat``: another instruction of that kind, answered by sampling.
 
 Requests that share a document, and retrieval prompts up to their needles, share a prefix, so
@@ -212,6 +214,9 @@ class _Makers:
         ]
 
     def instruction(self, task: str) -> AblationRequest:
-        messages = [{"role": "user", "content": next(self.instructions)}]
-        prompt = self.tokenizer.encode_chat(messages)
+        content = next(self.instructions)
+        if self.tokenizer.chat_template is None:
+            prompt = self.tokenizer.encode(f"Question: {content}\nAnswer:")
+        else:
+            prompt = self.tokenizer.encode_chat([{"role": "user", "content": content}])
         return AblationRequest(0.0, prompt, self._params(task, task == "instruction"), task=task)
