@@ -170,11 +170,13 @@ class SparsePrefillSelector(PrefillSelector):
         head_dim: int,
         block_size: int,
         max_model_len: int,
+        scale: float | None = None,
     ) -> None:
+        """``scale``: attention's score scale, where the model's is not head_dim ** -0.5."""
         config.check_block_size(block_size)
         self.config = config
         self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = scale or head_dim**-0.5
         self.block_size = block_size
         self.num_segments = -(-max_model_len // config.segment_size)
 

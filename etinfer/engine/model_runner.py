@@ -72,6 +72,7 @@ class ModelRunner:
                 head_dim=config.head_dim,
                 block_size=block_size,
                 max_model_len=max_model_len,
+                scale=config.scale,
             )
         self.config = config
         self.max_model_len = max_model_len

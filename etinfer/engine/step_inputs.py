@@ -78,6 +78,7 @@ class StepInputBuilder:
         # window, for which each step also builds a ``local`` view of its metadata.
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
+        self.local_layers = [i for i in range(config.num_layers) if config.window(i) is not None]
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]
@@ -95,7 +96,7 @@ class StepInputBuilder:
             mask = prefill_mask(0, n, self.sliding_window, self.device)
             chunk = PrefillChunk(0, n, None, mask)
             meta = AttentionMetadata(slots.to(self.device), 0, None, None, [chunk])
-        meta.local = self._local_view(meta, [0])
+        meta.local = self._local_view(meta, [0] * len(meta.prefills))
         ids = torch.tensor(token_ids, device=self.device)
         return ids, positions.to(self.device), meta
 
@@ -120,15 +121,23 @@ class StepInputBuilder:
             sliding_window=window,
         )
 
-    def _local_view(self, meta: AttentionMetadata, starts: list[int]) -> AttentionMetadata | None:
+    def _local_view(
+        self,
+        meta: AttentionMetadata,
+        starts: list[int],
+        decode: tuple[torch.Tensor, DecodePattern] | None = None,
+    ) -> AttentionMetadata | None:
         """The step as the sliding layers see it, where layers differ in their window: the
         same rows, the window's decode pattern and prefill masks (``starts``: each prefill
-        chunk's first position)."""
+        chunk's first position; ``decode``: the window's visible blocks and pattern, where the
+        step worked them out already)."""
         window = self.local_window
         if window is None:
             return None
         pattern = None
-        if meta.decode_blocks is not None:
+        if decode is not None:
+            pattern = decode[1]
+        elif meta.decode_blocks is not None:
             _, pattern = self._dense_pattern(meta.decode_blocks, window)
         prefills = [
             dataclasses.replace(chunk, mask=prefill_mask(start, chunk.length, window, self.device))
@@ -160,17 +169,21 @@ class StepInputBuilder:
         # batch_invariant, prefill chunks' rows too.
         num_decode = len(seqs) if self.batch_invariant else batch.num_decode
         decode_rows = sum(counts[:num_decode])
-        decode_blocks = dense = telemetry = None
+        decode_blocks = dense = telemetry = local_decode = None
         if num_decode:
             decode_width = max(len(seq.block_table) for seq in seqs[:num_decode])
             decode_blocks, visible, dense = self._decode_rows(
                 tables[row_seq[:decode_rows], :decode_width], index[:decode_rows] + 1
             )
+            if self.local_window is not None:
+                local_decode = self._dense_pattern(decode_blocks, self.local_window)
             if budgets is not None:
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
+                # The sliding layers read their window, never pruned: that is what they keep.
+                windows = None if local_decode is None else (self.local_layers, local_decode[0])
                 telemetry = PruningTelemetry.empty(
-                    self.config.num_layers, decode_blocks, visible, self.scale
+                    self.config.num_layers, decode_blocks, visible, self.scale, windows
                 )
         prefills = []
         for i in range(num_decode, len(seqs)):
@@ -198,7 +211,7 @@ class StepInputBuilder:
             capture_rows=None if capture is None else capture.rows,
             captured=None if capture is None else capture.queries,
         )
-        meta.local = self._local_view(meta, starts[num_decode:])
+        meta.local = self._local_view(meta, starts[num_decode:], local_decode)
         sampled = torch.tensor(batch.sampled, dtype=torch.long)
         verified = torch.tensor([len(batch.drafts[i]) + 1 for i in batch.sampled], dtype=torch.long)
         ends = (chunk_start + counts_t)[sampled]

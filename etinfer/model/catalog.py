@@ -4,6 +4,7 @@ installed. ``LLM(model=...)``, the CLI and the server take a name from here as w
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -23,6 +24,7 @@ def _smollm2_file() -> Path:
     return path
 
 
+@functools.cache
 def _gemma3_file() -> Path:
     """The package ships the file in four chunk packages; ``assemble`` joins them once into the
     user's cache (checked against its SHA-256) and returns the path."""

@@ -32,7 +32,6 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Attention's score scale where it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar).
     attention_scale: float | None = None
-    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
 
     @property
     def queries_per_kv(self) -> int:

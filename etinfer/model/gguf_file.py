@@ -138,10 +138,9 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
             ),
             "sliding_window": window,
             "local_rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
-            # query_pre_attn_scalar is the head size for every Gemma 3 but 27B, whose file
-            # llama.cpp recognises by its size.
-            "attention_scale": head_dim**-0.5,
-            "hidden_act": "gelu_tanh",
+            # query_pre_attn_scalar is the head size for every Gemma 3 but 27B (62 layers),
+            # whose is hidden / heads; llama.cpp tells them apart the same way.
+            "attention_scale": (hidden / heads if layers == 62 else head_dim) ** -0.5,
             "rope_scaling": rope_scaling,
         }
     fields = dict(

@@ -62,8 +62,19 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
     )
+    activation = raw.get("hidden_activation" if arch == "gemma3_text" else "hidden_act")
+    expected = "gelu_pytorch_tanh" if arch == "gemma3_text" else "silu"
+    if activation not in (None, expected):
+        raise ValueError(f"{path}: activation {activation!r} is not supported ({expected})")
     if arch == "gemma3_text":
         fields |= _gemma3_fields(raw, local_rope, path)
+    elif raw.get("layer_types") and fields["sliding_window"] is not None:
+        # Qwen slides only from max_window_layers on, as layer_types spells out.
+        window = fields["sliding_window"]
+        windows = tuple(window if k == "sliding_attention" else None for k in raw["layer_types"])
+        fields["layer_windows"] = windows
+        if not any(windows):
+            fields["sliding_window"] = None
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
             f"{path}: partial_rotary_factor is not supported (RoPE on every dimension)"
@@ -103,7 +114,7 @@ def _gemma3_fields(raw: dict, local_rope: dict | None, path: Path) -> dict:
         raise ValueError(f"{path}: use_bidirectional_attention is not supported")
     if local_rope and local_rope.get("rope_type", "default") != "default":
         raise ValueError(f"{path}: scaled RoPE on sliding layers is not supported")
-    window = raw["sliding_window"]
+    window = raw.get("sliding_window", 4096)  # transformers' defaults where a file omits them
     kinds = raw.get("layer_types") or [
         "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0 else "sliding"
         for i in range(raw["num_hidden_layers"])
@@ -112,8 +123,7 @@ def _gemma3_fields(raw: dict, local_rope: dict | None, path: Path) -> dict:
     return {
         "layer_windows": tuple(None if kind == "full_attention" else window for kind in kinds),
         "local_rope_theta": float(local_theta),
-        "attention_scale": raw["query_pre_attn_scalar"] ** -0.5,
-        "hidden_act": "gelu_tanh",
+        "attention_scale": raw.get("query_pre_attn_scalar", 256) ** -0.5,
         # Gemma ties its head to the embeddings unless the file says otherwise.
         "tie_word_embeddings": raw.get("tie_word_embeddings", True),
     }

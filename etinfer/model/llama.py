@@ -75,7 +75,7 @@ class WeightReader:
     def vector(self, name: str, offset: float = 0.0) -> torch.Tensor:
         """A norm weight or bias: always float, in the engine's dtype; ``offset`` added in
         float32 first (Gemma's norms scale by 1 + weight, computed so in float32)."""
-        return (as_float(self.raw(name)) + offset).to(self.device, self.dtype)
+        return (as_float(self.raw(name)).float() + offset).to(self.device, self.dtype)
 
     def matrix(self, *names: str) -> Format:
         """The weights of ``names`` stacked by output rows, in their format."""

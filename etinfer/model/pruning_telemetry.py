@@ -34,19 +34,31 @@ class PruningTelemetry:
     log_tokens: torch.Tensor  # [seqs, blocks] log of each block's tokens in context
     total: torch.Tensor  # [layers, seqs] (block, KV head) pairs in context
     scale: float  # of q.k in the scores
+    read: torch.Tensor  # [layers, seqs] pairs a layer reads unless pruned: its context or window
     pruned: list[PrunedLayer] = field(default_factory=list)
     _figures: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def empty(
-        cls, layers: int, blocks: DecodeBlocks, in_context: torch.Tensor, scale: float
+        cls,
+        layers: int,
+        blocks: DecodeBlocks,
+        in_context: torch.Tensor,
+        scale: float,
+        windows: tuple[list[int], torch.Tensor] | None = None,
     ) -> PruningTelemetry:
-        """Before the step; ``in_context`` is what dense attention reads."""
+        """Before the step; ``in_context`` is what dense attention reads; ``windows``: the
+        sliding layers of a model that mixes windows, and the blocks their window holds (what
+        they read, never pruned)."""
         total = in_context.sum((1, 2)).float().expand(layers, -1).clone()
-        return cls(in_context, blocks.block_tokens.log(), total, scale)
+        read = total.clone()
+        if windows is not None:
+            local, visible = windows
+            read[local] = visible.sum((1, 2)).float()
+        return cls(in_context, blocks.block_tokens.log(), total, scale, read)
 
     def record(self, pruned: PrunedLayer) -> None:
-        """A pruned layer's attention; a layer not recorded read every block."""
+        """A pruned layer's attention; a layer not recorded read every block it could."""
         self.pruned.append(pruned)
         self._figures = None
 
@@ -69,7 +81,7 @@ class PruningTelemetry:
 
     def _computed(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._figures is None:
-            kept, dropped = self.total.clone(), torch.zeros_like(self.total)
+            kept, dropped = self.read.clone(), torch.zeros_like(self.total)
             if self.pruned:
                 layers = torch.tensor([p.layer for p in self.pruned], device=kept.device)
                 visible = torch.stack([p.visible for p in self.pruned])

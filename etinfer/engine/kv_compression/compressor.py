@@ -61,7 +61,7 @@ class KVCompressor:
             model.num_heads,
             model.head_dim,
         )
-        self.scale = model.head_dim**-0.5
+        self.scale = model.scale
 
     def _voters(self, seq: Sequence) -> range | None:
         """Positions whose queries vote for ``seq``; None where it is not to be compressed."""
