@@ -81,7 +81,12 @@ MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES fo
 
 
 def measure_ours(
-    engine: str, model: str | None, batches: list[int], prompt_len: int, fidelity_tokens: int
+    engine: str,
+    model: str | None,
+    batches: list[int],
+    prompt_len: int,
+    fidelity_tokens: int,
+    top_tokens_out: str | None = None,
 ) -> dict:
     import psutil
 
@@ -110,6 +115,8 @@ def measure_ours(
     if mode != "none":
         windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
+        if top_tokens_out:  # for agreement with llama.cpp, worked out by the parent
+            torch.save(logits.argmax(-1), top_tokens_out)
         del llm
         result |= against_float(logits, float_llm(model), windows, fidelity_tokens)
     return result
@@ -157,7 +164,8 @@ def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
             print(f"llama.cpp's logits failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return {}
         logits = torch.from_numpy(numpy.load(logits_path))[: args.fidelity_tokens]
-    return against_float(logits, reference, windows, args.fidelity_tokens)
+    result = against_float(logits, reference, windows, args.fidelity_tokens)
+    return result | {"top_tokens": logits.argmax(-1)}
 
 
 def measure_transformers(model_file: str | None, batches: list[int], prompt_len: int) -> dict:
@@ -184,7 +192,14 @@ def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     if args.child == "transformers":
         return measure_transformers(args.model, args.batches, args.prompt_len)
-    return measure_ours(args.child, args.model, args.batches, args.prompt_len, args.fidelity_tokens)
+    return measure_ours(
+        args.child,
+        args.model,
+        args.batches,
+        args.prompt_len,
+        args.fidelity_tokens,
+        args.top_tokens_out,
+    )
 
 
 def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
@@ -197,6 +212,8 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
         command += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
         command += ["--fidelity-tokens", str(args.fidelity_tokens), "--batches"]
         command += [str(b) for b in args.batches]
+        if args.top_tokens_dir:
+            command += ["--top-tokens-out", str(Path(args.top_tokens_dir, f"{engine}.pt"))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if args.isa and engine != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
         env |= ISA_ENV[args.isa]
@@ -226,8 +243,8 @@ def table(results: dict[str, dict], batches: list[int], prompt_len: int) -> str:
     heads = [f"decode b={b} tok/s" for b in batches]
     lines = [
         "| engine | " + " | ".join(heads) + f" | prefill {prompt_len} tok/s | load s | RSS MiB "
-        "| top-1 vs none | KL vs none |",
-        "|---|" + "---:|" * (len(heads) + 5),
+        "| top-1 vs none | KL vs none | top-1 vs llama.cpp |",
+        "|---|" + "---:|" * (len(heads) + 6),
     ]
     for name, r in results.items():
         rates = [r["decode_tok_s"].get(str(b)) for b in batches]
@@ -239,9 +256,10 @@ def table(results: dict[str, dict], batches: list[int], prompt_len: int) -> str:
             ]
         agreement = f"{r['top1_agreement']:.2%}" if "top1_agreement" in r else "-"
         kl = f"{r['kl_mean']:.5f}" if "kl_mean" in r else "-"
+        versus = f"{r['top1_vs_llama_cpp']:.2%}" if "top1_vs_llama_cpp" in r else "-"
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {r['prefill_tok_s']:,.0f} | "
-            f"{r['load_s']:.1f} | {r['rss_mib']:,.0f} | {agreement} | {kl} |"
+            f"{r['load_s']:.1f} | {r['rss_mib']:,.0f} | {agreement} | {kl} | {versus} |"
         )
     return "\n".join(lines)
 
@@ -256,6 +274,9 @@ def main(args: argparse.Namespace) -> int:
     if args.llama_cpp_python:
         engines.append("llama.cpp")
     rounds: dict[str, list[dict]] = {e: [] for e in engines}
+    # Each of our engines leaves its top tokens on the fidelity text here, for llama.cpp's.
+    top_tokens = tempfile.TemporaryDirectory()
+    args.top_tokens_dir = top_tokens.name if args.llama_cpp_python else None
     for repeat in range(args.repeats):
         for engine in engines:
             result = run_engine(engine, args)
@@ -266,6 +287,13 @@ def main(args: argparse.Namespace) -> int:
     if "llama.cpp" in results and args.fidelity_tokens:
         torch.set_num_threads(args.threads)
         results["llama.cpp"] |= llama_cpp_fidelity(args)
+        theirs = results["llama.cpp"].pop("top_tokens", None)
+        for engine, result in results.items():
+            saved = Path(top_tokens.name, f"{engine}.pt")
+            if theirs is not None and saved.is_file():
+                ours = torch.load(saved)[: len(theirs)]
+                result["top1_vs_llama_cpp"] = (ours == theirs[: len(ours)]).float().mean().item()
+    top_tokens.cleanup()
     held = f", ours held to {args.isa}" if args.isa else ""
     print(f"\n{args.threads} threads, torch {torch.__version__}, CPU flags: {cpu_flags()}{held}")
     print(table(results, args.batches, args.prompt_len))
@@ -292,4 +320,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--isa", choices=sorted(ISA_ENV), help="hold our engines to this ISA")
     parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--top-tokens-out", help=argparse.SUPPRESS)
     parser.set_defaults(func=main)
