@@ -1,7 +1,9 @@
 """GGUF files we cannot read faithfully are refused by name, not loaded wrong."""
 
+import numpy as np
 import pytest
-from gguf import GGUFWriter
+import torch
+from gguf import GGUFReader, GGUFWriter
 
 from etinfer.model.catalog import default_model_path
 from etinfer.model.loader import load_model
@@ -32,7 +34,7 @@ def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
     ("kwargs", "message"),
     [
         ({"arch": "qwen2"}, "GGUF architecture 'qwen2' is not supported; expected one of llama"),
-        ({"pre": "llama-bpe"}, "pre-tokenizer 'llama-bpe' is not supported"),
+        ({"pre": "tekken"}, "pre-tokenizer 'tekken' is not supported"),
         ({"rope_scaling": "linear"}, "GGUF rope scaling 'linear' is not supported"),
     ],
 )
@@ -48,3 +50,82 @@ def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_p
     path.write_bytes(source.read_bytes()[:-100_000])  # the last tensor loses 100 KB
     with pytest.raises(ValueError, match=r"tensor '.+' \(\w+\) is truncated: the file holds \d+"):
         load_model(path)
+
+
+def write_tiny_llama(path, pre: str) -> None:
+    """A one-layer Llama GGUF of random float32 weights, with the default model's byte-level
+    vocabulary and merges under the pre-tokenizer name ``pre``, written by gguf's writer."""
+    source = GGUFReader(default_model_path())
+    fields = {name: source.fields[name].contents() for name in source.fields}
+    tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], 49152, 16, 32
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.embedding_length", hidden)
+    writer.add_uint32("llama.feed_forward_length", ffn)
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_uint32("llama.attention.head_count", 4)
+    writer.add_uint32("llama.attention.head_count_kv", 2)
+    writer.add_uint32("llama.context_length", 256)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", pre)
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.merges", fields["tokenizer.ggml.merges"])
+    writer.add_array("tokenizer.ggml.token_type", fields["tokenizer.ggml.token_type"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (len(tokens), hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (hidden // 2, hidden),
+        "blk.0.attn_v.weight": (hidden // 2, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    assert len(tokens) == vocab
+    for name, shape in shapes.items():
+        scale = 0.0 if name.endswith("norm.weight") else 0.5
+        writer.add_tensor(name, (1.0 + rng.standard_normal(shape) * scale).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre):
+    """Llama 3's pattern keeps up to three digits together and Qwen 2's one: our tokenizer of a
+    file naming either gives transformers' tokens, and the model transformers' greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from etinfer import LLM, SamplingParams
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, pre)
+    ours = load_model(path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    samples = [
+        "In 2025, 1234567 people paid $3.50 each; that's 4,320,023.",
+        "  indented\n\n\tcode = f(x)  # comment\r\nUnicode: ünïcödé, 日本語, 🙂",
+        "I'M sure they'LL say it's fine, you'd think.",
+    ]
+    for sample in samples:
+        ids = ours.tokenizer.encode(sample, add_special_tokens=False)
+        assert ids == reference.encode(sample, add_special_tokens=False), sample
+    pieces = ours.tokenizer.backend.pre_tokenizer.pre_tokenize_str("1234567")
+    assert [p for p, _ in pieces] == (
+        ["123", "456", "7"] if pre == "llama-bpe" else list("1234567")
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    prompt = ours.tokenizer.encode(samples[0], add_special_tokens=False)
+    llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert out.token_ids == logits.argmax(-1).tolist()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import ModelConfig
@@ -21,10 +21,27 @@ from etinfer.model.tokenizer import Tokenizer
 # GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
 # model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
 _ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
-# llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex; the SmolLM one is
-# checked token for token against transformers in the tests. Others (llama-bpe, qwen2, ...) use
-# other regexes that could not be checked here, so they are refused rather than guessed.
+# llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex (SmolLM's)...
 _GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
+# ... and those that split by their model's own pattern first (its tokenizer.json's): Llama 3
+# keeps up to three digits together, Qwen 2 one. Each is checked token for token against
+# transformers in the tests; other names are refused rather than guessed.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -198,13 +215,14 @@ def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     types = meta.get("tokenizer.ggml.token_type", [])
     if kind == "llama" and arch == "gemma3":  # SentencePiece BPE, Gemma's spelling
         backend = gemma_tokenizer(tokens, types)
-    elif kind == "gpt2" and pre in _GPT2_PRE_TOKENIZERS:
-        backend = _byte_level_tokenizer(meta, tokens, types)
+    elif kind == "gpt2" and (pre in _GPT2_PRE_TOKENIZERS or pre in _PRE_TOKENIZER_SPLITS):
+        backend = _byte_level_tokenizer(meta, tokens, types, _PRE_TOKENIZER_SPLITS.get(pre))
     else:
+        known = ", ".join([*_GPT2_PRE_TOKENIZERS, *_PRE_TOKENIZER_SPLITS])
         raise ValueError(
             f"{path}: GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"expected 'gpt2' with one of {', '.join(_GPT2_PRE_TOKENIZERS)}, or a Gemma 3 "
-            "file's 'llama' (SentencePiece) (load the model's Hugging Face folder instead)"
+            f"expected 'gpt2' with one of {known}, or a Gemma 3 file's 'llama' "
+            "(SentencePiece) (load the model's Hugging Face folder instead)"
         )
     # End of turn (llama.cpp's EOT) ends a generation as end of sequence does.
     ends = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")]
@@ -217,11 +235,21 @@ def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     )
 
 
-def _byte_level_tokenizer(meta: dict, tokens: list[str], types: list[int]) -> HFTokenizer:
-    """GPT-2's byte-level BPE with the file's merges (SmolLM)."""
+def _byte_level_tokenizer(
+    meta: dict, tokens: list[str], types: list[int], split: str | None
+) -> HFTokenizer:
+    """Byte-level BPE with the file's merges: text split by GPT-2's regex (SmolLM), or by the
+    model's own ``split`` pattern and then mapped to bytes (Llama 3, Qwen 2)."""
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(
         [
