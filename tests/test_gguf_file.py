@@ -33,7 +33,7 @@ def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "qwen2"}, "GGUF architecture 'qwen2' is not supported; expected one of llama"),
+        ({"arch": "phi3"}, "GGUF architecture 'phi3' is not supported; expected one of llama"),
         ({"pre": "tekken"}, "pre-tokenizer 'tekken' is not supported"),
         ({"rope_scaling": "linear"}, "GGUF rope scaling 'linear' is not supported"),
     ],
@@ -52,20 +52,27 @@ def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_p
         load_model(path)
 
 
-def write_tiny_llama(path, pre: str) -> None:
-    """A one-layer Llama GGUF of random float32 weights, with the default model's byte-level
-    vocabulary and merges under the pre-tokenizer name ``pre``, written by gguf's writer."""
+def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
+    """A one-layer GGUF of ``arch`` (llama, qwen2 with q/k/v biases, qwen3 with query/key
+    norms) of random float32 weights, with the default model's byte-level vocabulary and merges
+    under the pre-tokenizer name ``pre``, written by gguf's writer."""
     source = GGUFReader(default_model_path())
     fields = {name: source.fields[name].contents() for name in source.fields}
     tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], 49152, 16, 32
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_uint32("llama.embedding_length", hidden)
-    writer.add_uint32("llama.feed_forward_length", ffn)
-    writer.add_uint32("llama.block_count", 1)
-    writer.add_uint32("llama.attention.head_count", 4)
-    writer.add_uint32("llama.attention.head_count_kv", 2)
-    writer.add_uint32("llama.context_length", 256)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.embedding_length", hidden)
+    writer.add_uint32(f"{arch}.feed_forward_length", ffn)
+    writer.add_uint32(f"{arch}.block_count", 1)
+    writer.add_uint32(f"{arch}.attention.head_count", 4)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", 2)
+    writer.add_uint32(f"{arch}.context_length", 256)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    # Qwen 3's heads are not hidden / heads wide: its files name the size, which transformers'
+    # reader ignores for its default of 128, so the tiny model takes that.
+    head = 128 if arch == "qwen3" else hidden // 4
+    if arch == "qwen3":
+        writer.add_uint32(f"{arch}.attention.key_length", head)
+        writer.add_uint32(f"{arch}.attention.value_length", head)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -78,18 +85,22 @@ def write_tiny_llama(path, pre: str) -> None:
         "token_embd.weight": (len(tokens), hidden),
         "output_norm.weight": (hidden,),
         "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden),
-        "blk.0.attn_k.weight": (hidden // 2, hidden),
-        "blk.0.attn_v.weight": (hidden // 2, hidden),
-        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.attn_q.weight": (4 * head, hidden),
+        "blk.0.attn_k.weight": (2 * head, hidden),
+        "blk.0.attn_v.weight": (2 * head, hidden),
+        "blk.0.attn_output.weight": (hidden, 4 * head),
         "blk.0.ffn_norm.weight": (hidden,),
         "blk.0.ffn_gate.weight": (ffn, hidden),
         "blk.0.ffn_up.weight": (ffn, hidden),
         "blk.0.ffn_down.weight": (hidden, ffn),
     }
+    if arch == "qwen2":
+        shapes |= {f"blk.0.attn_{p}.bias": ((4 if p == "q" else 2) * head,) for p in "qkv"}
+    if arch == "qwen3":
+        shapes |= {f"blk.0.attn_{p}_norm.weight": (head,) for p in "qk"}
     assert len(tokens) == vocab
     for name, shape in shapes.items():
-        scale = 0.0 if name.endswith("norm.weight") else 0.5
+        scale = 0.2 if name.endswith("norm.weight") else 0.5
         writer.add_tensor(name, (1.0 + rng.standard_normal(shape) * scale).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -97,15 +108,18 @@ def write_tiny_llama(path, pre: str) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
-def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre):
+@pytest.mark.parametrize(
+    ("pre", "arch"), [("llama-bpe", "llama"), ("qwen2", "qwen2"), ("qwen2", "qwen3")]
+)
+def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre, arch):
     """Llama 3's pattern keeps up to three digits together and Qwen 2's one: our tokenizer of a
-    file naming either gives transformers' tokens, and the model transformers' greedy tokens."""
+    file naming either gives transformers' tokens, and a Llama, Qwen 2 or Qwen 3 file's model
+    transformers' greedy tokens."""
     transformers = pytest.importorskip("transformers")
     from etinfer import LLM, SamplingParams
 
     path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path, pre)
+    write_tiny_model(path, pre, arch)
     ours = load_model(path)
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     samples = [

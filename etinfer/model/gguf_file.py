@@ -20,7 +20,7 @@ from etinfer.model.tokenizer import Tokenizer
 
 # GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
 # model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
-_ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex (SmolLM's)...
 _GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 # ... and those that split by their model's own pattern first (its tokenizer.json's): Llama 3
@@ -54,16 +54,28 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3 has norms after attention and MLP too, and query/key norms; its "ffn_norm" is the
-# norm before the MLP.
-_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+_QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_LAYER_NAMES_BY_ARCH = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# Gemma 3 has norms after attention and MLP too, and query/key norms; its "ffn_norm" is the
+# norm before the MLP.
+_GEMMA3_LAYER_NAMES = (
+    _LAYER_NAMES
+    | _QK_NORM_NAMES
+    | {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+)
+_LAYER_NAMES_BY_ARCH = {
+    "llama": _LAYER_NAMES,
+    # Qwen 2 has biases on q, k and v; Qwen 3 none, but query and key norms.
+    "qwen2": _LAYER_NAMES | {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
+    "qwen3": _LAYER_NAMES | _QK_NORM_NAMES,
+    "gemma3": _GEMMA3_LAYER_NAMES,
+}
 # What llama.cpp fixes for Gemma 3 rather than writing to the file: one layer in six attends to
 # the whole context (the others slide), and the sliding layers' RoPE base.
 _GEMMA3_GLOBAL_EVERY = 6
@@ -168,11 +180,12 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=tie_word_embeddings,
+        attention_bias=arch == "qwen2",
     )
     return ModelConfig(**(fields | extra))
 
