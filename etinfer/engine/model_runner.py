@@ -78,13 +78,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
-        # Where layers differ in their window (Gemma 3), the sliding ones read each step's
-        # ``local`` view of the metadata (``StepInputBuilder``).
-        local_layers = frozenset()
-        if config.mixed_windows:
-            local_layers = frozenset(
-                i for i in range(config.num_layers) if config.window(i) is not None
-            )
         self.attention = PagedAttention(
             config.num_heads,
             config.num_kv_heads,
@@ -93,7 +86,9 @@ class ModelRunner:
             config.uniform_window,
             prefill_selector,
             config.scale,
-            local_layers,
+            # Where layers differ in their window (Gemma 3), the sliding ones read each step's
+            # ``local`` view of the metadata (``StepInputBuilder``).
+            config.local_layers,
         )
         self.model = LlamaModel(
             model, family_of(config), self.attention, max_model_len, device, dtype, quantization

@@ -78,7 +78,7 @@ class StepInputBuilder:
         # window, for which each step also builds a ``local`` view of its metadata.
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
-        self.local_layers = [i for i in range(config.num_layers) if config.window(i) is not None]
+        self.local_layers = sorted(config.local_layers)
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]

@@ -47,6 +47,14 @@ class ModelConfig:
         return self.layer_windows is not None and len(set(self.layer_windows)) > 1
 
     @property
+    def local_layers(self) -> frozenset[int]:
+        """The sliding layers of a model whose layers differ in their window (none otherwise):
+        the ones that read each step's ``local`` view and their own RoPE table."""
+        if not self.mixed_windows:
+            return frozenset()
+        return frozenset(i for i in range(self.num_layers) if self.window(i) is not None)
+
+    @property
     def uniform_window(self) -> int | None:
         """The window every layer shares (Mistral), or None (none, or they differ)."""
         return None if self.mixed_windows else self.window(0)

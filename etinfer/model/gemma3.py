@@ -18,38 +18,26 @@ import torch.nn.functional as F
 
 from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
-from etinfer.model.linear import kernel_input_dtype, make_linear
+from etinfer.model.linear import kernel_input_dtype
 from etinfer.model.llama import DecoderLayer, WeightReader
 from etinfer.model.norm import RMSNorm
-
-NORM_OFFSET = 1.0
 
 
 class Gemma3DecoderLayer(DecoderLayer):
     """The Llama layer's step (``DecoderLayer.__call__``) with Gemma's rotation and MLP half."""
 
     def __init__(self, config: ModelConfig, read: WeightReader, prefix: str) -> None:
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
-
-        def norm(name: str) -> torch.Tensor:
-            return read.vector(prefix + name, NORM_OFFSET)
-
-        self.qkv = make_linear(read.matrix(*(f"{attn}{p}_proj.weight" for p in "qkv")))
-        self.o = make_linear(read.matrix(attn + "o_proj.weight"))
-        self.gate_up = make_linear(read.matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
-        self.down = make_linear(read.matrix(mlp + "down_proj.weight"))
-        eps = self.eps = config.rms_norm_eps
-        self.input_norm = RMSNorm(norm("input_layernorm.weight"), eps, kernel_input_dtype(self.qkv))
-        self.post_attention_norm = norm("post_attention_layernorm.weight")
+        # The projections, the input norm and the query/key norms are Llama's (with the
+        # family's norm offset); "post_attention_layernorm" is Gemma's norm of the attention
+        # output, not the norm before the MLP, which has a name of its own.
+        super().__init__(config, read, prefix)
+        self.post_attention_norm = read.norm(prefix + "post_attention_layernorm.weight")
         self.pre_feedforward_norm = RMSNorm(
-            norm("pre_feedforward_layernorm.weight"), eps, kernel_input_dtype(self.gate_up)
+            read.norm(prefix + "pre_feedforward_layernorm.weight"),
+            self.eps,
+            kernel_input_dtype(self.gate_up),
         )
-        self.post_feedforward_norm = norm("post_feedforward_layernorm.weight")
-        self.q_norm = read.vector(attn + "q_norm.weight", NORM_OFFSET)
-        self.k_norm = read.vector(attn + "k_norm.weight", NORM_OFFSET)
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.intermediate = config.intermediate_size
+        self.post_feedforward_norm = read.norm(prefix + "post_feedforward_layernorm.weight")
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -63,4 +51,4 @@ class Gemma3DecoderLayer(DecoderLayer):
         return x + self._rms(out.to(x.dtype), self.post_feedforward_norm)
 
 
-GEMMA3 = Family(Gemma3DecoderLayer, norm_offset=NORM_OFFSET, scales_embeddings=True)
+GEMMA3 = Family(Gemma3DecoderLayer, norm_offset=1.0, scales_embeddings=True)

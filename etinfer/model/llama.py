@@ -46,13 +46,16 @@ class WeightReader:
         quantization: str,
         device: torch.device,
         dtype: torch.dtype,
+        norm_offset: float = 0.0,
     ) -> None:
+        """``norm_offset``: the family's, added to every RMSNorm weight (``norm``)."""
         if device.type != "cpu" and quantization in ("int4", "int8", "gguf"):
             raise ValueError(
                 f"quantization={quantization!r} runs on the CPU's weight-only kernels; on "
                 f"{device} use 'auto' or 'none' (weights there are float for now)"
             )
         self.weights, self.device, self.dtype = weights, device, dtype
+        self.norm_offset = norm_offset
         self.quantization = quantization if device.type == "cpu" else "none"
         self.notes: list[str] = []
         blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
@@ -72,10 +75,14 @@ class WeightReader:
         self.used.add(name)
         return self.weights[name]
 
-    def vector(self, name: str, offset: float = 0.0) -> torch.Tensor:
-        """A norm weight or bias: always float, in the engine's dtype; ``offset`` added in
-        float32 first (Gemma's norms scale by 1 + weight, computed so in float32)."""
-        return (as_float(self.raw(name)).float() + offset).to(self.device, self.dtype)
+    def vector(self, name: str) -> torch.Tensor:
+        """A bias: always float, in the engine's dtype."""
+        return as_float(self.raw(name)).to(self.device, self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight, the family's offset added in float32 first (Gemma's norms scale by
+        1 + weight, computed so in float32), then in the engine's dtype."""
+        return (as_float(self.raw(name)).float() + self.norm_offset).to(self.device, self.dtype)
 
     def matrix(self, *names: str) -> Format:
         """The weights of ``names`` stacked by output rows, in their format."""
@@ -101,13 +108,13 @@ class DecoderLayer:
         # Query and key RMS norms per head, before RoPE, where the model has them (Qwen 3).
         self.q_norm = self.k_norm = None
         if attn + "q_norm.weight" in read.weights:
-            self.q_norm = read.vector(attn + "q_norm.weight")
-            self.k_norm = read.vector(attn + "k_norm.weight")
+            self.q_norm = read.norm(attn + "q_norm.weight")
+            self.k_norm = read.norm(attn + "k_norm.weight")
         self.input_norm = RMSNorm(
-            read.vector(prefix + "input_layernorm.weight"), eps, kernel_input_dtype(self.qkv)
+            read.norm(prefix + "input_layernorm.weight"), eps, kernel_input_dtype(self.qkv)
         )
         self.post_attention_norm = RMSNorm(
-            read.vector(prefix + "post_attention_layernorm.weight"),
+            read.norm(prefix + "post_attention_layernorm.weight"),
             eps,
             kernel_input_dtype(self.gate_up),
         )
@@ -178,12 +185,12 @@ class LlamaWeights:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        read = WeightReader(weights, quantization, device, dtype)
+        read = WeightReader(weights, quantization, device, dtype, family.norm_offset)
         self.embed = read.matrix("model.embed_tokens.weight")
         self.layers = [
             family.layer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
-        self.norm = read.vector("model.norm.weight", family.norm_offset)
+        self.norm = read.norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
         unexpected = sorted(set(weights) - read.used - {"lm_head.weight"})
