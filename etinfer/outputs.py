@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from etinfer.control.record import TARGET_MODEL
 from etinfer.control.sparse_prefill import AttentionProfile
+from etinfer.structured.masks import ConstraintTrace
 
 
 @dataclass
@@ -63,7 +64,9 @@ class RequestOutput:
     temperatures: list[float]
     # Per generated token: the sampled token and the top-N, by token id (None unless requested).
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None  # "stop", "length" or "abort"; None while running
+    # "stop", "length" or "abort"; "grammar_dead_end" when a structured output's grammar left
+    # no token to emit, "error" when it could not be compiled; None while running.
+    finish_reason: str | None
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
@@ -83,6 +86,8 @@ class RequestOutput:
     # Sparse prefill (long prompts): attention entropy and budget per segment, layer and KV
     # head; None where the prompt attended densely throughout (sparse prefill off, or short).
     attention_profile: AttentionProfile | None = None
+    # Structured output: per generated token, what the grammar's mask did (None without one).
+    constraint: ConstraintTrace | None = None
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
     # and the text cover the new tokens, everything else is the request's state now.
     delta: bool = False
@@ -100,6 +105,7 @@ class RequestOutput:
             logprobs=None if first.logprobs is None else list(first.logprobs),
             blocks_kept=None if first.blocks_kept is None else list(first.blocks_kept),
             dropped_mass=None if first.dropped_mass is None else list(first.dropped_mass),
+            constraint=None if first.constraint is None else first.constraint.since(0),
             delta=False,
         )
 
@@ -128,6 +134,8 @@ class RequestOutput:
         self.num_draft_tokens = delta.num_draft_tokens
         self.num_accepted_tokens = delta.num_accepted_tokens
         self.attention_profile = delta.attention_profile
+        if delta.constraint is not None:
+            self.constraint = (self.constraint or ConstraintTrace()).extended(delta.constraint)
         if delta.token_models is not None:
             self.token_models = (self.token_models or []) + delta.token_models
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from etinfer.control.entropy import ESTIMATORS
+from etinfer.structured.params import StructuredOutputsParams
 from etinfer.validation import check_choice, check_float, check_int
 
 # OpenAI's limit for top_logprobs; vLLM uses the same default cap.
@@ -39,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token (N <= 20)
     skip_special_tokens: bool = True
+    # Structured output: a grammar every generated token must follow (a JSON schema, any JSON
+    # object, a regex, an EBNF grammar, a choice); a dict is read as StructuredOutputsParams.
+    structured: StructuredOutputsParams | None = None
 
     # Entropy-stabilised sampling, on when entropy_target (nats) is set; `temperature` is then
     # the starting temperature. "feedback" is the paper's law in log-temperature, measuring the
@@ -88,6 +92,12 @@ class SamplingParams:
         self.stop_token_ids = [check_int("stop_token_ids", t, low=0) for t in self.stop_token_ids]
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutputsParams(**self.structured)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
+            raise ValueError(
+                f"structured must be StructuredOutputsParams or a dict, got {self.structured!r}"
+            )
         self._check_controllers()
 
     def _check_controllers(self) -> None:

@@ -38,13 +38,16 @@ from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
-from etinfer.engine.sequence import Sequence, StopRule
+from etinfer.engine.sequence import Sequence, SequenceStatus, StopRule
 from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
+from etinfer.structured.compiler import GrammarCompiler
+from etinfer.structured.masks import fill_allowed
+from etinfer.structured.waiting_room import GrammarWaitingRoom
 
 
 class LLMEngine:
@@ -83,6 +86,10 @@ class LLMEngine:
         self.switcher, self.speculator = layers.switcher, layers.speculator
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.observers = Observers()
+        # Structured output: requests wait here while their grammars compile.
+        self.grammars = GrammarWaitingRoom(
+            GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+        )
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -142,8 +149,10 @@ class LLMEngine:
         )
         if self.switcher is not None:
             seq.switch = SwitchState.initial(self.switcher.config)
+        compiling = params.structured is not None and self.grammars.enter(seq)
         self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        if not compiling:
+            self.scheduler.add(seq)
         return request_id
 
     def _with_control(self, params: SamplingParams) -> SamplingParams:
@@ -167,7 +176,10 @@ class LLMEngine:
             return None
         seq.finish_reason = "abort"
         seq.metrics.finished_time = time.perf_counter()
-        self.scheduler.finish(seq)
+        if self.grammars.remove(request_id) is None:
+            self.scheduler.finish(seq)
+        else:
+            seq.status = SequenceStatus.FINISHED
         return seq.step_output() if seq.stream else seq.output()
 
     def score(self, prompt: Prompt) -> torch.Tensor:
@@ -213,16 +225,18 @@ class LLMEngine:
             self.remove_observer(observer)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         started, started_cpu = time.perf_counter(), time.process_time()
+        failed = self._admit_compiled() if len(self.grammars) else []
         record = self.scheduler.control_record()
         batch = self.scheduler.schedule(record)
         if not batch.seqs:
-            return []
+            self.grammars.wait(timeout=0.05)  # nothing to run but grammars compiling
+            return failed
         decisions = self._decide(record, batch)
         if self.speculator is not None:
             self.speculator.draft(batch, decisions.shape)
@@ -236,7 +250,7 @@ class LLMEngine:
         emitted = None
         if result.logits is not None:
             emitted = sample_verified(
-                batch, result.logits, decisions.temperature_states, self.runner.sample, self._take
+                batch, result.logits, decisions.temperature_states, self._sample, self._take
             )
         for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
             self.kv.commit(seq, start, n)
@@ -248,7 +262,7 @@ class LLMEngine:
             self.switcher.update(batch, starts, small)
         if result.attention is not None:
             result.attention.record(batch, starts, emitted)
-        outputs = self._finish_sampled(batch)
+        outputs = failed + self._finish_sampled(batch)
         if self.observers:
             self.observers.notify(
                 StepRecord.of(
@@ -286,6 +300,25 @@ class LLMEngine:
                 f"the step shaper chose model {name!r}; this engine has: {', '.join(self.models)}"
             )
         return self.models[name]
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammars finished compiling join the scheduler; those whose grammars
+        failed finish (with reason "error")."""
+        ready, failed = self.grammars.leave()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq in failed:
+            seq.metrics.finished_time = time.perf_counter()
+            seq.status = SequenceStatus.FINISHED
+            del self._requests[seq.request_id]
+        return [seq.step_output() if seq.stream else seq.output() for seq in failed]
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], states: list[float | None]
+    ) -> SamplerOutput:
+        """The runner's sampler, with each constrained sequence's grammar mask."""
+        allowed = fill_allowed([seq.constraint for seq in seqs], logits.shape[-1])
+        return self.runner.sample(logits, seqs, states, allowed)
 
     def _take(self, seqs: list[Sequence], out: SamplerOutput) -> None:
         """Append one sampled token to each of ``seqs``, with what the sampler measured."""

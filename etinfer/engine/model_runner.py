@@ -148,10 +148,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], states: list[float | None]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        states: list[float | None],
+        allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """One token for each row of ``logits`` (one per sequence), each row's temperature law
-        starting from ``states``."""
+        starting from ``states``; ``allowed`` [rows, vocab] masks what grammars forbid."""
         sampling = SamplingBatch.build(
             [seq.params for seq in seqs],
             states,
@@ -159,6 +163,8 @@ class ModelRunner:
             logits.shape[-1],
             self.device,
             forced=[seq.next_forced for seq in seqs],
+            allowed=allowed,
+            constrained=[seq.constraint is not None for seq in seqs],
         )
         return self.sampler(logits, sampling)
 

@@ -8,9 +8,13 @@ Every row yields its token and five numbers:
 - the predictive entropy the control laws read: the model's entropy as the row's estimator
   measures it on calibrated logits, and the estimate's upper side.
 
-A row whose temperature law carries state also yields its next state. All of it comes back to
-the host in one transfer per step. The temperature laws themselves live in
-``etinfer.control.temperature``; the sampler calls each present law on its rows.
+A row whose temperature law carries state also yields its next state. A row under a grammar
+(``etinfer/structured/``) is sampled from the masked distribution, but every number above is
+measured before the mask, so the control laws read the model, not the grammar; such a step
+also yields the masked distribution's entropy, the mass the mask removed (``-log Z``) and how
+many tokens it allowed. All of it comes back to the host in one transfer per step. The
+temperature laws themselves live in ``etinfer.control.temperature``; the sampler calls each
+present law on its rows.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class SamplerOutput:
     predictive_entropy_upper: list[float]
     states: list[float]  # each row's next controller state (NaN for rows without one)
     logprobs: SampledLogprobs | None
+    # Steps with a grammar mask, per row (NaN for rows without one): the masked distribution's
+    # entropy, -log Z of the mass it kept, and how many tokens it allowed.
+    masked_entropies: list[float] | None = None
+    removed_mass: list[float] | None = None
+    allowed_counts: list[float] | None = None
 
 
 class Sampler:
@@ -90,41 +99,55 @@ class Sampler:
         model = softmax_entropy(logits)
         predictive = self._predictive_entropy(logits, model.entropy, batch)
         state = torch.full_like(model.entropy, torch.nan)
+        # Under a grammar the token is drawn from the masked logits; the entropies above and
+        # the temperature laws stay on the model's own.
+        allowed_logits, base = logits, model
+        if batch.allowed is not None:
+            allowed_logits = logits.masked_fill(~batch.allowed, -torch.inf)
+            base = softmax_entropy(allowed_logits, masked=True)
         if batch.all_greedy:
-            tokens, temperature = self._force(model.top, batch), batch.temperature
+            tokens, temperature = self._force(base.top, batch), batch.temperature
             tempered = torch.zeros_like(model.entropy)
         else:
             greedy = batch.temperature == 0
             temperature = self.temperatures(logits, model.entropy, batch, state)
-            if batch.untempered:  # every row samples the model's own distribution
-                scaled, sampled_from = logits, model
+            masked = batch.masks or batch.allowed is not None
+            if batch.untempered:  # every row samples the (allowed) distribution as is
+                scaled, sampled_from = allowed_logits, base
             else:
-                scaled = apply_filters(logits / temperature[:, None], batch)
-                scaled = self._truncate(scaled, batch)
-                sampled_from = softmax_entropy(scaled, masked=batch.masks)
+                scaled = self._filtered(allowed_logits, temperature, batch)
+                sampled_from = softmax_entropy(scaled, masked=masked)
             drawn = self._draw(sampled_from.probs, batch.generators)
-            tokens = self._force(torch.where(greedy, model.top, drawn), batch)
+            tokens = self._force(torch.where(greedy, base.top, drawn), batch)
+            if batch.allowed is not None and batch.groups:
+                # Laws that move after sampling follow what the model would have sampled from.
+                scaled = self._filtered(logits, temperature, batch)
+                sampled_from = softmax_entropy(scaled, masked=batch.masks)
             self.advance_states(scaled, sampled_from, tokens, temperature, batch, state)
             tempered = torch.where(greedy, 0.0, sampled_from.entropy)
             temperature = torch.where(greedy, 0.0, temperature)
         logprobs = None
         if batch.num_logprobs is not None:
             logprobs = self._logprobs(model.logprobs(logits), tokens, batch.num_logprobs)
+        columns = [tokens, model.entropy, tempered, temperature, *predictive, state]
+        if batch.allowed is not None:
+            constrained = batch.constrained
+            nan = torch.full_like(model.entropy, torch.nan)
+            removed = model.log_normalizer - base.log_normalizer
+            columns += [
+                torch.where(constrained, base.entropy, nan),
+                torch.where(constrained, removed.clamp(min=0.0), nan),
+                torch.where(constrained, batch.allowed.sum(-1).float(), nan),
+            ]
         # One host transfer for the per-row scalars (token ids are exact in float64).
-        columns = (tokens, model.entropy, tempered, temperature, *predictive, state)
-        ids, entropies, tempered_list, temperatures, estimates, uppers, states = torch.stack(
-            [c.double() for c in columns]
-        ).tolist()
-        return SamplerOutput(
-            [int(t) for t in ids],
-            entropies,
-            tempered_list,
-            temperatures,
-            estimates,
-            uppers,
-            states,
-            logprobs,
-        )
+        ids, *host = torch.stack([c.double() for c in columns]).tolist()
+        return SamplerOutput([int(t) for t in ids], *host[:6], logprobs, *host[6:])
+
+    def _filtered(
+        self, logits: torch.Tensor, temperature: torch.Tensor, batch: SamplingBatch
+    ) -> torch.Tensor:
+        """The logits each row samples from at its temperature, after its filters."""
+        return self._truncate(apply_filters(logits / temperature[:, None], batch), batch)
 
     def _predictive_entropy(
         self, logits, raw_entropy, batch: SamplingBatch

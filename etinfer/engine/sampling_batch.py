@@ -34,6 +34,10 @@ class SamplingBatch:
     untempered: bool  # every row samples softmax(logits) as is: temperature 1, no filters
     masks: bool  # some row's sampled distribution has tokens removed (filters, Mirostat)
     num_logprobs: int | None  # the largest top-N asked for; None when no row asks
+    # Grammar masks (etinfer/structured/): [rows, vocab] True where a row may emit a token, and
+    # [rows] which rows have a grammar; None when no row has one.
+    allowed: torch.Tensor | None = None
+    constrained: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -44,6 +48,8 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         forced: list[int | None] | None = None,
+        allowed: torch.Tensor | None = None,
+        constrained: list[bool] | None = None,
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -90,6 +96,8 @@ class SamplingBatch:
             ),
             masks=any(filters(p) for p in params) or any(law.truncates for law in laws.values()),
             num_logprobs=max(asked) if asked else None,
+            allowed=None if allowed is None else allowed.to(device),
+            constrained=None if allowed is None else column(constrained, torch.bool),
         )
 
 

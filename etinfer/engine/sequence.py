@@ -16,6 +16,8 @@ from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
+from etinfer.structured.backend import Matcher
+from etinfer.structured.masks import ConstraintTrace
 
 
 class StopRule(NamedTuple):
@@ -110,6 +112,10 @@ class Sequence:
         self.kv_offset = 0
         self.token_models: list[str] = []
         self.exit_start: int | None = None
+        # Structured output: the grammar's matcher (set when the grammar is compiled; every
+        # sampled token goes through it) and what its masks did, per generated token.
+        self.constraint: Matcher | None = None
+        self.constraint_trace = ConstraintTrace() if params.structured is not None else None
 
     def append_sampled(
         self,
@@ -125,6 +131,13 @@ class Sequence:
         token = out.token_ids[row]
         if self.forced:
             self.forced.pop()  # the sampler already put it in place of a sampled token
+        if self.constraint is not None and not self.constraint.accept(token):
+            self.finish_reason = "grammar_dead_end"  # its mask allowed nothing
+            return
+        if self.constraint_trace is not None and out.masked_entropies is not None:
+            self.constraint_trace.append(
+                out.masked_entropies[row], out.removed_mass[row], out.allowed_counts[row]
+            )
         self.token_ids.append(token)
         self.entropies.append(out.entropies[row])
         self.tempered_entropies.append(out.tempered_entropies[row])
@@ -141,6 +154,7 @@ class Sequence:
             self.detokenizer.append(token)  # a stop string
             or token in params.stop_token_ids
             or (not params.ignore_eos and token in stop.eos_token_ids)
+            or (self.constraint is not None and self.constraint.is_terminated)
         ):
             self.finish_reason = "stop"
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= stop.max_model_len:
@@ -151,6 +165,9 @@ class Sequence:
         over all layers, and the bound on the attention mass any layer dropped."""
         self.blocks_kept.append(kept / total if total else 1.0)
         self.dropped_mass.append(dropped_mass)
+
+    def _trace_since(self, start: int) -> ConstraintTrace | None:
+        return None if self.constraint_trace is None else self.constraint_trace.since(start)
 
     @property
     def num_tokens(self) -> int:
@@ -215,6 +232,7 @@ class Sequence:
             num_accepted_tokens=self.num_accepted_tokens,
             token_models=self.token_models[tokens:] if self.writes_models else None,
             attention_profile=self.attention_profile,
+            constraint=self._trace_since(tokens),
             delta=True,
         )
 
@@ -241,4 +259,5 @@ class Sequence:
             num_accepted_tokens=self.num_accepted_tokens,
             token_models=list(self.token_models) if self.writes_models else None,
             attention_profile=self.attention_profile,
+            constraint=self._trace_since(0),
         )

@@ -6,6 +6,7 @@ their entropies and temperatures are those plain decoding would produce."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -38,7 +39,13 @@ class Emitted:
         if len(self.outputs) <= 1:
             return self.outputs[0] if self.outputs else None
         lists = [[v for o in self.outputs for v in getattr(o, name)] for name in _ROW_FIELDS]
-        return SamplerOutput(*lists, logprobs=None)
+        masked = {
+            name: [v for o in self.outputs for v in _or_nan(getattr(o, name), len(o.token_ids))]
+            for name in _MASK_FIELDS
+        }
+        if all(getattr(o, _MASK_FIELDS[0]) is None for o in self.outputs):
+            masked = {}
+        return SamplerOutput(*lists, logprobs=None, **masked)
 
 
 _ROW_FIELDS = (
@@ -50,6 +57,11 @@ _ROW_FIELDS = (
     "predictive_entropy_upper",
     "states",
 )
+_MASK_FIELDS = ("masked_entropies", "removed_mass", "allowed_counts")
+
+
+def _or_nan(values: list[float] | None, rows: int) -> list[float]:
+    return [math.nan] * rows if values is None else values
 
 
 def sample_verified(

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 from tokenizers.decoders import DecodeStream
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class Tokenizer:
@@ -103,13 +103,23 @@ class Tokenizer:
         ``context`` are the ids before the first one to decode (the prompt)."""
         return DecodeStream(list(context), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def apply_chat_template(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ValueError("this model ships no chat template; pass plain prompts to generate()")
         return self._template.render(
             messages=list(messages),
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.bos_token_id),
             eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),

@@ -77,10 +77,12 @@ class PromptEncoder:
 
         return await self._run(encode, "prompt", sum(map(len, texts)))
 
-    async def encode_chat(self, messages: list[Message]) -> list[int]:
+    async def encode_chat(
+        self, messages: list[Message], tools: list[dict] | None = None
+    ) -> list[int]:
         def encode() -> list[int]:
             try:
-                text = self.tokenizer.apply_chat_template(messages)
+                text = self.tokenizer.apply_chat_template(messages, tools=tools)
             except (ValueError, jinja2.TemplateError) as e:
                 # The model's template refuses some conversations (say, roles out of order).
                 raise APIError(400, f"chat template: {e}", param="messages") from e
@@ -93,7 +95,7 @@ class PromptEncoder:
             self.validator.check_length(len(ids))
             return ids
 
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(len(m["content"]) for m in messages) + len(str(tools or ""))
         return await self._run(encode, "messages", size)
 
     async def _run(self, work: Callable[[], T], param: str, text_chars: int) -> T:

@@ -7,7 +7,7 @@ a mistyped field is a 400 that names it rather than a knob silently ignored. Ran
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +56,32 @@ class SamplingExtensions(_Strict):
 EXTENSION_FIELDS = frozenset(SamplingExtensions.model_fields)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that follows a
+    schema (constrained by a grammar, so it always parses and validates)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extra field (one of its constraint kinds)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    max_whitespace: int | None = None
+
+
 class GenerationRequest(SamplingExtensions):
     """What completions and chat completions share."""
 
@@ -80,6 +106,14 @@ class GenerationRequest(SamplingExtensions):
     # With sparse prefill on: the finished reply's ``etinfer`` object carries the prompt's
     # attention entropy and budgets per segment, layer and KV head (for plots).
     return_attention_entropy: bool = False
+    # Structured output: OpenAI's response_format, and vLLM's extra fields (its newer
+    # structured_outputs object and its older guided_* names). At most one may be set.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported_field(self) -> str | None:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -117,20 +151,50 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def as_template_message(self) -> dict[str, str]:
-        content = (
-            self.content
-            if isinstance(self.content, str)
-            else "".join(part.text for part in self.content)
-        )
-        # Chat templates of open models know "system"; "developer" is OpenAI's newer name.
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -140,3 +204,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None

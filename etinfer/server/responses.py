@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from etinfer.outputs import Logprob, RequestOutput
+from etinfer.server.tool_calls import ToolCalling, ToolCallStream
 
 # OpenAI's floor for a log-probability (what -inf is reported as).
 MIN_LOGPROB = -9999.0
@@ -65,6 +66,12 @@ def telemetry(out: RequestOutput, delta: Delta, attention_entropy: bool = False)
         fields["blocks_kept"] = _finite(out.blocks_kept[delta.blocks])
     if out.token_models is not None:
         fields["token_models"] = out.token_models[a:b]
+    if out.constraint is not None:
+        # Under a grammar: what the mask did to each token (the entropies above are the
+        # model's own, before it).
+        trace = out.constraint.since(a)
+        fields["masked_entropies"] = _finite(trace.masked_entropies[: b - a])
+        fields["forced"] = trace.forced[: b - a]
     if out.finished:
         fields["entropic_time"] = out.entropic_time if math.isfinite(out.entropic_time) else None
         if out.token_models is not None:
@@ -185,10 +192,17 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, top_logprobs: int | None, attention_entropy: bool = False) -> None:
+    def __init__(
+        self,
+        top_logprobs: int | None,
+        attention_entropy: bool = False,
+        tools: ToolCalling | None = None,
+    ) -> None:
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.with_logprobs = top_logprobs is not None
         self.attention_entropy = attention_entropy
+        self.tools = tools
+        self._streams: dict[int, ToolCallStream] = {}  # per streamed choice, under tools
 
     def _logprobs(self, out: RequestOutput, delta: Delta) -> dict | None:
         if self.top_logprobs is None:
@@ -196,20 +210,36 @@ class ChatFormat:
         return chat_logprobs(out, delta.tokens, self.top_logprobs)
 
     def choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
+        message: dict = {"role": "assistant", "content": delta.text}
+        finish_reason = out.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(out.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                finish_reason = _tool_finish(finish_reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": delta.text},
+            "message": message,
             "logprobs": self._logprobs(out, delta),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish_reason,
             "etinfer": telemetry(out, delta, self.attention_entropy),
         }
 
     def chunk_choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
+        finish_reason = out.finish_reason
+        if self.tools is None:
+            fields = {"content": delta.text} if delta.text else {}
+        else:
+            stream = self._streams.setdefault(index, ToolCallStream(self.tools))
+            fields = stream.delta(out.text, out.finished)
+            if stream.calls:
+                finish_reason = _tool_finish(finish_reason)
         return {
             "index": index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": fields,
             "logprobs": self._logprobs(out, delta),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish_reason,
             "etinfer": telemetry(out, delta, self.attention_entropy),
         }
 
@@ -224,3 +254,8 @@ class ChatFormat:
             }
             for i in range(num_choices)
         ]
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself in calls finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" else reason

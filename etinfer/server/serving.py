@@ -40,6 +40,13 @@ from etinfer.server.protocol import (
     GenerationRequest,
 )
 from etinfer.server.responses import ChatFormat, CompletionFormat, Cursor, advance, usage
+from etinfer.server.structured_outputs import (
+    compiled,
+    constraint_params,
+    requested_constraint,
+    with_constraint,
+)
+from etinfer.server.tool_calls import ToolCalling, template_messages
 
 
 def _dumps(body: dict) -> str:
@@ -80,6 +87,7 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS
         params = sampling_params(request, max_tokens, request.logprobs, FIELDS)
+        params = await self._constrained(request, params, None)
         encoded = await self.encoder.encode_completion(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = engine_requests(self.engine, request_id, encoded, params, request, arrival)
@@ -110,7 +118,12 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = sampling_params(request, max_tokens, logprobs, fields)
-        ids = await self.encoder.encode_chat([m.as_template_message() for m in request.messages])
+        tools = ToolCalling.of(request.tools, request.tool_choice, request.parallel_tool_calls)
+        params = await self._constrained(request, params, tools)
+        messages, template_tools = template_messages(
+            request.messages, tools, self.engine.tokenizer.template_knows_tools
+        )
+        ids = await self.encoder.encode_chat(messages, template_tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = engine_requests(
             self.engine,
@@ -122,8 +135,25 @@ class OpenAIServing:
             max_tokens_param=fields["max_tokens"],
             to_context_end=max_tokens is None,
         )
-        chat = ChatFormat(logprobs, request.return_attention_entropy)
+        chat = ChatFormat(logprobs, request.return_attention_entropy, tools)
         return await self._answer(request, raw, request_id, requests, chat)
+
+    async def _constrained(self, request: GenerationRequest, params, tools: ToolCalling | None):
+        """``params`` with the request's output constraint (its structured-output fields, or
+        the tool choice's), once compiled; a 400 naming the field when it cannot be."""
+        asked = requested_constraint(request)
+        constraint = None if tools is None else tools.constraint()
+        if asked is not None and constraint is not None:
+            raise APIError(
+                400, f"{asked[0]} and tool_choice both constrain the output", param=asked[0]
+            )
+        param = "tools"
+        if asked is not None:
+            param, fields = asked
+            constraint = constraint_params(param, fields)
+        params = with_constraint(params, constraint)
+        await compiled(self.engine.grammars.compiler, params, param)
+        return params
 
     # -- running --------------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""The interface a grammar library implements to constrain decoding.
+
+A backend compiles a ``StructuredOutputsParams`` into an immutable grammar (shared by every
+request that asks for the same one, across threads) and makes a matcher per request: the
+matcher follows the tokens the request emits and writes which tokens may come next into one
+row of a bitmask. The bitmask layout is the one xgrammar and llguidance share: int32 words,
+bit ``j`` of word ``i`` set when token ``32 * i + j`` is allowed, so the sampler applies any
+backend's masks the same way (``masks.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from etinfer.structured.params import StructuredOutputsParams
+
+
+class Matcher(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False (and no change) when the grammar forbids it."""
+
+    @abstractmethod
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask``."""
+
+    @abstractmethod
+    def jump_forward(self) -> str:
+        """The text the grammar allows as the only continuation from here ('' if none)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    @property
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar has ended (a stop token was accepted)."""
+
+
+class CompiledGrammar(ABC):
+    @abstractmethod
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start."""
+
+
+class GrammarBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile ``params``; ValueError naming the problem when the backend cannot."""
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask for ``rows`` rows, every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool mask [rows, vocab_size] a bitmask stands for (True: allowed)."""
+    bits = (bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,81 @@
+"""Constraints compiled off the step loop, each once: a thread pool and a cache by key.
+
+A request's grammar compiles on a worker thread while the engine keeps stepping the others;
+the request joins the scheduler when its grammar is ready (``LLMEngine`` holds it until then),
+so a slow schema delays only its own request. Requests that ask for the same constraint share
+one compiled grammar (each gets its own matcher).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from etinfer.model.tokenizer import Tokenizer
+from etinfer.structured.backend import CompiledGrammar, GrammarBackend
+from etinfer.structured.params import StructuredOutputsParams
+
+# A schema that takes longer than this to compile is refused (its compilation runs on; a
+# later request for it finds the result cached). Real schemas compile in milliseconds.
+DEFAULT_COMPILE_TIMEOUT = 10.0
+CACHE_SIZE = 256
+BACKENDS = ("xgrammar",)
+
+
+class GrammarCompiler:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, backend: str = "xgrammar", workers: int = 2
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"structured output backend must be one of {BACKENDS}, got {backend!r}"
+            )
+        self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
+        self._backend: GrammarBackend | None = None  # built on first use: it reads the vocab
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="etinfer-grammar")
+        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+
+    def submit(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """The compiled grammar for ``params``, cached or compiling."""
+        with self._lock:
+            future = self._cache.get(params.key)
+            if future is None:
+                future = self._cache[params.key] = self._pool.submit(self._compile, params)
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(params.key)
+            return future
+
+    def compile(
+        self, params: StructuredOutputsParams, timeout: float = DEFAULT_COMPILE_TIMEOUT
+    ) -> CompiledGrammar:
+        """Wait for ``params``' grammar; ValueError when it cannot be compiled in ``timeout``."""
+        try:
+            return self.submit(params).result(timeout)
+        except FutureTimeout:
+            raise ValueError(
+                f"structured.{params.kind} took over {timeout:g} s to compile; "
+                "simplify the constraint"
+            ) from None
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return self._get_backend().compile(params)
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                try:
+                    from etinfer.structured.xgrammar_backend import XGrammarBackend
+                except ImportError as e:
+                    raise ValueError(
+                        f"structured output needs the xgrammar package ({e}); install it with "
+                        "pip install --no-deps xgrammar apache-tvm-ffi (and transformers)"
+                    ) from e
+                self._backend = XGrammarBackend(self._tokenizer, self._vocab_size)
+            return self._backend
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,239 @@
+"""Structured output in the engine: grammar masks on the real model, through every layer, with
+the entropy signal kept the model's own."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import transformers
+
+from etinfer import LLM, SamplingParams
+from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.config import EngineConfig, SpeculativeConfig
+from etinfer.engine.llm_engine import LLMEngine
+from etinfer.model.loader import LoadedModel
+from etinfer.structured.masks import fill_allowed
+from etinfer.structured.params import StructuredOutputsParams
+
+PERSON = SCHEMAS[0][2]
+ASK = [{"role": "user", "content": SCHEMAS[0][1]}]
+
+
+def chat_ids(llm: LLM, messages=ASK) -> list[int]:
+    return llm.tokenizer.encode_chat(messages)
+
+
+def greedy(schema: dict = PERSON, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=96, structured={"json": schema}, **kwargs)
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+class GrammarMask(transformers.LogitsProcessor):
+    """transformers' logits under the same compiled grammar: one matcher fed the tokens
+    generate() picks, its mask applied as our sampler applies it."""
+
+    def __init__(self, llm: LLM, params: StructuredOutputsParams, prompt_length: int) -> None:
+        self.matcher = llm.engine.grammars.compiler.compile(params).matcher()
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_length:
+            assert self.matcher.accept(int(input_ids[0, -1]))
+        allowed = fill_allowed([self.matcher], scores.shape[-1])
+        return scores.masked_fill(~allowed, -torch.inf)
+
+
+def hf_constrained(hf_model, llm: LLM, ids: list[int], params: SamplingParams) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=params.max_tokens,
+        do_sample=False,
+        logits_processor=[GrammarMask(llm, params.structured, len(ids))],
+        eos_token_id=list(llm.tokenizer.eos_token_ids),
+        pad_token_id=llm.tokenizer.eos_token_ids[0],
+    )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.slow
+def test_greedy_constrained_output_equals_transformers_with_the_same_mask(float_llm, hf_reference):
+    ids = chat_ids(float_llm)
+    params = greedy()
+    ours = float_llm.generate(ids, params)[0]
+    theirs = hf_constrained(hf_reference, float_llm, ids, params)
+    assert ours.token_ids == [t for t in theirs if t not in float_llm.tokenizer.eos_token_ids] + [
+        t for t in ours.token_ids[-1:] if t in float_llm.tokenizer.eos_token_ids
+    ]
+    assert valid(ours.text, PERSON)
+
+
+def test_tiny_model_constrained_greedy_equals_transformers(tiny_model: LoadedModel):
+    """Random weights follow the grammar only because of the mask: every token is masked."""
+    config = tiny_model.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    hf_model.load_state_dict(tiny_model.weights, strict=False)
+    hf_model.tie_weights()
+    llm = LLM(tiny_model, quantization="none", dtype="float32", kv_cache_dtype="float32")
+    ids = chat_ids(llm)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured={"regex": r"[a-z]{3,8}( [a-z]{2,6}){2,5}\."}
+    )
+    ours = llm.generate(ids, params)[0]
+    theirs = hf_constrained(hf_model, llm, ids, params)
+    assert ours.token_ids == theirs[: len(ours.token_ids)]
+    assert ours.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_every_schema_validates_in_one_batch_with_free_requests(llm: LLM):
+    constrained = [
+        SamplingParams(temperature=0.7, max_tokens=256, seed=i, structured={"json": schema})
+        for i, (_, _, schema) in enumerate(SCHEMAS)
+    ]
+    free = [SamplingParams(temperature=0.7, max_tokens=32, seed=7) for _ in range(4)]
+    prompts = [chat_ids(llm, [{"role": "user", "content": p}]) for _, p, _ in SCHEMAS]
+    outputs = llm.generate(prompts + prompts[:4], constrained + free)
+    for (name, _, schema), out in zip(SCHEMAS, outputs, strict=False):
+        assert out.finish_reason == "stop", name
+        assert valid(out.text, schema), (name, out.text)
+        assert len(out.constraint.forced) == len(out.token_ids)
+    assert all(out.constraint is None for out in outputs[len(SCHEMAS) :])
+
+
+def test_forced_tokens_carry_the_models_entropy_not_zero(llm: LLM):
+    """On a step where the grammar allows one token, the sampled distribution is certain but
+    the entropy the controls read is the model's own."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured={"choice": ["The answer is definitely yes"]}
+    )
+    out = llm.generate(chat_ids(llm), params)[0]
+    assert out.text == "The answer is definitely yes"
+    forced = [i for i, f in enumerate(out.constraint.forced) if f]
+    assert len(forced) >= 3
+    assert all(out.constraint.masked_entropies[i] == 0 for i in forced)
+    assert max(out.entropies[i] for i in forced) > 0.1  # the model was not certain of them
+    assert all(out.constraint.removed_mass[i] >= 0 for i in forced)
+
+
+def test_entropy_control_reads_the_models_entropy_under_a_mask(llm: LLM):
+    """The feedback law moves the temperature from the model's entropy: the same request with
+    and without a mask that allows everything the model would say sees the same entropies."""
+    ids = chat_ids(llm)
+    control = {"temperature": 0.7, "entropy_target": 1.0, "seed": 3, "max_tokens": 24}
+    plain = llm.generate(ids, SamplingParams(**control))[0]
+    loose = SamplingParams(**control, structured={"regex": r"(.|\n)*"})
+    masked = llm.generate(ids, loose)[0]
+    assert masked.token_ids == plain.token_ids
+    assert masked.entropies == pytest.approx(plain.entropies, abs=1e-5)
+    assert masked.temperatures == pytest.approx(plain.temperatures, abs=1e-5)
+
+
+def test_constrained_outputs_are_the_same_alone_batched_preempted_and_speculative(
+    loaded_model: LoadedModel, llm: LLM
+):
+    ids = chat_ids(llm)
+    params = [greedy(), greedy(stop=["}"]), greedy(SCHEMAS[3][2])]
+    alone = [llm.generate(ids, p)[0].token_ids for p in params]
+    assert [o.token_ids for o in llm.generate([ids] * 3, params)] == alone
+    # A pool so small that the three preempt one another (recompute keeps their matchers).
+    small = LLM(loaded_model, num_kvcache_blocks=10, block_size=16, max_num_seqs=3)
+    outs = small.generate([ids] * 3, params)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.num_preemptions for o in outs) > 0
+    speculative = LLM(loaded_model, speculative=SpeculativeConfig(method="ngram"))
+    outs = speculative.generate([ids] * 3, params)
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_n_samples_and_streaming_follow_the_grammar(llm: LLM):
+    ids = chat_ids(llm)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured={"json": PERSON})
+        for s in range(4)
+    ]
+    for out in llm.generate([ids] * 4, params):
+        assert valid(out.text, PERSON), out.text
+    streamed = list(llm.stream(ids, greedy(), delta=True))
+    whole = streamed[0].accumulating(streamed[0])
+    for delta in streamed[1:]:
+        whole.merge(delta)
+    assert whole.text == llm.generate(ids, greedy())[0].text
+    assert len(whole.constraint.forced) == len(whole.token_ids)
+
+
+def test_a_token_the_grammar_forbids_ends_the_request_at_a_dead_end(loaded_model):
+    engine = LLMEngine(EngineConfig(model=str(loaded_model.path)), loaded_model)
+    digits = StructuredOutputsParams(regex=r"[0-9]+")
+    letter = engine.tokenizer.encode("x", add_special_tokens=False)
+    engine.add_request(
+        "Count:", SamplingParams(max_tokens=4, structured=digits), forced_token_ids=letter
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finish_reason == "grammar_dead_end"
+    assert outputs[-1].token_ids == []
+
+
+def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
+    bad = StructuredOutputsParams(regex="[a-")
+    with pytest.raises(ValueError, match=r"structured\.regex"):
+        llm.generate("x", SamplingParams(structured=bad))
+    assert not llm.engine.has_unfinished_requests()
+    # Straight to a fresh engine: the request waits for its compile, then ends with "error".
+    engine = LLMEngine(EngineConfig(model=str(loaded_model.path)), loaded_model)
+    engine.add_request("x", SamplingParams(structured=StructuredOutputsParams(regex="(a")))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.finish_reason for o in outputs] == ["error"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+        ({"json": {"type": "nope"}}, "not a valid JSON schema"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": {"type": "array", "minItems": -1}}, "minItems"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a"] * 2000}, "the limit is 1024"),
+        ({"regex": "a" * 70_000}, "the limit is 65536"),
+        ({"max_whitespace": -1, "json_object": True}, "max_whitespace"),
+    ],
+)
+def test_bad_constraints_name_the_field_and_the_limit(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_a_schema_nested_past_the_limit_is_refused_without_recursion():
+    schema: dict = {"type": "object"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ValueError, match=r"nests \d+ levels deep; the limit is 32"):
+        StructuredOutputsParams(json=schema)
