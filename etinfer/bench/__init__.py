@@ -15,6 +15,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
     from etinfer.bench.speed import kernels, kv_cache, quantization, speed, step_profile
     from etinfer.bench.stress import iss_check, stress
+    from etinfer.bench.structured import structured
 
     bench = commands.add_parser("bench", help="run a benchmark")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -36,3 +37,4 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     kv_cache.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)
+    structured.add_command(kinds)

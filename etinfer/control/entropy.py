@@ -62,6 +62,30 @@ def softmax_entropy(logits: torch.Tensor, masked: bool = False) -> Distribution:
     return Distribution(probs, h.clamp(min=0.0), top, top_logit - log_top_p)
 
 
+def restricted(model: Distribution, logits: torch.Tensor, allowed: torch.Tensor) -> Distribution:
+    """``softmax_entropy`` of the logits with the tokens outside ``allowed`` removed, from the
+    whole distribution already computed: with ``Z`` the mass kept and ``S`` the kept
+    probabilities' dot with the logits, ``H = (m - S / Z) - log q_max`` in the same
+    cancellation-free form as there (``m`` the top kept logit, ``q_max`` its kept share). It
+    saves the softmax pass; a row that kept less mass than float32 resolves is computed
+    exactly instead."""
+    kept = model.probs * allowed
+    mass = kept.sum(-1)
+    top = kept.argmax(-1)
+    log_top_q = (kept.gather(1, top[:, None])[:, 0] / mass).log()
+    mean_logit = torch.linalg.vecdot(kept, logits) / mass
+    entropy = (logits.gather(1, top[:, None])[:, 0] - mean_logit) - log_top_q
+    dist = Distribution(
+        kept / mass[:, None], entropy.clamp(min=0.0), top, model.log_normalizer + mass.log()
+    )
+    tiny = mass < 1e-30
+    if bool(tiny.any()):
+        exact = softmax_entropy(logits[tiny].masked_fill(~allowed[tiny], -torch.inf), masked=True)
+        for name in ("probs", "entropy", "top", "log_normalizer"):
+            getattr(dist, name)[tiny] = getattr(exact, name)
+    return dist
+
+
 class TemperedEntropy:
     """Entropy and varentropy of ``softmax(z / T)`` for one set of logits, at any ``u = log T``.
 

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from etinfer.control.entropy import Distribution, estimate_entropy, softmax_entropy, topk_bounds
+from etinfer.control.entropy import (
+    Distribution,
+    estimate_entropy,
+    restricted,
+    softmax_entropy,
+    topk_bounds,
+)
 from etinfer.control.stress import StressConfig
 from etinfer.engine.sampling_batch import SamplingBatch, apply_filters
 from etinfer.outputs import Logprob
@@ -104,7 +110,7 @@ class Sampler:
         allowed_logits, base = logits, model
         if batch.allowed is not None:
             allowed_logits = logits.masked_fill(~batch.allowed, -torch.inf)
-            base = softmax_entropy(allowed_logits, masked=True)
+            base = restricted(model, logits, batch.allowed)
         if batch.all_greedy:
             tokens, temperature = self._force(base.top, batch), batch.temperature
             tempered = torch.zeros_like(model.entropy)

