@@ -257,3 +257,28 @@ def test_the_restricted_distribution_equals_the_masked_softmax():
     assert torch.allclose(ours.probs, exact.probs, atol=1e-6)
     assert torch.allclose(ours.log_normalizer, exact.log_normalizer, atol=1e-4)
     assert ours.entropy[1] < 1e-6
+
+
+@pytest.mark.slow
+def test_every_control_layer_and_ead_keep_outputs_valid(make_llm, llm: LLM):
+    """The full system (entropy scheduling, pruning, entropy-stabilised sampling) and Entropy
+    Adaptive Decoding's small model: the grammar holds whoever writes the token."""
+    from etinfer import ControlConfig
+    from etinfer.control.switching import SwitchingConfig
+
+    prompts = [chat_ids(llm, [{"role": "user", "content": p}]) for _, p, _ in SCHEMAS[:6]]
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=256, structured={"json": schema})
+        for i, (_, _, schema) in enumerate(SCHEMAS[:6])
+    ]
+    full = make_llm(control=ControlConfig.full())
+    ead = make_llm(
+        draft_model="self:22",
+        control=ControlConfig(switching=SwitchingConfig(threshold=1.5, hysteresis=0.25)),
+    )
+    for engine in (full, ead):
+        for (name, _, schema), out in zip(SCHEMAS, engine.generate(prompts, params), strict=False):
+            assert out.finish_reason == "stop" and valid(out.text, schema), (name, out.text)
+    assert any(
+        m != "target" for out in ead.generate(prompts[:2], params[:2]) for m in out.token_models
+    )

@@ -122,3 +122,27 @@ def test_a_narrow_window_keeps_the_page_within_its_width_and_the_keyboard_reache
         assert browser.find_element(By.ID, "token-detail").is_displayed()
     finally:
         browser.set_window_size(1200, 1000)
+
+
+def test_json_output_outlines_the_tokens_the_grammar_forced(
+    browser, server, client: openai.OpenAI, model_name: str
+):
+    reference = client.completions.create(
+        model=model_name,
+        prompt=GREEDY_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )
+    forced = reference.choices[0].model_extra["etinfer"]["forced"]
+    assert any(forced)
+    open_page(browser, server, **{"temperature": "0", "max-tokens": "24"})
+    browser.find_element(By.CSS_SELECTOR, "#output-format option[value=json]").click()
+    send_and_wait(browser)
+    tokens = browser.find_elements(By.CSS_SELECTOR, "#output .tok")
+    assert ["forced" in t.get_attribute("class") for t in tokens] == forced
+    first = tokens[forced.index(True)]
+    ActionChains(browser).move_to_element(first).perform()
+    detail = browser.find_element(By.ID, "token-detail")
+    WebDriverWait(browser, 10).until(expected_conditions.visibility_of(detail))
+    assert "forced by the grammar" in detail.text and "masked entropy" in detail.text

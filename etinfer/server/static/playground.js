@@ -67,6 +67,8 @@ function requestBody() {
     body.entropy_control = $("entropy-control").value;
   }
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  // A grammar: tokens it forces are outlined (the colour stays the model's own entropy).
+  if ($("output-format").value === "json") body.structured_outputs = { json_object: true };
   if (chat) {
     body.messages = [{ role: "user", content: text }];
     body.logprobs = true;
@@ -110,10 +112,12 @@ function addTokens(choice) {
     token.temperature = (signal.temperatures || [])[i];
     token.blocks = (signal.blocks_kept || [])[i];
     token.model = (signal.token_models || [])[i];
+    token.forced = (signal.forced || [])[i];
+    token.masked = (signal.masked_entropies || [])[i];
     token.index = state.tokens.length;
     state.tokens.push(token);
     const span = document.createElement("span");
-    span.className = "tok";
+    span.className = token.forced ? "tok forced" : "tok";
     span.tabIndex = 0;
     span.dataset.index = token.index;
     span.style.background = colour(token.entropy);
@@ -137,6 +141,10 @@ function showDetail(span) {
   ];
   if (token.blocks !== undefined) rows.push(["blocks kept", `${fmt(100 * token.blocks, 0)} %`]);
   if (token.model !== undefined) rows.push(["written by", token.model]);
+  if (token.forced !== undefined) {
+    rows.push(["forced by the grammar", token.forced ? "yes" : "no"]);
+    rows.push(["masked entropy", `${fmt(token.masked)} nats`]);
+  }
   const table = document.createElement("table");
   for (const [name, value] of rows) {
     const tr = table.insertRow();
