@@ -218,6 +218,13 @@ class EngineConfig:
             "ngram:4:fixed; schedules entropy, fixed, heuristic)"
         },
     )
+    jump_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "structured output: verify a grammar's forced continuation in one step "
+            "(off under control.switching and control.kv_compression)"
+        },
+    )
     stress: StressConfig | None = field(
         default=None,
         metadata={

@@ -282,3 +282,18 @@ def test_every_control_layer_and_ead_keep_outputs_valid(make_llm, llm: LLM):
     assert any(
         m != "target" for out in ead.generate(prompts[:2], params[:2]) for m in out.token_models
     )
+
+
+def test_jump_forward_verifies_forced_text_in_fewer_steps_with_the_same_output(make_llm, llm):
+    ids = chat_ids(llm)
+    params = [greedy(), greedy(SCHEMAS[8][2]), greedy(SCHEMAS[12][2])]
+    steps: dict[bool, list] = {False: [], True: []}
+    outputs = {}
+    for jump, counted in steps.items():
+        engine = make_llm(jump_forward=jump)
+        with engine.engine.observing(counted.append):
+            outputs[jump] = [engine.generate(ids, p)[0] for p in params]
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    entropies = {jump: [h for o in outs for h in o.entropies] for jump, outs in outputs.items()}
+    assert entropies[True] == pytest.approx(entropies[False], abs=1e-4)
+    assert len(steps[True]) < 0.9 * len(steps[False]), {k: len(v) for k, v in steps.items()}

@@ -46,6 +46,7 @@ from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.structured.compiler import GrammarCompiler
+from etinfer.structured.jump_forward import JumpForward
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.waiting_room import GrammarWaitingRoom
 
@@ -90,6 +91,15 @@ class LLMEngine:
         self.grammars = GrammarWaitingRoom(
             GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
         )
+        self.jump_forward = None
+        # The switcher's small-model rows and a compressed cache take no drafts.
+        if config.jump_forward and self.switcher is None and self.compressor is None:
+            self.jump_forward = JumpForward(
+                self.kv,
+                self.tokenizer,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -240,6 +250,8 @@ class LLMEngine:
         decisions = self._decide(record, batch)
         if self.speculator is not None:
             self.speculator.draft(batch, decisions.shape)
+        if self.jump_forward is not None:
+            self.jump_forward.draft(batch)
         free_blocks = self.kv.pool.num_free_blocks
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         small: set[int] = set()

@@ -51,6 +51,12 @@ class ScheduledBatch:
             drafts=[self.drafts[i] for i in indices],
         )
 
+    def add_drafts(self, index: int, drafts: list[int]) -> None:
+        """Have sequence ``index`` verify ``drafts`` after its known token (KV slots for them
+        already allocated)."""
+        self.drafts[index] = drafts
+        self.num_tokens[index] += len(drafts)
+
     def input_ids(self, index: int) -> list[int]:
         """The tokens sequence ``index`` computes this step: known ones, then its drafts."""
         seq, drafts = self.seqs[index], self.drafts[index]

@@ -169,6 +169,13 @@ class Sequence:
     def _trace_since(self, start: int) -> ConstraintTrace | None:
         return None if self.constraint_trace is None else self.constraint_trace.since(start)
 
+    def draft_room(self, max_model_len: int) -> int:
+        """How many tokens may be drafted after the next one: what ``max_tokens`` and the
+        context leave (the next one itself counts)."""
+        return min(
+            self.params.max_tokens - self.num_output_tokens - 1, max_model_len - self.num_tokens - 1
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

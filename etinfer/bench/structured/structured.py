@@ -3,10 +3,11 @@
 In one run, on the twenty schemas of ``schemas.py``:
 
 - compile time of each schema (a fresh compiler, no cache);
-- decode tokens/s with every request constrained against the same requests unconstrained
-  (each made to generate the same number of tokens: ``ignore_eos`` and the constrained run's
-  lengths), at batch 1 and at batch 16, and the mask's own cost per token (filling and
-  unpacking it, replayed over the constrained outputs);
+- decode tokens/s with every request constrained (with jump-forward, the default, and
+  without) against the same requests unconstrained (each made to generate the same number of
+  tokens: ``ignore_eos`` and the constrained run's lengths), at batch 1 and at batch 16, and
+  the mask's own cost per token (filling and unpacking it, replayed over the constrained
+  outputs);
 - through the ``openai`` client against ``etinfer serve``: ``--requests`` chat requests over
   the schemas (half streamed) mixed with free completions, each constrained reply parsed and
   validated with ``jsonschema``.
@@ -25,6 +26,7 @@ import torch
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.machine import machine
 from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.model.loader import load_model
 from etinfer.structured.compiler import GrammarCompiler
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
@@ -43,7 +45,7 @@ def compile_times(llm: LLM) -> list[float]:
     return times
 
 
-def decode_speed(llm: LLM, batch: int, max_tokens: int) -> dict:
+def decode_speed(llm: LLM, no_jump: LLM, batch: int, max_tokens: int) -> dict:
     prompts = [
         llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for _, prompt, _ in SCHEMAS
     ]
@@ -51,16 +53,17 @@ def decode_speed(llm: LLM, batch: int, max_tokens: int) -> dict:
         SamplingParams(temperature=0.0, max_tokens=max_tokens, structured={"json": schema})
         for _, _, schema in SCHEMAS
     ]
-    llm.generate(prompts[:2], constrained[:2])  # warm up (and compile every grammar)
-    llm.generate(prompts, constrained)
+    for engine in (llm, no_jump):
+        engine.generate(prompts, constrained)  # warm up (and compile every grammar)
 
-    def run(params: list[SamplingParams]) -> tuple[float, list]:
+    def run(params: list[SamplingParams], engine: LLM = llm) -> tuple[float, list]:
         started, outputs = time.perf_counter(), []
         for i in range(0, len(prompts), batch):
-            outputs += llm.generate(prompts[i : i + batch], params[i : i + batch])
+            outputs += engine.generate(prompts[i : i + batch], params[i : i + batch])
         return time.perf_counter() - started, outputs
 
     seconds_c, outputs = run(constrained)
+    seconds_n, _ = run(constrained, no_jump)
     lengths = [len(o.token_ids) for o in outputs]
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     seconds_f, _ = run(free)
@@ -69,8 +72,10 @@ def decode_speed(llm: LLM, batch: int, max_tokens: int) -> dict:
         "batch": batch,
         "tokens": tokens,
         "constrained_tok_s": tokens / seconds_c,
+        "no_jump_tok_s": tokens / seconds_n,
         "free_tok_s": tokens / seconds_f,
         "ratio": seconds_f / seconds_c,
+        "no_jump_ratio": seconds_f / seconds_n,
         "outputs": outputs,
     }
 
@@ -152,7 +157,9 @@ def served(requests: int, model: str | None, concurrency: int) -> dict:
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     print(json.dumps(machine()))
-    llm = LLM(args.model, max_num_seqs=16) if args.model else LLM(max_num_seqs=16)
+    loaded = load_model(args.model)
+    llm = LLM(loaded, max_num_seqs=16)
+    no_jump = LLM(loaded, max_num_seqs=16, jump_forward=False)
     times = compile_times(llm)
     print(
         f"compile: median {sorted(times)[len(times) // 2] * 1e3:.1f} ms, "
@@ -160,13 +167,14 @@ def main(args: argparse.Namespace) -> None:
     )
     rows = []
     for batch in args.batches:
-        row = decode_speed(llm, batch, args.max_tokens)
+        row = decode_speed(llm, no_jump, batch, args.max_tokens)
         outputs = row.pop("outputs")
         row["mask_ms_per_token"] = mask_cost_per_token(llm, outputs) * 1e3
         rows.append(row)
         print(
-            f"batch {batch:>2}: constrained {row['constrained_tok_s']:.1f} tok/s, "
-            f"free {row['free_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}; "
+            f"batch {batch:>2}: constrained {row['constrained_tok_s']:.1f} tok/s "
+            f"(no jump-forward {row['no_jump_tok_s']:.1f}), free {row['free_tok_s']:.1f} tok/s, "
+            f"ratio {row['ratio']:.3f} ({row['no_jump_ratio']:.3f}); "
             f"mask {row['mask_ms_per_token']:.3f} ms/token ({row['tokens']} tokens)"
         )
     if args.requests:

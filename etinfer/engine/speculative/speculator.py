@@ -60,12 +60,7 @@ class Speculator:
         chosen, limits = [], []
         for i in range(batch.num_decode):
             seq = batch.seqs[i]
-            limit = min(
-                shape.draft_lengths[i],
-                budget,
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-            )
+            limit = min(shape.draft_lengths[i], budget, seq.draft_room(self.max_model_len))
             # Blocks past the drafts proposed go back when the step commits.
             if limit > 0 and not seq.forced and self.kv.allocate(seq, 1 + limit):
                 chosen.append(i)
@@ -75,8 +70,7 @@ class Speculator:
             return
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
         for i, drafts in zip(chosen, proposals, strict=True):
-            batch.drafts[i] = drafts
-            batch.num_tokens[i] += len(drafts)
+            batch.add_drafts(i, drafts)
 
     def record(self, batch: ScheduledBatch, emitted: Emitted) -> None:
         """Count each sampled sequence's drafts and acceptances; move its heuristic length."""
