@@ -91,3 +91,29 @@ def test_a_growing_sequence_takes_the_next_block_when_free():
     assert pool.allocate(1, after=d) == [4]
     assert pool.allocate(1, after=7) == [5]  # no block after the last one: the LRU head
     assert pool.allocate(3, after=c) == [6, 7, a]  # d is taken: LRU head, then onward from it
+
+
+def test_a_growing_sequence_never_evicts_a_cached_block_to_stay_contiguous():
+    pool = BlockPool(6)
+    head, second, _ = pool.allocate(3)
+    pool.publish(second, *key(range(16)))  # another prompt's second block, now free
+    pool.free([second])
+    assert pool.allocate(1, after=head) == [3]  # not `second`: its content stays findable
+    assert pool.lookup(*key(range(16))) == second
+
+
+def test_prompts_with_a_shared_opening_find_all_their_blocks_when_sent_again(tiny_model):
+    """Issue 39: prompts that open with the same instruction, then distinct documents; sent
+    together and then again, the second time each finds every full block it left."""
+    import random
+
+    from etinfer import LLM, SamplingParams
+
+    llm = LLM(tiny_model, quantization="none", num_kvcache_blocks=1200, max_model_len=4096)
+    rng = random.Random(0)
+    opening = [rng.randrange(100, 40000) for _ in range(25)]
+    prompts = [opening + [rng.randrange(100, 40000) for _ in range(1975)] for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate(prompts, params)
+    again = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in again] == [1984] * 4
