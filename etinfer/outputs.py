@@ -86,6 +86,9 @@ class RequestOutput:
     # Sparse prefill (long prompts): attention entropy and budget per segment, layer and KV
     # head; None where the prompt attended densely throughout (sparse prefill off, or short).
     attention_profile: AttentionProfile | None = None
+    # With finish_reason "error": what failed (a grammar that did not compile, a step that
+    # raised, naming its stage).
+    error: str | None = None
     # Structured output: per generated token, what the grammar's mask did (None without one).
     constraint: ConstraintTrace | None = None
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
@@ -127,6 +130,7 @@ class RequestOutput:
             self.blocks_kept += delta.blocks_kept
             self.dropped_mass += delta.dropped_mass
         self.finish_reason = delta.finish_reason
+        self.error = delta.error
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_preemptions = delta.num_preemptions

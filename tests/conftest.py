@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from etinfer import LLM, SamplingParams
 from etinfer.config import DEVICE_ENV
@@ -26,6 +27,14 @@ cpu_only = pytest.mark.skipif(ON_CUDA, reason="a CPU kernel or a CPU-specific de
 # float32 weights already; on CUDA it is bfloat16, whose rounding moves near-tied tokens, so
 # there the shared engines take float32 weights and bfloat16 has tests of its own (test_cuda.py).
 ENGINE_DEFAULTS = {"dtype": "float32"} if ON_CUDA else {}
+# The engine fuzz's long run (tests/test_engine_fuzz.py): 600 runs of 50 rules.
+settings.register_profile(
+    "fuzz-long",
+    max_examples=600,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 # Prompts of varied kinds and lengths; their greedy continuations do not end within 64 tokens
 # for every one of them, so EOS handling is exercised too.

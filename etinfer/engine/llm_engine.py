@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
@@ -39,6 +40,7 @@ from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, SequenceStatus, StopRule
+from etinfer.engine.step_faults import StepProgress, fault_message, requests_left_unknown
 from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import kv_bytes_per_token
@@ -49,6 +51,8 @@ from etinfer.structured.compiler import GrammarCompiler
 from etinfer.structured.jump_forward import JumpForward
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.waiting_room import GrammarWaitingRoom
+
+logger = logging.getLogger("etinfer.engine")
 
 
 class LLMEngine:
@@ -103,6 +107,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        self._progress = StepProgress()  # the step running, or the last one
 
     # -- requests -------------------------------------------------------------------------
 
@@ -234,20 +239,39 @@ class LLMEngine:
         finally:
             self.remove_observer(observer)
 
+    def request_ids(self) -> list[str]:
+        """Every request not yet finished (running, waiting, or waiting for its grammar)."""
+        return list(self._requests)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; its outputs. A fault in the step ends only the requests whose state
+        it left unknown (``engine/step_faults.py``), each with finish_reason "error"."""
+        progress = self._progress = StepProgress()
+        try:
+            self._step(progress)
+        except Exception as error:  # any fault: contained to the requests it touched
+            logger.exception("engine step failed in %s", progress.stage)
+            progress.outputs += self._fail_step(progress, error)
+        return progress.outputs
+
+    def _step(self, progress: StepProgress) -> None:
         started, started_cpu = time.perf_counter(), time.process_time()
-        failed = self._admit_compiled() if len(self.grammars) else []
+        if len(self.grammars):
+            progress.outputs += self._admit_compiled()
+        progress.stage = "scheduling"
         record = self.scheduler.control_record()
-        batch = self.scheduler.schedule(record)
+        batch = progress.batch = self.scheduler.schedule(record)
         if not batch.seqs:
             self.grammars.wait(timeout=0.05)  # nothing to run but grammars compiling
-            return failed
+            return
+        progress.stage = "deciding"
         decisions = self._decide(record, batch)
+        progress.stage = "drafting"
         if self.speculator is not None:
             self.speculator.draft(batch, decisions.shape)
         if self.jump_forward is not None:
@@ -255,6 +279,7 @@ class LLMEngine:
         free_blocks = self.kv.pool.num_free_blocks
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         small: set[int] = set()
+        progress.stage = "forward"
         if self.switcher is not None:
             result, small = self.switcher.execute(self.runner, batch, decisions)
         else:
@@ -264,17 +289,22 @@ class LLMEngine:
             emitted = sample_verified(
                 batch, result.logits, decisions.temperature_states, self._sample, self._take
             )
+        progress.stage = "committing"
         for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
             self.kv.commit(seq, start, n)
+        progress.stage = "compaction"
         if self.compressor is not None:
             self.compressor.compress_due(batch.seqs, self.runner.cache)
+        progress.stage = "recording"
         if self.speculator is not None and emitted is not None:
             self.speculator.record(batch, emitted)
         if self.switcher is not None:
             self.switcher.update(batch, starts, small)
         if result.attention is not None:
             result.attention.record(batch, starts, emitted)
-        outputs = failed + self._finish_sampled(batch)
+        progress.stage = "finishing"
+        self._finish_sampled(batch, progress.outputs)
+        progress.stage = "observing"
         if self.observers:
             self.observers.notify(
                 StepRecord.of(
@@ -289,6 +319,19 @@ class LLMEngine:
                     logits=self.observers.want_logits,
                 )
             )
+
+    def _fail_step(self, progress: StepProgress, error: Exception) -> list[RequestOutput]:
+        """End the requests the fault left unknown (those the step had already finished get
+        their own outputs) and give their blocks back."""
+        message = fault_message(progress.stage, error)
+        outputs = []
+        for seq in requests_left_unknown(progress, self.scheduler.running):
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.error = "error", message
+            seq.metrics.finished_time = time.perf_counter()
+            self.scheduler.finish(seq)
+            self._requests.pop(seq.request_id, None)
+            outputs.append(seq.step_output() if seq.stream else seq.output())
         return outputs
 
     def _decide(self, record: ControlRecord, batch: ScheduledBatch) -> StepDecisions:
@@ -329,20 +372,22 @@ class LLMEngine:
         self, logits: torch.Tensor, seqs: list[Sequence], states: list[float | None]
     ) -> SamplerOutput:
         """The runner's sampler, with each constrained sequence's grammar mask."""
+        self._progress.stage = "sampling"
         allowed = fill_allowed([seq.constraint for seq in seqs], logits.shape[-1])
         return self.runner.sample(logits, seqs, states, allowed)
 
     def _take(self, seqs: list[Sequence], out: SamplerOutput) -> None:
         """Append one sampled token to each of ``seqs``, with what the sampler measured."""
+        self._progress.stage = "measuring"
         now = time.perf_counter()
         logprobs = self._logprobs(seqs, out)
         stop = StopRule(self.tokenizer.eos_token_ids, self.max_model_len)
         for row, seq in enumerate(seqs):
             seq.append_sampled(out, row, None if logprobs is None else logprobs[row], now, stop)
 
-    def _finish_sampled(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _finish_sampled(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """Into ``outputs``: each sampled sequence's output, finishing those that ended."""
         now = time.perf_counter()
-        outputs = []
         for seq in (batch.seqs[i] for i in batch.sampled):
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = now
@@ -351,7 +396,6 @@ class LLMEngine:
                 outputs.append(seq.step_output() if seq.stream else seq.output())
             elif seq.stream:
                 outputs.append(seq.step_output())
-        return outputs
 
     def _logprobs(self, seqs: list[Sequence], out: SamplerOutput) -> list | None:
         if out.logprobs is None:

@@ -160,9 +160,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that finished or was aborted, wherever it is."""
-        if seq.status is SequenceStatus.RUNNING:
+        # By membership, not status: a step that failed may have left the two out of step.
+        if seq in self.running:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.metrics.kv_blocks = len(seq.block_table)
         self.kv.free(seq)

@@ -83,6 +83,7 @@ class Sequence:
         self.temperatures: list[float] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
+        self.error: str | None = None  # with finish_reason "error": what failed
         self.metrics = RequestMetrics(arrival_time)
         self.generator: torch.Generator | None = None  # set by the runner for seeded requests
         # Control state carried from step to step (the engine writes it, the laws read it
@@ -229,6 +230,7 @@ class Sequence:
             temperatures=self.temperatures[tokens:],
             logprobs=None if self.logprobs is None else self.logprobs[tokens:],
             finish_reason=self.finish_reason,
+            error=self.error,
             metrics=RequestMetrics(**vars(self.metrics)),
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
@@ -256,6 +258,7 @@ class Sequence:
             temperatures=list(self.temperatures),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
+            error=self.error,
             metrics=RequestMetrics(**vars(self.metrics)),
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,

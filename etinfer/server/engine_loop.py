@@ -199,8 +199,11 @@ class EngineLoop:
             route = self._routes.get(request_id)
             if route is None:
                 continue  # aborted: its client is gone
+            if not isinstance(item, EngineError) and item.finish_reason == "error":
+                # This request's step (or its grammar) failed; other requests go on.
+                item = EngineError(item.error or "the engine failed this request")
             if isinstance(item, EngineError):
-                self.abort(route.group)
+                self.abort(route.group)  # its other choices too: the reply has failed
                 route.group._fail(item)
                 continue
             route.last_token_time = self.metrics.record_output(item, now, route.last_token_time)
@@ -234,8 +237,8 @@ class EngineLoop:
                 try:
                     outputs += [(out.request_id, out) for out in engine.step()]
                 except Exception as e:
-                    # One bad step must not take the server down: fail the requests it held
-                    # (their state is suspect), free their blocks, and serve new ones.
+                    # The engine contains a step's faults itself (engine/step_faults.py); this
+                    # is the last resort: fail every request, free their blocks, go on.
                     logger.exception("engine step failed")
                     error = EngineError(f"the engine failed a step: {e}")
                     outputs += [(rid, error) for rid in self._abort_all()]
@@ -262,8 +265,7 @@ class EngineLoop:
         return failed
 
     def _abort_all(self) -> list[str]:
-        scheduler = self.engine.scheduler
-        ids = [seq.request_id for seq in [*scheduler.running, *scheduler.waiting]]
+        ids = self.engine.request_ids()
         for request_id in ids:
             self.engine.abort_request(request_id)
         return ids

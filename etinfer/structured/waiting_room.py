@@ -43,8 +43,8 @@ class GrammarWaitingRoom:
             try:
                 seq.constraint = future.result().matcher()
                 ready.append(seq)
-            except ValueError:
-                seq.finish_reason = "error"
+            except ValueError as error:
+                seq.finish_reason, seq.error = "error", str(error)
                 failed.append(seq)
         return ready, failed
 
