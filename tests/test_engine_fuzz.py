@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -122,6 +123,7 @@ def check_pool(engine: LLMEngine) -> None:
 
 class EngineMachine(RuleBasedStateMachine):
     model: LoadedModel  # set by the test
+    rules_run: ClassVar[Counter] = Counter()  # per layer configuration, over the whole test
 
     @initialize(layer=st.sampled_from(sorted(LAYERS)))
     def build(self, layer: str) -> None:
@@ -192,11 +194,13 @@ class EngineMachine(RuleBasedStateMachine):
                 self.streamed[request_id] = RequestOutput.accumulating(out)
             out = self.streamed[request_id]
         if out.finished:
+            assert len(out.entropies) == len(out.token_ids) == len(out.temperatures)
             self.ended[request_id] = out
 
     @invariant()
     def pool_is_consistent(self) -> None:
         if hasattr(self, "engine"):
+            EngineMachine.rules_run[self.layer] += 1
             check_pool(self.engine)
             for seq in live_sequences(self.engine):
                 assert not seq.is_finished
@@ -235,7 +239,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 FAST = settings(
-    max_examples=18,
+    max_examples=50,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=list(HealthCheck),
@@ -248,4 +252,7 @@ def test_engine_invariants_hold_under_random_interleavings(tiny_model, request):
     profile = request.config.getoption("hypothesis_profile", None)
     machine = EngineMachine.TestCase
     machine.settings = settings.get_profile(profile) if profile == "fuzz-long" else FAST
+    EngineMachine.rules_run = Counter()
     machine().runTest()
+    print(f"rules run, by layer: {dict(EngineMachine.rules_run)}; ", end="")
+    print(f"total {sum(EngineMachine.rules_run.values())}")

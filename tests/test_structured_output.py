@@ -213,6 +213,24 @@ def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
 
 
 @pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not'"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' of more than one"),
+        ({"type": "string", "format": "email", "maxLength": 9}, "format with minLength"),
+        ({"type": "array", "items": {"type": "string", "format": "iri"}}, "format 'iri'"),
+    ],
+)
+def test_schema_features_the_grammar_cannot_enforce_are_refused(llm: LLM, schema, message):
+    with pytest.raises(ValueError, match="cannot enforce") as error:
+        llm.engine.grammars.compiler.compile(StructuredOutputsParams(json=schema))
+    assert message in str(error.value)
+    # A property that happens to be called "not" is a name, not the keyword.
+    named = {"type": "object", "properties": {"not": {"type": "integer"}}}
+    llm.engine.grammars.compiler.compile(StructuredOutputsParams(json=named))
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({}, "exactly one of"),

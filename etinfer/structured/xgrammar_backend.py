@@ -17,6 +17,7 @@ import xgrammar
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.structured.backend import CompiledGrammar, GrammarBackend, Matcher
 from etinfer.structured.params import StructuredOutputsParams
+from etinfer.structured.schema_support import unenforced_feature
 
 
 class XGrammarMatcher(Matcher):
@@ -66,6 +67,9 @@ class XGrammarBackend(GrammarBackend):
                 schema = {"type": "object"} if kind == "json_object" else params.json
                 if schema is False:
                     raise ValueError("the schema false allows no value")
+                unenforced = unenforced_feature(schema)
+                if unenforced is not None:
+                    raise ValueError(f"uses {unenforced}, which this backend cannot enforce")
                 compiled = compiler.compile_json_schema(
                     schema, any_whitespace=True, max_whitespace_cnt=params.max_whitespace
                 )

@@ -1,0 +1,86 @@
+"""JSON-schema features a grammar cannot enforce, found before compiling.
+
+xgrammar compiles some schemas whose every constraint it does not enforce: it warns (or says
+nothing) and the output may then break the schema. Measured with xgrammar 0.2.8 by feeding a
+violating value to a matcher: ``not``, ``allOf`` of more than one schema (the branches are not
+merged), ``format`` together with ``minLength``/``maxLength`` (the lengths are dropped), and
+the formats ``regex``, ``idn-email``, ``iri`` and any it does not know (the format is
+dropped). A schema that uses one of them is refused, naming the keyword and where it is,
+rather than answered with JSON that may not validate. ``oneOf`` is enforced as ``anyOf``:
+exact for disjoint branches (the usual discriminated union), looser where branches overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+ENFORCED_FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+_ONE_SCHEMA = (
+    "items",
+    "additionalProperties",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_feature(schema: object) -> str | None:
+    """The first feature of ``schema`` a grammar would not enforce, with where it is."""
+    for path, node in _subschemas(schema):
+        where = "/".join(path) or "(root)"
+        if "not" in node:
+            return f"'not' (at {where})"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"'allOf' of more than one schema (at {where})"
+        fmt = node.get("format")
+        if fmt is not None:
+            if fmt not in ENFORCED_FORMATS:
+                return f"format {fmt!r} (at {where})"
+            if "minLength" in node or "maxLength" in node:
+                return f"format with minLength or maxLength (at {where})"
+    return None
+
+
+def _subschemas(schema: object) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Every schema object within ``schema`` with its path, iteratively (no deep recursion)."""
+    stack: list[tuple[list[str], object]] = [([], schema)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield path, node
+        for key in _ONE_SCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append(([*path, key], node[key]))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(([*path, key, str(i)], s) for i, s in enumerate(node[key]))
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(([*path, key, name], s) for name, s in node[key].items())
