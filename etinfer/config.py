@@ -16,6 +16,7 @@ from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.control.stress import StressConfig
 from etinfer.control.switching import SwitchingConfig
 from etinfer.model.quantized import QUANTIZATION_MODES
+from etinfer.structured.params import BACKENDS
 from etinfer.validation import check_choice, check_float, check_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -218,8 +219,14 @@ class EngineConfig:
             "ngram:4:fixed; schedules entropy, fixed, heuristic)"
         },
     )
+    structured_backend: str = field(
+        default="xgrammar",
+        metadata={"help": "structured output's grammar library: xgrammar or llguidance"},
+    )
+    # Off by default: on this CPU engine a step's draft rows and sampling columns cost more than
+    # the steps jump-forward saves (BENCHMARKS.md, structured output).
     jump_forward: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "structured output: verify a grammar's forced continuation in one step "
             "(off under control.switching and control.kv_compression)"
@@ -248,6 +255,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
         SCHEDULING_POLICIES.check(self.scheduling_policy)
+        check_choice("structured_backend", self.structured_backend, BACKENDS)
         STEP_SHAPERS.check(self.step_shaper)
         if not isinstance(self.control, ControlConfig):
             raise ValueError(f"control must be a ControlConfig, got {self.control!r}")

@@ -315,3 +315,44 @@ def test_jump_forward_verifies_forced_text_in_fewer_steps_with_the_same_output(m
     entropies = {jump: [h for o in outs for h in o.entropies] for jump, outs in outputs.items()}
     assert entropies[True] == pytest.approx(entropies[False], abs=1e-4)
     assert len(steps[True]) < 0.9 * len(steps[False]), {k: len(v) for k, v in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def guidance_llm(make_llm) -> LLM:
+    return make_llm(structured_backend="llguidance", max_num_seqs=16)
+
+
+@pytest.mark.slow
+def test_the_llguidance_backend_holds_every_schema_too(guidance_llm: LLM):
+    prompts = [chat_ids(guidance_llm, [{"role": "user", "content": p}]) for _, p, _ in SCHEMAS]
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=256, seed=i, structured={"json": schema})
+        for i, (_, _, schema) in enumerate(SCHEMAS)
+    ]
+    for (name, _, schema), out in zip(SCHEMAS, guidance_llm.generate(prompts, params), strict=True):
+        assert out.finish_reason == "stop" and valid(out.text, schema), (name, out.text)
+
+
+def test_the_llguidance_backend_takes_every_kind_and_refuses_what_it_cannot(guidance_llm: LLM):
+    ids = chat_ids(guidance_llm)
+    kinds = {
+        "choice": (["yes", "no"], lambda t: t in ("yes", "no")),
+        "regex": (r"[0-9]{3}-[0-9]{4}", lambda t: len(t) == 8 and t[3] == "-"),
+        "grammar": (
+            'root ::= "a" ("b" | "c")*',
+            lambda t: t[0] == "a" and set(t[1:]) <= {"b", "c"},
+        ),
+        "json_object": (True, lambda t: isinstance(json.loads(t), dict)),
+    }
+    ok = chat_ids(
+        guidance_llm, [{"role": "user", "content": 'Reply with the JSON {"ok": true} only.'}]
+    )
+    for kind, (spec, check) in kinds.items():
+        params = SamplingParams(temperature=0.0, max_tokens=64, structured={kind: spec})
+        out = guidance_llm.generate(ok if kind == "json_object" else ids, params)[0]
+        assert check(out.text), (kind, out.text)
+    compiler = guidance_llm.engine.grammars.compiler
+    with pytest.raises(ValueError, match=r"structured\.json cannot be compiled"):
+        compiler.compile(StructuredOutputsParams(json={"type": "string", "format": "iri"}))
+    with pytest.raises(ValueError, match=r"structured\.regex cannot be compiled"):
+        compiler.compile(StructuredOutputsParams(regex="(a"))

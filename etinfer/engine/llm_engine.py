@@ -93,7 +93,9 @@ class LLMEngine:
         self.observers = Observers()
         # Structured output: requests wait here while their grammars compile.
         self.grammars = GrammarWaitingRoom(
-            GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+            GrammarCompiler(
+                self.tokenizer, loaded.config.vocab_size, backend=config.structured_backend
+            )
         )
         self.jump_forward = None
         # The switcher's small-model rows and a compressed cache take no drafts.

@@ -15,13 +15,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.structured.backend import CompiledGrammar, GrammarBackend
-from etinfer.structured.params import StructuredOutputsParams
+from etinfer.structured.params import BACKENDS, StructuredOutputsParams
 
 # A schema that takes longer than this to compile is refused (its compilation runs on; a
 # later request for it finds the result cached). Real schemas compile in milliseconds.
 DEFAULT_COMPILE_TIMEOUT = 10.0
 CACHE_SIZE = 256
-BACKENDS = ("xgrammar",)
 
 
 class GrammarCompiler:
@@ -67,15 +66,27 @@ class GrammarCompiler:
     def _get_backend(self) -> GrammarBackend:
         with self._lock:
             if self._backend is None:
-                try:
-                    from etinfer.structured.xgrammar_backend import XGrammarBackend
-                except ImportError as e:
-                    raise ValueError(
-                        f"structured output needs the xgrammar package ({e}); install it with "
-                        "pip install --no-deps xgrammar apache-tvm-ffi (and transformers)"
-                    ) from e
-                self._backend = XGrammarBackend(self._tokenizer, self._vocab_size)
+                self._backend = _load_backend(self._backend_name)(self._tokenizer, self._vocab_size)
             return self._backend
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_backend(name: str) -> type[GrammarBackend]:
+    """The backend class, imported on first use: neither library is needed until a request
+    asks for structured output."""
+    try:
+        if name == "llguidance":
+            from etinfer.structured.llguidance_backend import LLGuidanceBackend
+
+            return LLGuidanceBackend
+        from etinfer.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend
+    except ImportError as e:
+        install = {
+            "xgrammar": "pip install --no-deps xgrammar apache-tvm-ffi (it imports transformers)",
+            "llguidance": "pip install llguidance",
+        }[name]
+        raise ValueError(f"structured output with {name} needs {e.name}: {install}") from e

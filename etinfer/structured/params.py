@@ -19,6 +19,8 @@ MAX_CHOICES = 1024
 DEFAULT_MAX_WHITESPACE = 16
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
+# The grammar libraries an engine may compile constraints with (EngineConfig.structured_backend).
+BACKENDS = ("xgrammar", "llguidance")
 
 
 @dataclass(frozen=True)

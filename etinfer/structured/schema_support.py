@@ -12,6 +12,7 @@ exact for disjoint branches (the usual discriminated union), looser where branch
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,7 +53,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def unenforced_feature(schema: object) -> str | None:
     """The first feature of ``schema`` a grammar would not enforce, with where it is."""
-    for path, node in _subschemas(schema):
+    for path, node in subschemas(schema):
         where = "/".join(path) or "(root)"
         if "not" in node:
             return f"'not' (at {where})"
@@ -67,7 +68,17 @@ def unenforced_feature(schema: object) -> str | None:
     return None
 
 
-def _subschemas(schema: object) -> Iterator[tuple[list[str], dict[str, Any]]]:
+def closed_objects(schema: object) -> object:
+    """A copy of ``schema`` whose objects with listed properties allow no others unless they
+    say so: what OpenAI's strict mode and xgrammar's default do, given to every backend."""
+    closed = json.loads(json.dumps(schema))
+    for _, node in subschemas(closed):
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return closed
+
+
+def subschemas(schema: object) -> Iterator[tuple[list[str], dict[str, Any]]]:
     """Every schema object within ``schema`` with its path, iteratively (no deep recursion)."""
     stack: list[tuple[list[str], object]] = [([], schema)]
     while stack:
