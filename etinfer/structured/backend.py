@@ -28,6 +28,13 @@ class Matcher(ABC):
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
 
+    @classmethod
+    def fill_masks(cls, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Rows ``rows`` of ``bitmask`` for ``matchers`` (all of this class): one call a step
+        where the library has a batched one, which may spread the rows over threads."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            matcher.fill_mask(bitmask, row)
+
     @abstractmethod
     def jump_forward(self) -> str:
         """The text the grammar allows as the only continuation from here ('' if none)."""

@@ -17,9 +17,12 @@ def fill_allowed(matchers: list[Matcher | None], vocab_size: int) -> torch.Tenso
     if all(m is None for m in matchers):
         return None
     bitmask = allocate_bitmask(len(matchers), vocab_size)
+    by_backend: dict[type[Matcher], list[int]] = {}
     for row, matcher in enumerate(matchers):
         if matcher is not None:
-            matcher.fill_mask(bitmask, row)
+            by_backend.setdefault(type(matcher), []).append(row)
+    for kind, rows in by_backend.items():
+        kind.fill_masks([matchers[r] for r in rows], bitmask, rows)
     allowed = unpack_bitmask(bitmask, vocab_size)
     dead = ~allowed.any(-1)
     if bool(dead.any()):
