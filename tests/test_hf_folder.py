@@ -175,6 +175,8 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
     for budget in (1.0, 0.25):
         config = PruningConfig(**every, budget_low=budget, budget_high=budget, max_shrink=1.0)
         pruned = LLM(str(tmp_path), block_size=2, control=ControlConfig(pruning=config), **exact)
+        # Head budgets and the bound-value scorer scale key bounds by the model's own scale.
+        assert pruned.engine.selector.scale == pruned.engine.model_config.scale
         out = pruned.generate([prompt], params)[0]
         kept[budget] = statistics.fmean(out.blocks_kept)
         if budget == 1.0:

@@ -155,9 +155,13 @@ class DenseSelector(BlockSelector):
 class EntropicSelector(BlockSelector):
     needs_summaries = True
 
-    def __init__(self, config: PruningConfig | None = None) -> None:
+    def __init__(self, config: PruningConfig | None = None, scale: float | None = None) -> None:
+        """``scale``: attention's score scale, where the model's is not head_dim ** -0.5
+        (Gemma's query_pre_attn_scalar): the head budgets and the bound-value scorer turn key
+        bounds into attention logits with it."""
         self.config = config or PruningConfig()
         self.observes_mass = self.config.scorer == "mass"
+        self.scale = scale
 
     def plan_budgets(
         self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
@@ -192,7 +196,7 @@ class EntropicSelector(BlockSelector):
         scores = self.block_scores(layer, query, blocks, summaries, bounds)
         budgets = None
         if self.config.head_budgets:
-            logits = bounds * query.shape[-1] ** -0.5
+            logits = bounds * self._scale(query)
             budgets = self.head_budgets(self.head_mass(logits, scores, blocks), scores, blocks)
         return Selection(self.keep_best(scores, blocks, budgets), bounds)
 
@@ -209,8 +213,11 @@ class EntropicSelector(BlockSelector):
             return summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
         bound = bounds.amax(2)  # a block matters if it may matter to any head of the group
         if self.config.scorer == "bound-value":
-            return value_weighted(bound * query.shape[-1] ** -0.5, summaries, blocks)
+            return value_weighted(bound * self._scale(query), summaries, blocks)
         return bound
+
+    def _scale(self, query: torch.Tensor) -> float:
+        return self.scale or query.shape[-1] ** -0.5
 
     def head_mass(
         self, logits: torch.Tensor, scores: torch.Tensor, blocks: DecodeBlocks

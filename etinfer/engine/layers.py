@@ -57,7 +57,7 @@ class EngineLayers:
         selector = (
             BLOCK_SELECTORS.create("dense")
             if pruning is None
-            else BLOCK_SELECTORS.create("entropic", config=pruning)
+            else BLOCK_SELECTORS.create("entropic", config=pruning, scale=loaded.config.scale)
         )
         shaper = (
             SpeculativeShaper(config.speculative)

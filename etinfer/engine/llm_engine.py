@@ -220,7 +220,10 @@ class LLMEngine:
         the blocks; benchmarks pass an oracle); None attends densely. The engine must have been
         built with pruning on: its cache keeps the block summaries selectors score."""
         if config is not None:
-            self.runner.set_selector(selector or BLOCK_SELECTORS.create("entropic", config=config))
+            entropic = BLOCK_SELECTORS.create(
+                "entropic", config=config, scale=self.model_config.scale
+            )
+            self.runner.set_selector(selector or entropic)
             self.selector = self.runner.attention.selector
         self.pruning = config
 
