@@ -3,16 +3,28 @@
 The text is the Python Language Reference as CPython ships it (``etinfer/corpus.py``), so
 nothing is downloaded. Windows of the text alternate between the fitting set and the evaluation
 set, so the ECE and NLL reported "after" are measured on text the fit did not see.
+
+The temperature belongs to one model file (and how its weights are read): ``calibration="auto"``
+fits it the first time an engine over that file is built (``build_engine``; ``LLM``, ``etinfer
+serve`` and the replicas build theirs so) and keeps it in the cache directory, keyed by the
+file's identity, for every later engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from etinfer import options
+from etinfer.config import ControlConfig, EngineConfig
 from etinfer.control.calibration import (
     Calibration,
     expected_calibration_error,
@@ -21,6 +33,11 @@ from etinfer.control.calibration import (
 )
 from etinfer.corpus import CORPUS, corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
+from etinfer.model.loader import LoadedModel, load_model
+
+AUTO = "auto"  # EngineConfig.calibration: the model file's own, fitted once and cached
+CACHE_ENV = "ETINFER_CACHE_DIR"  # where cached calibrations live (default ~/.cache/etinfer)
+logger = logging.getLogger("etinfer.calibrate")
 
 
 def collect(
@@ -110,9 +127,44 @@ def calibrate(
     return scored(engine, temperature, fit_tokens, held_out, scale)
 
 
-def run(args: argparse.Namespace) -> int:
-    from etinfer.config import EngineConfig
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:
+    """An engine for ``config``; with ``calibration="auto"`` over the model file's cached
+    calibration, fitted now (on a plain engine over the same weights) if there is none yet."""
+    if config.calibration != AUTO:
+        return LLMEngine(config, loaded)
+    loaded = loaded or load_model(config.model)
+    path = cached_calibration_path(config, loaded)
+    if not path.exists():
+        logger.warning(
+            "calibration='auto': fitting %s's temperature once (cached at %s)",
+            loaded.path.name,
+            path,
+        )
+        plain = dataclasses.replace(
+            config, calibration=None, control=ControlConfig(), speculative=None, draft_model=None
+        )
+        result = calibrate(LLMEngine(plain, loaded))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        result.save(partial)
+        partial.replace(path)  # whole or not at all, if two processes fit at once
+    return LLMEngine(dataclasses.replace(config, calibration=str(path)), loaded)
 
+
+def cached_calibration_path(config: EngineConfig, loaded: LoadedModel) -> Path:
+    """Where the calibration of ``loaded`` as ``config`` reads it is cached: keyed by the file
+    (path, size, modification time) and what changes its logits (weights' format and type,
+    a stress's logit scale)."""
+    stat = loaded.path.stat()
+    stress = 1.0 if config.stress is None else config.stress.logit_scale
+    identity = [str(loaded.path.resolve()), stat.st_size, stat.st_mtime_ns]
+    identity += [config.quantization, config.dtype, config.device, stress, CORPUS]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "etinfer")
+    return root / "calibration" / f"{loaded.path.stem}-{key}.json"
+
+
+def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
     result = calibrate(engine, args.fit_tokens, args.eval_tokens, args.window)
     result.save(args.output)

@@ -91,11 +91,11 @@ def generate(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return serve_replicas(args)
+    from etinfer.calibrate import build_engine
     from etinfer.config import EngineConfig
-    from etinfer.engine.llm_engine import LLMEngine
     from etinfer.server import serve as run_server
 
-    engine = LLMEngine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
+    engine = build_engine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
     run_server(
         engine,
         host=args.host,

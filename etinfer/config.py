@@ -203,7 +203,10 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "of sampling, for requests without a seed"})
     calibration: str | None = field(
         default=None,
-        metadata={"help": "a file from `etinfer calibrate`: rescales the control signal"},
+        metadata={
+            "help": "a file from `etinfer calibrate`, or auto (the model file's own, fitted "
+            "once and cached): rescales the control signal"
+        },
     )
     control: ControlConfig = field(
         default_factory=ControlConfig, metadata={"help": "entropy control layers to switch on"}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from etinfer.calibrate import build_engine
 from etinfer.config import EngineConfig
-from etinfer.engine.llm_engine import LLMEngine
 from etinfer.engine.request_validator import Prompt
 from etinfer.model.loader import LoadedModel
 from etinfer.model.tokenizer import Message, Tokenizer
@@ -29,10 +29,10 @@ class LLM:
 
     def __init__(self, model: str | Path | LoadedModel | None = None, **kwargs) -> None:
         if isinstance(model, LoadedModel):
-            self.engine = LLMEngine(EngineConfig(model=str(model.path), **kwargs), model)
+            self.engine = build_engine(EngineConfig(model=str(model.path), **kwargs), model)
         else:
             path = None if model is None else str(model)
-            self.engine = LLMEngine(EngineConfig(model=path, **kwargs))
+            self.engine = build_engine(EngineConfig(model=path, **kwargs))
         # Outputs of this LLM's requests, routed here by whichever call steps the engine, so
         # interleaved streams and generate() calls never consume each other's outputs.
         self._outputs: dict[str, deque[RequestOutput]] = {}

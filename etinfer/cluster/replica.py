@@ -21,9 +21,9 @@ import torch
 from ray import serve
 from starlette.responses import StreamingResponse
 
+from etinfer.calibrate import build_engine
 from etinfer.cluster import metrics
 from etinfer.config import EngineConfig
-from etinfer.engine.llm_engine import LLMEngine
 from etinfer.server.app import ServingStack, default_model_name
 from etinfer.server.errors import APIError
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,7 +51,7 @@ class EngineReplica:
         num_threads: int,
     ) -> None:
         torch.set_num_threads(num_threads)
-        engine = LLMEngine(EngineConfig(**engine_kwargs))
+        engine = build_engine(EngineConfig(**engine_kwargs))
         name = model_name or default_model_name(engine)
         self.stack = ServingStack(engine, name, max_waiting_requests)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

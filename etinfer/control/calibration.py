@@ -77,6 +77,11 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
+        if str(path) == "auto":
+            raise ValueError(
+                "calibration='auto' is resolved where engines are built (LLM, etinfer serve, "
+                "etinfer.calibrate.build_engine), not by LLMEngine itself"
+            )
         try:
             data = json.loads(Path(path).read_text())
             calibration = cls(**data)
