@@ -33,7 +33,7 @@ def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "phi3"}, "GGUF architecture 'phi3' is not supported; expected one of llama"),
+        ({"arch": "gemma2"}, "GGUF architecture 'gemma2' is not supported; expected one of llama"),
         ({"pre": "tekken"}, "pre-tokenizer 'tekken' is not supported"),
         ({"rope_scaling": "linear"}, "GGUF rope scaling 'linear' is not supported"),
     ],
@@ -138,6 +138,91 @@ def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre, arch):
         tmp_path, gguf_file=path.name, dtype=torch.float32
     )
     prompt = ours.tokenizer.encode(samples[0], add_special_tokens=False)
+    llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def write_tiny_phi3(path) -> list[str]:
+    """A one-layer Phi-3 GGUF (fused qkv and gate-up) with a small Llama 2 style SentencePiece
+    vocabulary (byte tokens, pieces ranked by score), written by gguf's writer; its pieces."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = ["\u2581", *letters, *(f"\u2581{c}" for c in letters)]
+    pieces += ["th", "\u2581th", "\u2581the", "he", "in", "\u2581in", "er", "on", "\u2581a", "an"]
+    pieces += ["ing", "\u2581is", "at", "\u2581to", "re", "es", ".", ",", "\u2581\u2581"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    # Longer pieces merge later in Llama 2's files: score falls with the piece's position.
+    scores = [0.0, 0.0, 0.0, *[0.0] * 256, *(-float(i) for i in range(len(pieces)))]
+    hidden, ffn, heads, head = 16, 32, 4, 4
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_uint32("phi3.embedding_length", hidden)
+    writer.add_uint32("phi3.feed_forward_length", ffn)
+    writer.add_uint32("phi3.block_count", 1)
+    writer.add_uint32("phi3.attention.head_count", heads)
+    writer.add_uint32("phi3.attention.head_count_kv", heads)
+    writer.add_uint32("phi3.rope.dimension_count", head)
+    writer.add_uint32("phi3.context_length", 256)
+    writer.add_float32("phi3.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", scores)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_uint32("tokenizer.ggml.unknown_token_id", 0)
+    writer.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (len(tokens), hidden),
+        "output_norm.weight": (hidden,),
+        "output.weight": (len(tokens), hidden),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.attn_qkv.weight": (3 * heads * head, hidden),
+        "blk.0.attn_output.weight": (hidden, heads * head),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.ffn_up.weight": (2 * ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in shapes.items():
+        scale = 0.2 if name.endswith("norm.weight") else 0.5
+        writer.add_tensor(name, (1.0 + rng.standard_normal(shape) * scale).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return pieces
+
+
+def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_path):
+    """Phi-3 from GGUF: the SentencePiece vocabulary tokenizes as transformers' reader of the
+    same file does, and the model (its qkv and gate-up split at load) gives transformers'
+    greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from etinfer import LLM, SamplingParams
+
+    path = tmp_path / "phi3.gguf"
+    write_tiny_phi3(path)
+    ours = load_model(path)
+    assert ours.config.architecture == "phi3"
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    samples = [
+        "the thing is in the inn, at ten.",
+        "  two spaces, then  more; Ünïcödé 🙂 and digits 1234",
+        "re-entering",
+    ]
+    for sample in samples:
+        ids = ours.tokenizer.encode(sample, add_special_tokens=False)
+        assert ids == reference.encode(sample, add_special_tokens=False), sample
+        assert ours.tokenizer.decode(ids) == reference.decode(ids), sample
+    assert ours.tokenizer.encode("the")[0] == 1  # the file asks for BOS
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    prompt = ours.tokenizer.encode(samples[0])
     llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     with torch.no_grad():

@@ -14,13 +14,20 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import ModelConfig
+from etinfer.model.hf_folder import split_fused
 from etinfer.model.quantized import GGUFBlocks, Weight
-from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer
+from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer, llama_tokenizer
 from etinfer.model.tokenizer import Tokenizer
 
 # GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
 # model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
 # llama.cpp's pre-tokenizer names whose splitting is GPT-2's byte-level regex (SmolLM's)...
 _GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 # ... and those that split by their model's own pattern first (its tokenizer.json's): Llama 3
@@ -75,6 +82,13 @@ _LAYER_NAMES_BY_ARCH = {
     "qwen2": _LAYER_NAMES | {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
     "qwen3": _LAYER_NAMES | _QK_NORM_NAMES,
     "gemma3": _GEMMA3_LAYER_NAMES,
+    # Phi-3 keeps q, k and v in one matrix and gate and up in another (gate rows first).
+    "phi3": {
+        k: v
+        for k, v in _LAYER_NAMES.items()
+        if not k.startswith(("attn_q.", "attn_k.", "attn_v.", "ffn_gate.", "ffn_up."))
+    }
+    | {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
 # What llama.cpp fixes for Gemma 3 rather than writing to the file: one layer in six attends to
 # the whole context (the others slide), and the sliding layers' RoPE base.
@@ -135,6 +149,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, np
             # llama.cpp stores Gemma's norms as the 1 + weight they scale by; Hugging Face's
             # convention (which the model's reader follows) is the weight.
             weights[name] = tensor - 1
+    if arch == "phi3":
+        weights = split_fused(weights, config)
     return config, weights, tokenizer, reader.data
 
 
@@ -157,6 +173,8 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
     heads = int(get("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     extra = {}
+    if arch == "phi3":  # Phi-3 mini's 4K files slide over 2,047 tokens (llama.cpp's n_swa)
+        extra = {"sliding_window": meta.get(f"{arch}.attention.sliding_window") or None}
     if arch == "gemma3":
         window, layers = int(get("attention.sliding_window")), int(get("block_count"))
         head_dim = int(get("attention.key_length"))
@@ -228,13 +246,15 @@ def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     types = meta.get("tokenizer.ggml.token_type", [])
     if kind == "llama" and arch == "gemma3":  # SentencePiece BPE, Gemma's spelling
         backend = gemma_tokenizer(tokens, types)
+    elif kind == "llama" and arch == "phi3":  # SentencePiece BPE, Llama 2's
+        backend = llama_tokenizer(tokens, meta["tokenizer.ggml.scores"], types)
     elif kind == "gpt2" and (pre in _GPT2_PRE_TOKENIZERS or pre in _PRE_TOKENIZER_SPLITS):
         backend = _byte_level_tokenizer(meta, tokens, types, _PRE_TOKENIZER_SPLITS.get(pre))
     else:
         known = ", ".join([*_GPT2_PRE_TOKENIZERS, *_PRE_TOKENIZER_SPLITS])
         raise ValueError(
             f"{path}: GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"expected 'gpt2' with one of {known}, or a Gemma 3 file's 'llama' "
+            f"expected 'gpt2' with one of {known}, or a Gemma 3 or Phi-3 file's 'llama' "
             "(SentencePiece) (load the model's Hugging Face folder instead)"
         )
     # End of turn (llama.cpp's EOT) ends a generation as end of sequence does.

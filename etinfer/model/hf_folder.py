@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.tokenizer import Tokenizer
 
 
@@ -21,7 +22,7 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], To
     config = _model_config(raw, path)
     weights = _weights(path)
     if config.architecture == "phi3":
-        weights = _split_fused(weights, config)
+        weights = split_fused(weights, config)
     return config, weights, _tokenizer(path)
 
 
@@ -82,9 +83,10 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the Llama names of their row blocks
-    (views, no copy): the layer stacks them again as it prepares them."""
+    (float ones as views, no copy; a GGUF file's in their blocks, their rows gathered): the
+    layer stacks them again as it prepares them."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     split = {
         "self_attn.qkv_proj.weight": (("q", q), ("k", kv), ("v", kv)),
@@ -99,7 +101,11 @@ def _split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[
         start, prefix = 0, name.removesuffix(fused) + fused.split(".")[0] + "."
         for part, rows in split[fused]:
             end = weight.shape[0] if rows is None else start + rows
-            out[f"{prefix}{part}_proj.weight"] = weight[start:end]
+            out[f"{prefix}{part}_proj.weight"] = (
+                weight.rows(torch.arange(start, end))
+                if isinstance(weight, GGUFBlocks)
+                else weight[start:end]
+            )
             start = end
     return out
 

@@ -8,6 +8,7 @@ longer left part first where one piece splits several ways, as transformers rebu
 
 Gemma's files rank pieces by their order in the file (their scores do not follow the merge
 order) and spell a piece of several spaces with real spaces where the model's text has "▁".
+Llama 2's vocabulary (Phi-3's) ranks them by score and puts "▁" before the text.
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ def gemma_tokenizer(tokens: list[str], token_types: list[int]) -> HFTokenizer:
     backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
     backend.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    add_marked_tokens(backend, tokens, token_types)
+    return backend
+
+
+def llama_tokenizer(tokens: list[str], scores: list[float], token_types: list[int]) -> HFTokenizer:
+    """Llama 2's SentencePiece (Phi-3 keeps it): pieces ranked by score, "▁" put before the
+    text and for every space by a normalizer (as Phi-3's tokenizer.json does it), byte
+    fallback, and the prefix space stripped again when decoding."""
+    backend = HFTokenizer(
+        models.BPE(
+            {t: i for i, t in enumerate(tokens)},
+            spm_merges(tokens, [-s for s in scores]),
+            unk_token="<unk>",
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     add_marked_tokens(backend, tokens, token_types)
     return backend
