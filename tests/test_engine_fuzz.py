@@ -29,8 +29,18 @@ from etinfer.engine.llm_engine import LLMEngine
 from etinfer.engine.sequence import Sequence
 from etinfer.model.loader import LoadedModel
 from etinfer.outputs import RequestOutput
+from etinfer.structured.params import StructuredOutputsParams
 
 MAX_MODEL_LEN = 512
+# Grammars a request may follow (structured output): each engine compiles them once, before the
+# first request that asks (so a run's steps do not depend on a compiler thread's timing).
+CONSTRAINTS = {
+    "choice": StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+    "regex": StructuredOutputsParams(regex=r"[a-z]{2,9}( [a-z]{2,9}){0,6}\."),
+    "json": StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    ),
+}
 SHARED_OPENING = [random.Random(1).randrange(100, 40000) for _ in range(40)]
 # Each configuration: its engine settings and whether it is lossless (a greedy request's output
 # is then the same whatever ran beside it; batch_invariant makes the arithmetic agree too).
@@ -157,8 +167,11 @@ class EngineMachine(RuleBasedStateMachine):
         stop=st.booleans(),
         priority=st.integers(-2, 2),
         stream=st.booleans(),
+        constraint=st.sampled_from([None, None, *sorted(CONSTRAINTS)]),
     )
-    def add(self, shared, length, seed, greedy, n, max_tokens, stop, priority, stream) -> None:
+    def add(
+        self, shared, length, seed, greedy, n, max_tokens, stop, priority, stream, constraint
+    ) -> None:
         rng = random.Random(seed)
         tail = [rng.randrange(100, 40000) for _ in range(length)]
         prompt = (SHARED_OPENING + tail) if shared else tail
@@ -167,7 +180,10 @@ class EngineMachine(RuleBasedStateMachine):
             seed=None if greedy else seed,
             max_tokens=max_tokens,
             stop=["e"] if stop else [],
+            structured=None if constraint is None else CONSTRAINTS[constraint],
         )
+        if params.structured is not None:
+            self.engine.grammars.compiler.compile(params.structured)
         for _ in range(n):  # n choices: the same prompt, each its own request
             before = set(self.engine._requests)
             try:
