@@ -228,3 +228,19 @@ def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_p
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_our_reader_reads_what_ggufs_reader_reads():
+    """The direct reader (model/gguf_reader.py) against the gguf package's, on the default file:
+    every field's value, every tensor's name, type, shape and bytes."""
+    from etinfer.model.gguf_reader import GGUFFile
+
+    path = default_model_path()
+    ours, reference = GGUFFile(path), GGUFReader(path)
+    fields = {n: f.contents() for n, f in reference.fields.items() if not n.startswith("GGUF.")}
+    assert ours.fields == fields
+    assert len(ours.tensors) == len(reference.tensors)
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert (mine.name, mine.tensor_type) == (theirs.name, theirs.tensor_type)
+        assert list(mine.shape) == theirs.shape.tolist()
+        assert np.asarray(mine.data).tobytes() == np.asarray(theirs.data).tobytes(), mine.name

@@ -4,16 +4,18 @@ the others still in their blocks), tokenizer."""
 from __future__ import annotations
 
 import re
+import struct
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from etinfer.model.config import ModelConfig
+from etinfer.model.gguf_reader import GGUFFile, GGUFTensor
 from etinfer.model.hf_folder import split_fused
 from etinfer.model.quantized import GGUFBlocks, Weight
 from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer, llama_tokenizer
@@ -102,35 +104,14 @@ _GLOBAL_NAMES = {
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-class _CheckedReader(GGUFReader):
-    """The gguf package's reader, refusing a tensor whose data the file does not hold by name:
-    the reader itself fails on a numpy reshape that names neither tensor nor file (a download cut
-    short). Checked before the reader maps the tensors (``_build_tensors``, which every version
-    of the reader calls once the tensor infos are read)."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            qtype = GGMLQuantizationType(raw_type[0])
-            elements, size = GGML_QUANT_SIZES[qtype]
-            need = int(np.prod(dims)) * size // elements
-            start = int(start_offs + offset[0])
-            if start + need > len(self.data):
-                raise ValueError(
-                    f"tensor {bytes(name).decode()!r} ({qtype.name}) is truncated: the file "
-                    f"holds {max(0, len(self.data) - start)} of its {need} bytes"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, np.memmap]:
     """The file's configuration, weights and tokenizer, and its memory mapping: the weights in
     blocks are read-only views of it (the OS pages them in as they are read)."""
     try:
-        reader = _CheckedReader(path)
-    except ValueError as error:
+        reader = GGUFFile(path)
+    except (ValueError, struct.error) as error:
         raise ValueError(f"{path}: {error}") from error
-    meta = {name: field.contents() for name, field in reader.fields.items()}
+    meta = reader.fields
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
@@ -217,12 +198,12 @@ def _hf_name(name: str, arch: str, path: Path) -> str:
     raise ValueError(f"{path}: unexpected tensor {name!r} in a {arch} GGUF file")
 
 
-def _tensor(t) -> Weight:
+def _tensor(t: GGUFTensor) -> Weight:
     # GGUF lists dimensions fastest-first, so [in, out] there is row-major [out, in] here. Float
     # tensors are copied (as float32); blocks stay read-only views of the memory-mapped file,
     # which nothing writes to (an engine prepares its own copy when it changes their layout):
     # one copy of the weights in memory, not two.
-    shape = tuple(reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.shape))
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return torch.from_numpy(np.array(t.data, np.float32).reshape(shape))
     with warnings.catch_warnings():  # torch's notice that the view is not writable
