@@ -4,7 +4,8 @@ This is the one place that reads which optional layers are on. The laws come fro
 ``etinfer/control/`` (a scheduling policy, a block selector whose budgets are planned while
 pruning is on, a step shaper; the temperature law each request picks acts in the sampler), and
 the layers with engine-side mechanics from their own folders: ``engine/kv_compression/`` and
-``engine/speculative/`` (drafting with verification, and Entropy Adaptive Decoding). Removing
+``engine/speculative/`` (drafting with verification, and Entropy Adaptive Decoding), and
+structured output's jump-forward (``structured/jump_forward.py``). Removing
 such a layer is removing its folder, its lines here and its switch in ``config.py``.
 """
 
@@ -24,6 +25,7 @@ from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.speculative.speculator import Speculator
 from etinfer.engine.speculative.switching import ModelSwitcher
 from etinfer.model.loader import LoadedModel
+from etinfer.structured.jump_forward import JumpForward
 
 
 @dataclass
@@ -36,6 +38,7 @@ class EngineLayers:
     runner: ModelRunner
     switcher: ModelSwitcher | None
     speculator: Speculator | None
+    jump_forward: JumpForward | None  # structured output's forced text as drafts
 
     @classmethod
     def build(
@@ -92,4 +95,23 @@ class EngineLayers:
         speculator = None
         if config.speculative is not None:
             speculator = Speculator(config, runner, kv, loaded.tokenizer)
-        return cls(policy, pruning, selector, shaper, compressor, runner, switcher, speculator)
+        jump_forward = None
+        # The switcher's small-model rows and a compressed cache take no drafts.
+        if config.jump_forward and switcher is None and compressor is None:
+            jump_forward = JumpForward(
+                kv,
+                loaded.tokenizer,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        return cls(
+            policy,
+            pruning,
+            selector,
+            shaper,
+            compressor,
+            runner,
+            switcher,
+            speculator,
+            jump_forward,
+        )

@@ -39,7 +39,7 @@ from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
-from etinfer.engine.sequence import Sequence, SequenceStatus, StopRule
+from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.step_faults import StepProgress, fault_message, requests_left_unknown
 from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
@@ -48,7 +48,6 @@ from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.structured.compiler import GrammarCompiler
-from etinfer.structured.jump_forward import JumpForward
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.waiting_room import GrammarWaitingRoom
 
@@ -89,6 +88,7 @@ class LLMEngine:
         self.pruning, self.selector, self.shaper = layers.pruning, layers.selector, layers.shaper
         self.runner, self.compressor = layers.runner, layers.compressor
         self.switcher, self.speculator = layers.switcher, layers.speculator
+        self.jump_forward = layers.jump_forward
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         self.observers = Observers()
         # Structured output: requests wait here while their grammars compile.
@@ -97,15 +97,6 @@ class LLMEngine:
                 self.tokenizer, loaded.config.vocab_size, backend=config.structured_backend
             )
         )
-        self.jump_forward = None
-        # The switcher's small-model rows and a compressed cache take no drafts.
-        if config.jump_forward and self.switcher is None and self.compressor is None:
-            self.jump_forward = JumpForward(
-                self.kv,
-                self.tokenizer,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-            )
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -188,16 +179,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks at once."""
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return None
         seq.finish_reason = "abort"
-        seq.metrics.finished_time = time.perf_counter()
-        if self.grammars.remove(request_id) is None:
-            self.scheduler.finish(seq)
-        else:
-            seq.status = SequenceStatus.FINISHED
-        return seq.step_output() if seq.stream else seq.output()
+        self.grammars.remove(request_id)  # if it was still waiting for its grammar
+        return self._retire(seq)
 
     def score(self, prompt: Prompt) -> torch.Tensor:
         """Logits [tokens, vocab] at every position of ``prompt`` in one prefill (teacher
@@ -333,11 +320,16 @@ class LLMEngine:
         for seq in requests_left_unknown(progress, self.scheduler.running):
             if seq.finish_reason is None:
                 seq.finish_reason, seq.error = "error", message
-            seq.metrics.finished_time = time.perf_counter()
-            self.scheduler.finish(seq)
-            self._requests.pop(seq.request_id, None)
-            outputs.append(seq.step_output() if seq.stream else seq.output())
+            outputs.append(self._retire(seq))
         return outputs
+
+    def _retire(self, seq: Sequence, now: float | None = None) -> RequestOutput:
+        """Finish ``seq`` (its finish reason set) wherever it waits or runs: its blocks back,
+        the engine rid of it; its last output."""
+        seq.metrics.finished_time = time.perf_counter() if now is None else now
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        return seq.step_output() if seq.stream else seq.output()
 
     def _decide(self, record: ControlRecord, batch: ScheduledBatch) -> StepDecisions:
         """Each law's decision for the scheduled batch, from the record alone."""
@@ -367,11 +359,7 @@ class LLMEngine:
         ready, failed = self.grammars.leave()
         for seq in ready:
             self.scheduler.add(seq)
-        for seq in failed:
-            seq.metrics.finished_time = time.perf_counter()
-            seq.status = SequenceStatus.FINISHED
-            del self._requests[seq.request_id]
-        return [seq.step_output() if seq.stream else seq.output() for seq in failed]
+        return [self._retire(seq) for seq in failed]
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], states: list[float | None]
@@ -395,10 +383,7 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in (batch.seqs[i] for i in batch.sampled):
             if seq.finish_reason is not None:
-                seq.metrics.finished_time = now
-                self.scheduler.finish(seq)
-                del self._requests[seq.request_id]
-                outputs.append(seq.step_output() if seq.stream else seq.output())
+                outputs.append(self._retire(seq, now))
             elif seq.stream:
                 outputs.append(seq.step_output())
 
