@@ -18,8 +18,6 @@ outputs, stop strings).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -30,12 +28,11 @@ from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
-from etinfer.control.switching import SwitchState
-from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.layers import EngineLayers
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
+from etinfer.engine.request_intake import RequestIntake
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sampler import SamplerOutput
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -97,9 +94,9 @@ class LLMEngine:
                 self.tokenizer, loaded.config.vocab_size, backend=config.structured_backend
             )
         )
-        self._requests: dict[str, Sequence] = {}
-        self._arrivals = itertools.count()
-        self._ids = itertools.count()
+        switching = None if self.switcher is None else self.switcher.config
+        self.intake = RequestIntake(self.tokenizer, self.validator, config.control, switching)
+        self._requests = self.intake.requests  # every request not yet finished, by id
         self._progress = StepProgress()  # the step running, or the last one
 
     # -- requests -------------------------------------------------------------------------
@@ -126,56 +123,23 @@ class LLMEngine:
         sampled, one per step, before sampling resumes: each runs as a decode step and counts
         towards ``max_tokens``. ``priority`` (lower first, as in vLLM) and ``slo`` (seconds
         from arrival to finish) are read by the entropy scheduling policy; FCFS ignores them."""
-        self.validator.check_scheduling(priority, slo)
-        if delta and not stream:
-            raise ValueError("delta outputs need stream=True")
-        params = self._with_control(params or SamplingParams())
-        if prompt_token_ids is None:
-            text, ids = self.validator.encode_prompt(prompt)
-        else:
-            text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
-        self.validator.check_request(ids, params)
-        if forced_token_ids is not None:  # validated as token ids of a prompt would be
-            _, forced_token_ids = self.validator.encode_prompt(forced_token_ids)
-        if request_id is None:
-            request_id = self._new_request_id()
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(
-            request_id,
-            next(self._arrivals),
-            ids,
+        seq = self.intake.new_sequence(
+            prompt,
             params,
-            Detokenizer(self.tokenizer, params, ids),
-            prompt=text,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            request_id=request_id,
             stream=stream,
             delta=delta,
+            arrival_time=arrival_time,
+            prompt_token_ids=prompt_token_ids,
             forced_token_ids=forced_token_ids,
             priority=priority,
             slo=slo,
         )
-        if self.switcher is not None:
-            seq.switch = SwitchState.initial(self.switcher.config)
-        compiling = params.structured is not None and self.grammars.enter(seq)
-        self._requests[request_id] = seq
+        compiling = seq.params.structured is not None and self.grammars.enter(seq)
+        self._requests[seq.request_id] = seq
         if not compiling:
             self.scheduler.add(seq)
-        return request_id
-
-    def _with_control(self, params: SamplingParams) -> SamplingParams:
-        """With the sampling layer on, a request that picked no temperature controller of its
-        own (and is not greedy) gets entropy control with the engine's target."""
-        control = self.config.control
-        if control.sampling and params.controller == "fixed" and not params.greedy:
-            return dataclasses.replace(params, entropy_target=control.entropy_target)
-        return params
-
-    def _new_request_id(self) -> str:
-        """A counter value no live request uses (a caller may have picked it as an id)."""
-        while (request_id := str(next(self._ids))) in self._requests:
-            pass
-        return request_id
+        return seq.request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks at once."""
