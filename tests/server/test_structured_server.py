@@ -230,3 +230,20 @@ def test_bad_constraints_are_a_400_naming_the_field(server, model_name, body, pa
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_n_choices_each_follow_the_schema(client, model_name):
+    name, prompt, schema = SCHEMAS[8]  # weather: an enum, bounded integers
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": prompt}],
+        n=3,
+        seed=5,
+        temperature=1.0,
+        max_tokens=200,
+        response_format=schema_format(name, schema),
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
