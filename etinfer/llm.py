@@ -65,10 +65,13 @@ class LLM:
         for ids, p, rank, deadline in zip(encoded, params, priorities, slos, strict=True):
             self.engine.validator.check_request(ids, p)
             self.engine.validator.check_scheduling(rank, deadline)
-        # Grammars compile (in parallel, cached) before any request queues: a bad one raises.
+        # Grammars compile (all started at once, cached) before any request queues: a bad one
+        # raises here.
         compiler = self.engine.grammars.compiler
         constraints = [p.structured for p in params if p.structured is not None]
-        for constraint in [compiler.submit(c) and c for c in constraints]:
+        for constraint in constraints:
+            compiler.submit(constraint)
+        for constraint in constraints:
             compiler.compile(constraint)
         request_ids: list[str] = []
         try:

@@ -108,6 +108,23 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     writer.close()
 
 
+def assert_greedy_equals_transformers(path, ours, prompt: list[int]) -> None:
+    """Our float32 engine's greedy tokens for ``prompt`` are transformers' argmax, its model
+    read by its own GGUF reader from the same file."""
+    import transformers
+
+    from etinfer import LLM, SamplingParams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize(
     ("pre", "arch"), [("llama-bpe", "llama"), ("qwen2", "qwen2"), ("qwen2", "qwen3")]
 )
@@ -116,7 +133,6 @@ def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre, arch):
     file naming either gives transformers' tokens, and a Llama, Qwen 2 or Qwen 3 file's model
     transformers' greedy tokens."""
     transformers = pytest.importorskip("transformers")
-    from etinfer import LLM, SamplingParams
 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, pre, arch)
@@ -134,15 +150,8 @@ def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre, arch):
     assert [p for p, _ in pieces] == (
         ["123", "456", "7"] if pre == "llama-bpe" else list("1234567")
     )
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    )
     prompt = ours.tokenizer.encode(samples[0], add_special_tokens=False)
-    llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-    assert out.token_ids == logits.argmax(-1).tolist()
+    assert_greedy_equals_transformers(path, ours, prompt)
 
 
 def write_tiny_phi3(path) -> list[str]:
@@ -202,7 +211,6 @@ def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_p
     same file does, and the model (its qkv and gate-up split at load) gives transformers'
     greedy tokens."""
     transformers = pytest.importorskip("transformers")
-    from etinfer import LLM, SamplingParams
 
     path = tmp_path / "phi3.gguf"
     write_tiny_phi3(path)
@@ -219,15 +227,7 @@ def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_p
         assert ids == reference.encode(sample, add_special_tokens=False), sample
         assert ours.tokenizer.decode(ids) == reference.decode(ids), sample
     assert ours.tokenizer.encode("the")[0] == 1  # the file asks for BOS
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    )
-    prompt = ours.tokenizer.encode(samples[0])
-    llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-    assert out.token_ids == logits.argmax(-1).tolist()
+    assert_greedy_equals_transformers(path, ours, ours.tokenizer.encode(samples[0]))
 
 
 def test_our_reader_reads_what_ggufs_reader_reads():

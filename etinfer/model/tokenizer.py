@@ -9,7 +9,7 @@ rendered the way transformers renders it (a sandboxed Jinja environment with ``t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -71,7 +71,7 @@ class Tokenizer:
             return None
         # Only the pre-tokenizer's own settings, not the whole tokenizer.json (10 MB for a
         # 128K vocabulary).
-        pieces = list(_flatten([json.loads(backend.pre_tokenizer.__getstate__())]))
+        pieces = components(json.loads(backend.pre_tokenizer.__getstate__()))
         if not any(p["type"] == "ByteLevel" for p in pieces) or not all(map(_keeps_text, pieces)):
             return None
         added = backend.get_added_tokens_decoder().values()
@@ -155,11 +155,13 @@ class Tokenizer:
 _TEXT_KEEPING = frozenset({"ByteLevel", "Sequence", "Split", "Punctuation", "Digits"})
 
 
-def _flatten(pieces: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The components of a pre-tokenizer's settings, sequences opened."""
-    for piece in pieces:
-        yield piece
-        yield from _flatten(piece.get("pretokenizers") or [])
+def components(settings: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The settings of one part of a tokenizer (its normalizer, pre-tokenizer or decoder) and
+    of every part a sequence of them holds, sequences opened, in order."""
+    if not settings:
+        return []
+    inner = settings.get("normalizers") or settings.get("pretokenizers") or settings.get("decoders")
+    return [settings, *(piece for child in inner or [] for piece in components(child))]
 
 
 def _keeps_text(piece: dict[str, Any]) -> bool:

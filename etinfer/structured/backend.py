@@ -39,10 +39,6 @@ class Matcher(ABC):
     def jump_forward(self) -> str:
         """The text the grammar allows as the only continuation from here ('' if none)."""
 
-    @abstractmethod
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-
     @property
     @abstractmethod
     def is_terminated(self) -> bool:

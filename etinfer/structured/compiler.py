@@ -33,7 +33,10 @@ class GrammarCompiler:
             )
         self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
         self._backend: GrammarBackend | None = None  # built on first use: it reads the vocab
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's
+        # Building the backend reads the whole vocabulary (a second for a large one): under a
+        # lock of its own, so that submitting from the event loop never waits on it.
+        self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="etinfer-grammar")
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
 
@@ -64,7 +67,7 @@ class GrammarCompiler:
         return self._get_backend().compile(params)
 
     def _get_backend(self) -> GrammarBackend:
-        with self._lock:
+        with self._backend_lock:
             if self._backend is None:
                 self._backend = _load_backend(self._backend_name)(self._tokenizer, self._vocab_size)
             return self._backend

@@ -33,7 +33,6 @@ class JumpForward:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_drafted = 0  # tokens proposed, over the engine's life
 
     def draft(self, batch: ScheduledBatch) -> None:
         """Add each constrained decoding sequence's forced continuation as its drafts, within
@@ -52,4 +51,3 @@ class JumpForward:
             if drafts and self.kv.allocate(seq, 1 + len(drafts)):
                 batch.add_drafts(i, drafts)
                 budget -= len(drafts)
-                self.num_drafted += len(drafts)

@@ -39,9 +39,6 @@ class LLGuidanceMatcher(Matcher):
     def jump_forward(self) -> str:
         return self._matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
 
-    def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
-
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()

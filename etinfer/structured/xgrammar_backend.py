@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xgrammar
 
-from etinfer.model.tokenizer import Tokenizer
+from etinfer.model.tokenizer import Tokenizer, components
 from etinfer.structured.backend import CompiledGrammar, GrammarBackend, Matcher
 from etinfer.structured.params import StructuredOutputsParams
 from etinfer.structured.schema_support import unenforced_feature
@@ -42,9 +42,6 @@ class XGrammarMatcher(Matcher):
     def jump_forward(self) -> str:
         return self._matcher.find_jump_forward_string()
 
-    def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
-
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
@@ -55,7 +52,7 @@ class XGrammarCompiled(CompiledGrammar):
         self._compiled = compiled
 
     def matcher(self) -> Matcher:
-        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled, max_rollback_tokens=-1))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
 
 
 class XGrammarBackend(GrammarBackend):
@@ -129,7 +126,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerI
 def _vocab_type(decoder: dict[str, Any] | None) -> xgrammar.VocabType:
     """Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) maps bytes to printable characters;
     SentencePiece with byte fallback (Llama 2, Gemma) spells unknown bytes as <0xNN>."""
-    kinds = _component_types(decoder)
+    kinds = {piece.get("type") for piece in components(decoder)}
     if "ByteLevel" in kinds:
         return xgrammar.VocabType.BYTE_LEVEL
     if "ByteFallback" in kinds:
@@ -140,21 +137,10 @@ def _vocab_type(decoder: dict[str, Any] | None) -> xgrammar.VocabType:
 def _adds_prefix_space(settings: dict[str, Any]) -> bool:
     """Whether encoding puts a space before the text (SentencePiece's dummy prefix)."""
     for part in (settings.get("normalizer"), settings.get("pre_tokenizer")):
-        for piece in _components(part):
+        for piece in components(part):
             if piece.get("type") == "Prepend" or piece.get("prepend_scheme") in ("always", "first"):
                 return True
     return False
-
-
-def _components(part: dict[str, Any] | None) -> list[dict[str, Any]]:
-    if not part:
-        return []
-    inner = part.get("normalizers") or part.get("pretokenizers") or part.get("decoders") or []
-    return [part, *(p for child in inner for p in _components(child))]
-
-
-def _component_types(part: dict[str, Any] | None) -> set[str]:
-    return {piece.get("type") for piece in _components(part)}
 
 
 def _first_line(error: Exception) -> str:

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.bench.structured.schemas import SCHEMAS, schema_format
 from tests.server.conftest import CHAT, post
 
 WEATHER_TOOL = {
@@ -44,10 +44,6 @@ TIME_TOOL = {
 }
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Oslo?"}]
-
-
-def schema_format(name: str, schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 def streamed_chat(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, dict], str | None]:

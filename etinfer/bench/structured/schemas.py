@@ -328,3 +328,8 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
 ]
+
+
+def schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` asking for ``schema``, strict."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}

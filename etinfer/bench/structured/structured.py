@@ -25,7 +25,7 @@ import torch
 
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.machine import machine
-from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.bench.structured.schemas import SCHEMAS, schema_format
 from etinfer.model.loader import load_model
 from etinfer.structured.compiler import GrammarCompiler
 from etinfer.structured.masks import fill_allowed
@@ -115,10 +115,7 @@ def served(requests: int, model: str | None, concurrency: int) -> dict:
                 temperature=0.7,
                 seed=i,
                 max_tokens=256,
-                response_format={
-                    "type": "json_schema",
-                    "json_schema": {"name": schema_name, "schema": schema, "strict": True},
-                },
+                response_format=schema_format(schema_name, schema),
             )
             if i % 2:
                 text = "".join(
