@@ -176,6 +176,13 @@ class EngineConfig:
         },
     )
     max_num_seqs: int = field(default=64, metadata={"help": "sequences one step may run"})
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={
+            "help": "on CUDA, replay plain decode steps as CUDA graphs, one per batch-size "
+            "bucket (off: every step eager, as vLLM's enforce_eager)"
+        },
+    )
     # One chunk of prefill per step is bounded by this; on two CPU cores 1,024 tokens take about
     # a third of a second, which is the stall a running stream sees when a long prompt arrives.
     max_num_batched_tokens: int = field(

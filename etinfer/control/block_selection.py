@@ -147,6 +147,8 @@ BLOCK_SELECTORS: Registry[BlockSelector] = Registry("block selector")
 
 @BLOCK_SELECTORS.register("dense")
 class DenseSelector(BlockSelector):
+    reads_everything = True
+
     def select(self, layer, query, blocks, summaries) -> None:
         return None
 

@@ -87,6 +87,8 @@ class EngineLayers:
             stress=config.stress,
             batch_invariant=config.batch_invariant,
             query_capturer=compressor,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
         # Both fit their small model (an early exit's adapter) now, at load.
         switcher = None

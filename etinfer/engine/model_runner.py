@@ -10,6 +10,7 @@ from etinfer.control.record import StepDecisions
 from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
 from etinfer.control.stress import StressConfig
 from etinfer.engine.attention_stats import AttentionStats
+from etinfer.engine.cuda_graphs import DecodeGraphs
 from etinfer.engine.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
@@ -17,6 +18,7 @@ from etinfer.engine.sequence import Sequence
 from etinfer.engine.step_inputs import QueryCapturer, StepInputBuilder
 from etinfer.model.block_layout import AttentionSelector
 from etinfer.model.families import family_of
+from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
@@ -52,11 +54,15 @@ class ModelRunner:
         sparse_prefill: SparsePrefillConfig | None = None,
         batch_invariant: bool = False,
         query_capturer: QueryCapturer | None = None,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
         selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
         ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig).
-        ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
+        ``query_capturer``: the layer that keeps some rows' queries, if one is on.
+        ``cuda_graphs``: replay plain decode steps of up to ``max_num_seqs`` rows as CUDA
+        graphs, where the device is CUDA and no layer changes a decode step's shape."""
         config = model.config
         prefill_selector = None
         if sparse_prefill is not None:
@@ -89,20 +95,30 @@ class ModelRunner:
             # Where layers differ in their window (Gemma 3), the sliding ones read each step's
             # ``local`` view of the metadata (``StepInputBuilder``).
             config.local_layers,
+            config.sliding_window,
         )
         self.model = LlamaModel(
             model, family_of(config), self.attention, max_model_len, device, dtype, quantization
         )
+        summaries = selector.needs_summaries or prefill_selector is not None
+        graphs = cuda_graphs and device.type == "cuda" and gpu_decode.available()
+        graphs = graphs and not summaries and query_capturer is None and not batch_invariant
         self.cache = KVCache(
             config.num_layers,
-            num_blocks,
+            num_blocks + graphs,  # the graphs' padding rows write to a block of their own
             block_size,
             config.num_kv_heads,
             config.head_dim,
             device,
             kv_cache_dtype,
-            summaries=selector.needs_summaries or prefill_selector is not None,
+            summaries=summaries,
         )
+        self.graphs = None
+        if graphs:
+            max_blocks, scratch_slot = -(-max_model_len // block_size), num_blocks * block_size
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, max_num_seqs, max_blocks, scratch_slot
+            )
         self.sampler = Sampler(
             torch.Generator(device).manual_seed(seed), calibration_temperature, stress
         )
@@ -132,6 +148,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:
         """Compute the batch's tokens into the cache under the step's decisions; the logits
         where a sequence's known tokens end and at each of its drafts."""
+        if self._replays(batch, decisions):
+            return StepResult(None, self.graphs.run(batch.seqs))
         inputs = self.inputs.step(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         if inputs.capture is not None:
@@ -145,6 +163,18 @@ class ModelRunner:
         if not batch.sampled:
             return StepResult(stats, None)
         return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
+
+    def _replays(self, batch: ScheduledBatch, decisions: StepDecisions) -> bool:
+        """Whether the step is a plain decode step a graph computes: one row per sequence, each
+        sampled, every block read."""
+        graphs, seqs = self.graphs, batch.seqs
+        if graphs is None or decisions.block_budgets is not None:
+            return False
+        if not self.attention.selector.reads_everything or any(batch.drafts):
+            return False
+        if batch.num_decode != len(seqs) or batch.sampled != list(range(len(seqs))):
+            return False
+        return graphs.takes(len(seqs), max(len(seq.block_table) for seq in seqs))
 
     @torch.inference_mode()
     def sample(

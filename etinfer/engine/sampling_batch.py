@@ -52,7 +52,12 @@ class SamplingBatch:
         constrained: list[bool] | None = None,
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            host = torch.tensor(values, dtype=dtype)
+            if device.type == "cpu":
+                return host
+            # From pinned memory without waiting: a copy from pageable memory syncs the host
+            # with the device, and a step should wait for it once (for its sampled tokens).
+            return host.pin_memory().to(device, non_blocking=True)
 
         laws = {p.controller: temperature_law(p) for p in params}
         temperature = [

@@ -16,7 +16,8 @@ from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
-from etinfer.model.decode_pattern import DecodePattern, decode_pattern
+from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
+from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.paged_attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -79,6 +80,7 @@ class StepInputBuilder:
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
         self.local_layers = sorted(config.local_layers)
+        self.kernel_reads_tables = device.type == "cuda" and gpu_decode.available()
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]
@@ -111,8 +113,12 @@ class StepInputBuilder:
 
     def _dense_pattern(
         self, blocks: DecodeBlocks, window: int | None
-    ) -> tuple[torch.Tensor, DecodePattern]:
+    ) -> tuple[torch.Tensor, DecodePattern | None]:
+        """The blocks each decode row sees, and their CSR pattern (None where the GPU kernel
+        reads the block tables itself)."""
         config = self.config
+        if self.kernel_reads_tables:
+            return visible_blocks(blocks, config.num_kv_heads, sliding_window=window), None
         return decode_pattern(
             blocks,
             config.num_kv_heads,

@@ -71,6 +71,8 @@ class AttentionSelector(ABC):
 
     needs_summaries = False  # the cache keeps key bounds and masses per block for it
     observes_mass = False  # attention records each attended block's mass for it
+    # It never narrows attention (a decode step may then be a captured CUDA graph).
+    reads_everything = False
 
     @abstractmethod
     def select(

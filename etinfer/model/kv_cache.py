@@ -114,9 +114,13 @@ class KVCache:
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's key and value scales, a row each [kv_heads * slots] (None unless int8)."""
+        return tuple(None if s is None else s.view(-1) for s in self.layer_scales(layer))
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's key and value scales, [kv_heads, slots] each (None unless int8)."""
         if self.key_scales is None:
             return None, None
-        return self.key_scales[layer].view(-1), self.value_scales[layer].view(-1)
+        return self.key_scales[layer], self.value_scales[layer]
 
     def read(
         self, layer: int, slots: torch.Tensor, heads: slice = slice(None)

@@ -30,8 +30,10 @@ from etinfer.model.block_layout import (
     PrefillContext,
     PrefillPiece,
     PrefillSelector,
+    Selection,
 )
-from etinfer.model.decode_pattern import DecodePattern, decode_pattern
+from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
+from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
 
@@ -82,9 +84,11 @@ class PagedAttention:
         prefill_selector: PrefillSelector | None = None,
         scale: float | None = None,
         local_layers: frozenset[int] = frozenset(),
+        local_window: int | None = None,
     ) -> None:
         """``sliding_window``: every layer's; ``local_layers``: the layers that read the step's
-        ``local`` view instead (a model whose layers differ in their window)."""
+        ``local`` view instead (a model whose layers differ in their window), whose window is
+        ``local_window``."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -93,6 +97,9 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.prefill_selector = prefill_selector
         self.local_layers = local_layers
+        self.local_window = local_window
+        # On CUDA, decode attention through the Triton kernel that reads the block table itself.
+        self.gpu = gpu_decode.available()
         # Decode attention in one native call where the kernel takes these shapes (and runs on
         # the CPU, checked per call); else as torch operations.
         self.native = native_kernels.available() and native_kernels.takes(
@@ -144,15 +151,19 @@ class PagedAttention:
         selection = None
         if layer not in self.local_layers:
             selection = self.selector.select(layer, q, blocks, summaries)
+        observing = summaries is not None and summaries.mass is not None
+        observing = observing and self.selector.observes_mass
+        if self.gpu and q.is_cuda and not observing:  # the mass scorer needs every weight
+            return self._decode_gpu(layer, q, cache, meta, selection)
         pattern, visible = meta.dense_pattern, None
-        if selection is not None:
+        if selection is not None or pattern is None:  # None: the step left it to the kernel
             visible, pattern = decode_pattern(
                 blocks,
                 self.num_kv_heads,
                 group,
                 cache.num_slots,
-                selection.mask,
-                self.sliding_window,
+                None if selection is None else selection.mask,
+                self.local_window if layer in self.local_layers else self.sliding_window,
             )
         rows = q.shape[0] * self.num_heads
         q = q.reshape(rows, self.head_dim)
@@ -183,9 +194,45 @@ class PagedAttention:
             meta.telemetry.record(
                 PrunedLayer(layer, selection.bounds, visible, row_max, denominators)
             )
-        if summaries is not None and summaries.mass is not None and self.selector.observes_mass:
+        if observing:
             self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
         return out.view(-1, self.num_heads, self.head_dim)
+
+    def _decode_gpu(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+        selection: Selection | None,
+    ) -> torch.Tensor:
+        """Decode rows through the GPU kernel: no pattern is built, the kernel reads the block
+        tables, and a selection's blocks (the current one always among them) are its mask."""
+        blocks = meta.decode_blocks
+        local = layer in self.local_layers
+        window = self.local_window if local else self.sliding_window
+        visible = None
+        if selection is not None:
+            visible = visible_blocks(blocks, self.num_kv_heads, selection.mask, window)
+        out, row_max, denominators = gpu_decode.paged_decode(
+            q,
+            cache.keys[layer],
+            cache.values[layer],
+            *cache.layer_scales(layer),
+            blocks.block_tables,
+            blocks.context_lens,
+            cache.block_size,
+            self.scale,
+            window,
+            visible,
+        )
+        if meta.telemetry is not None and selection is not None:
+            meta.telemetry.record(
+                PrunedLayer(
+                    layer, selection.bounds, visible, row_max.flatten(), denominators.flatten()
+                )
+            )
+        return out
 
     def _decode_torch(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern

@@ -16,10 +16,11 @@ from etinfer.bench.common.prompts import TOPICS
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
 
-# Host-side events that move data or wait for the device, as the profiler names them.
+# Host-side events that move data or wait for the device, as the profiler names them (a
+# replayed CUDA graph is one launch).
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item")
 COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
-LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:

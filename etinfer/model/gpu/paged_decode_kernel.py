@@ -1,0 +1,116 @@
+"""The Triton kernel of paged decode attention (imported only where Triton is; see
+``gpu/paged_decode.py``, which launches it and merges its partial results).
+
+One program per (decode row, KV head, split of the context): it reads its row of the block
+table itself, a tile of positions at a time, so no block is gathered or copied, and computes the
+online softmax of its query heads (the KV head's group, padded to the 16 rows ``tl.dot`` takes;
+the head dimension padded to a power of two) over its share of the context. Splitting the
+context (flash-decoding) keeps the GPU busy when a few rows have long contexts; the splits'
+partial maxima, sums and weighted values are merged afterwards. Dots are IEEE float32 (never
+tf32): the engine's float32 path stays exact against transformers to rounding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_decode_partials(
+    q_ptr,  # [rows, heads, dim] float32
+    k_ptr,  # [kv_heads, slots, dim] the layer's cache, any stored type
+    v_ptr,
+    k_scale_ptr,  # [kv_heads, slots] float32 (int8 caches), else unused
+    v_scale_ptr,
+    table_ptr,  # [rows, table_stride] block ids (rows may be views into a wider buffer)
+    context_ptr,  # [rows] tokens each row attends to
+    keep_ptr,  # [rows, kv_heads, keep_width] uint8: table entries read (pruning), else unused
+    acc_ptr,  # out [rows, heads, splits, dim] float32: unnormalised weighted values
+    max_ptr,  # out [rows, heads, splits] float32: the split's largest score
+    sum_ptr,  # out [rows, heads, splits] float32: the split's sum of exp(score - max)
+    num_slots,
+    table_stride,
+    keep_width,
+    window,  # tokens a row sees back from itself; 0: all of them
+    scale,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_ptr + row).to(tl.int32)
+    first = 0
+    if window > 0:
+        first = tl.maximum(context - window, 0)
+    tiles = tl.cdiv(context - first, TILE)
+    per_split = tl.cdiv(tiles, SPLITS) * TILE
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, context)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    in_dim = dims < DIM
+    heads = kv_head * GROUP + group
+    in_group = group < GROUP
+    q = tl.load(
+        q_ptr + (row * HEADS + heads)[:, None] * DIM + dims[None, :],
+        mask=in_group[:, None] & in_dim[None, :],
+        other=0.0,
+    )
+    q = q * scale
+    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    cache_base = kv_head.to(tl.int64) * num_slots
+    tile_start = start
+    while tile_start < end:  # a while loop: Triton's interpreter takes no tensor range bounds
+        positions = tile_start + tl.arange(0, TILE)
+        valid = positions < end
+        entries = positions // BLOCK_SIZE
+        blocks = tl.load(table_ptr + row * table_stride + entries, mask=valid, other=0)
+        if HAS_KEEP:
+            kept = tl.load(
+                keep_ptr + (row * KV_HEADS + kv_head) * keep_width + entries,
+                mask=valid,
+                other=0,
+            )
+            valid = valid & (kept != 0)
+        slots = cache_base + blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+        where = slots[:, None] * DIM + dims[None, :]
+        readable = valid[:, None] & in_dim[None, :]
+        keys = tl.load(k_ptr + where, mask=readable, other=0.0)
+        values = tl.load(v_ptr + where, mask=readable, other=0.0)
+        keys = keys.to(tl.float32)
+        values = values.to(tl.float32)
+        if HAS_SCALES:
+            keys = keys * tl.load(k_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+            values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [GROUP_PAD, TILE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A tile with nothing visible leaves the maximum at -inf; shift by 0 then, not by -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+        row_max = new_max
+        tile_start += TILE
+
+    out = (row * HEADS + heads) * SPLITS + split
+    tl.store(
+        acc_ptr + out[:, None] * DIM + dims[None, :], acc, mask=in_group[:, None] & in_dim[None, :]
+    )
+    tl.store(max_ptr + out, row_max, mask=in_group)
+    tl.store(sum_ptr + out, row_sum, mask=in_group)
