@@ -107,3 +107,23 @@ def test_splits_fill_the_gpu_and_stay_powers_of_two() -> None:
     assert gpu.num_splits(rows=256, kv_heads=3, max_context=8192) == 1
     assert gpu.num_splits(rows=1, kv_heads=3, max_context=100) == 2  # no split shorter than a tile
     assert gpu.num_splits(rows=8, kv_heads=3, max_context=8192) == 16
+
+
+def test_one_split_makes_a_row_independent_of_its_batch() -> None:
+    """batch_invariant's contract on the GPU: with one split a row's result is bit for bit the
+    same alone as beside other rows (the default split count follows the batch size)."""
+    g = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim, bs, slots = 3, 9, 64, 16, 64 * 16
+    keys = torch.randn(kv_heads, slots, dim, generator=g).to(DEVICE)
+    values = torch.randn(kv_heads, slots, dim, generator=g).to(DEVICE)
+    q = torch.randn(5, heads, dim, generator=g).to(DEVICE)
+    tables = torch.stack([torch.randperm(64, generator=g)[:40] for _ in range(5)]).to(DEVICE)
+    lens = torch.tensor([640, 17, 300, 639, 1]).to(DEVICE)
+
+    def attend(rows: slice) -> torch.Tensor:
+        args = (q[rows], keys, values, None, None, tables[rows], lens[rows], bs, dim**-0.5)
+        return gpu.paged_decode(*args, splits=1)[0]
+
+    batched = attend(slice(None))
+    for row in range(5):
+        assert torch.equal(attend(slice(row, row + 1))[0], batched[row])

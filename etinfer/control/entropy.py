@@ -16,6 +16,7 @@ log-normaliser (which sampling computes anyway), and bound what the tail can add
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -158,9 +159,10 @@ def topk_bounds(logits: torch.Tensor, k: int, lse: torch.Tensor | None = None) -
     base = kept * h_k + binary
     # The tail spreads over at least m / p_k tokens and at most V - k (m <= (V - k) p_k, so the
     # clamp only absorbs rounding when m is at the level of float error).
-    log_rest = torch.log(torch.tensor(float(max(vocab - k, 1)), dtype=logits.dtype))
+    # A Python number: a tensor here was read back (``item``) every step.
+    log_rest = math.log(max(vocab - k, 1))
     smallest = top_p[:, -1]
-    spread = torch.where(tail > 0, torch.log(tail / smallest).clamp(0.0, log_rest.item()), 0.0)
+    spread = torch.where(tail > 0, torch.log(tail / smallest).clamp(0.0, log_rest), 0.0)
     lower = base + tail * spread
     upper = base + tail * log_rest
     return TopKBounds(topk=h_k, lower=lower, upper=upper, tail_mass=tail)

@@ -96,6 +96,7 @@ class ModelRunner:
             # ``local`` view of the metadata (``StepInputBuilder``).
             config.local_layers,
             config.sliding_window,
+            batch_invariant,
         )
         self.model = LlamaModel(
             model, family_of(config), self.attention, max_model_len, device, dtype, quantization

@@ -85,10 +85,12 @@ class PagedAttention:
         scale: float | None = None,
         local_layers: frozenset[int] = frozenset(),
         local_window: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """``sliding_window``: every layer's; ``local_layers``: the layers that read the step's
         ``local`` view instead (a model whose layers differ in their window), whose window is
-        ``local_window``."""
+        ``local_window``. ``batch_invariant``: a decode row's result may not depend on the
+        other rows (the GPU kernel then never splits a row's context)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -98,6 +100,7 @@ class PagedAttention:
         self.prefill_selector = prefill_selector
         self.local_layers = local_layers
         self.local_window = local_window
+        self.batch_invariant = batch_invariant
         # On CUDA, decode attention through the Triton kernel that reads the block table itself.
         self.gpu = gpu_decode.available()
         # Decode attention in one native call where the kernel takes these shapes (and runs on
@@ -225,6 +228,7 @@ class PagedAttention:
             self.scale,
             window,
             visible,
+            splits=1 if self.batch_invariant else None,
         )
         if meta.telemetry is not None and selection is not None:
             meta.telemetry.record(

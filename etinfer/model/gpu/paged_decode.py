@@ -56,17 +56,21 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
     keep: torch.Tensor | None = None,  # [rows, kv_heads, width] bool: the blocks read
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's attention over the first ``context_lens[row]`` positions of its block table
     (the last ``sliding_window`` of them where set; only ``keep``'s blocks where given), in
     float32: [rows, heads, dim] (zeros for a row that sees nothing); and per row and head the
     largest scaled score and the softmax denominator below it (the pruning certificate's
-    inputs), [rows, heads] each."""
+    inputs), [rows, heads] each.
+
+    ``splits``: parts each row's context is cut into (default: enough to fill the GPU, which
+    depends on the batch, so a row's rounding does too; 1 makes each row's result its own)."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
     width = block_tables.shape[1]
-    splits = num_splits(rows, kv_heads, width * block_size)
+    splits = splits or num_splits(rows, kv_heads, width * block_size)
     acc = torch.empty(rows, heads, splits, dim, device=q.device, dtype=torch.float32)
     maxima = torch.empty(rows, heads, splits, device=q.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
