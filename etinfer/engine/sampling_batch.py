@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.control.temperature import RowGroup, temperature_law
+from etinfer.engine.device_copy import to_device
 from etinfer.sampling_params import SamplingParams
 
 # Top-k / top-p decide on this many of the largest logits (more when a top_k asks for more).
@@ -52,12 +53,7 @@ class SamplingBatch:
         constrained: list[bool] | None = None,
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype)
-            if device.type == "cpu":
-                return host
-            # From pinned memory without waiting: a copy from pageable memory syncs the host
-            # with the device, and a step should wait for it once (for its sampled tokens).
-            return host.pin_memory().to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         laws = {p.controller: temperature_law(p) for p in params}
         temperature = [
@@ -101,7 +97,7 @@ class SamplingBatch:
             ),
             masks=any(filters(p) for p in params) or any(law.truncates for law in laws.values()),
             num_logprobs=max(asked) if asked else None,
-            allowed=None if allowed is None else allowed.to(device),
+            allowed=None if allowed is None else to_device(allowed, device),
             constrained=None if allowed is None else column(constrained, torch.bool),
         )
 

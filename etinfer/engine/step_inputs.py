@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from etinfer.control.sparse_prefill import SparsePrefillSelector
+from etinfer.engine.device_copy import to_device
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import DecodeBlocks, PrefillContext
@@ -93,21 +94,23 @@ class StepInputBuilder:
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
         if self.batch_invariant:  # every row as a decode row, as in a step (``prepare``)
             decode_blocks, _, pattern = self._decode_rows(table.expand(n, -1), positions + 1)
-            meta = AttentionMetadata(slots.to(self.device), n, decode_blocks, pattern, [])
+            meta = AttentionMetadata(to_device(slots, self.device), n, decode_blocks, pattern, [])
         else:
             mask = prefill_mask(0, n, self.sliding_window, self.device)
             chunk = PrefillChunk(0, n, None, mask)
-            meta = AttentionMetadata(slots.to(self.device), 0, None, None, [chunk])
+            meta = AttentionMetadata(to_device(slots, self.device), 0, None, None, [chunk])
         meta.local = self._local_view(meta, [0] * len(meta.prefills))
-        ids = torch.tensor(token_ids, device=self.device)
-        return ids, positions.to(self.device), meta
+        ids = to_device(torch.tensor(token_ids), self.device)
+        return ids, to_device(positions, self.device), meta
 
     def _decode_rows(
         self, tables: torch.Tensor, context_lens: torch.Tensor
     ) -> tuple[DecodeBlocks, torch.Tensor, DecodePattern]:
         """Rows that attend as decode rows: each to its ``context_lens`` first cache entries
         through its row of ``tables``. Their layout, visible blocks and dense pattern."""
-        blocks = DecodeBlocks(tables.to(self.device), context_lens.to(self.device), self.block_size)
+        blocks = DecodeBlocks(
+            to_device(tables, self.device), to_device(context_lens, self.device), self.block_size
+        )
         visible, pattern = self._dense_pattern(blocks, self.sliding_window)
         return blocks, visible, pattern
 
@@ -198,16 +201,16 @@ class StepInputBuilder:
             context_slots = None
             if start or sparse is not None:
                 context = torch.arange(start + n)
-                context_slots = (tables[i, context // bs] * bs + context % bs).to(self.device)
+                context_slots = to_device(tables[i, context // bs] * bs + context % bs, self.device)
             mask = prefill_mask(start, n, self.sliding_window, self.device)
             prefills.append(PrefillChunk(int(chunk_start[i]), n, context_slots, mask, sparse))
 
-        fresh = (slot_mapping[slot_mapping % bs == 0] // bs).to(self.device)
+        fresh = to_device(slot_mapping[slot_mapping % bs == 0] // bs, self.device)
         capture = None
         if self.query_capturer is not None:
             capture = self.query_capturer.plan_capture(seqs, starts, counts, chunk_start.tolist())
         meta = AttentionMetadata(
-            slot_mapping.to(self.device),
+            to_device(slot_mapping, self.device),
             decode_rows,
             decode_blocks,
             dense,
@@ -223,10 +226,10 @@ class StepInputBuilder:
         ends = (chunk_start + counts_t)[sampled]
         sample_rows = torch.repeat_interleave(ends, verified) - _ranks_from_end(verified)
         return StepInputs(
-            input_ids=torch.tensor(input_ids, device=self.device),
-            positions=positions.to(self.device),
+            input_ids=to_device(torch.tensor(input_ids), self.device),
+            positions=to_device(positions, self.device),
             meta=meta,
-            sample_rows=sample_rows.to(self.device),
+            sample_rows=to_device(sample_rows, self.device),
             capture=capture,
         )
 
@@ -241,7 +244,9 @@ class StepInputBuilder:
         )
         if seq.attention_profile is None:
             return None
-        return PrefillContext(start, seq.num_tokens, table.to(self.device), seq.attention_profile)
+        return PrefillContext(
+            start, seq.num_tokens, to_device(table, self.device), seq.attention_profile
+        )
 
     def _set_budgets(
         self, blocks: DecodeBlocks, context_lens: torch.Tensor, budgets: torch.Tensor
@@ -249,7 +254,7 @@ class StepInputBuilder:
         """Hand the per-row budgets to attention where some row keeps less than its context."""
         in_context = -(-context_lens // self.block_size)
         if bool((budgets < in_context).any()):
-            blocks.budgets = budgets.to(self.device)
+            blocks.budgets = to_device(budgets, self.device)
             blocks.max_budget = int(budgets.max())
 
 
