@@ -1,6 +1,7 @@
 """Latent KV compression: the ranking law, the compaction that frees blocks, and the real model
 answering a passkey question asked after its cache was compressed."""
 
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -133,6 +134,48 @@ def test_preempted_compressed_sequences_recompute_and_finish(tiny_model, chunk):
     outs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [40] * 4
     assert_pool_free(llm)
+
+
+def mixed_window_model(tiny_model, window: int):
+    """The tiny model with its first layer sliding (window ``window``), as Gemma 3's are."""
+    config = replace(tiny_model.config, sliding_window=window, layer_windows=(window, None))
+    return replace(tiny_model, config=config, prepared=weakref.WeakValueDictionary())
+
+
+def test_sliding_layers_keep_their_window_and_global_ones_vote(tiny_model):
+    """In a model whose layers differ in their window, compaction keeps a sliding layer's most
+    recent positions, bit for bit what an uncompressed run holds there, so its window reads what
+    it read before; the layer that sees everything keeps the voted positions."""
+    model = mixed_window_model(tiny_model, 64)
+    prompt = list(range(1000, 1400))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    dense = tiny_engine(model, ControlConfig()).engine
+    llm = tiny_engine(model, ControlConfig(kv_compression=SMALL))
+    compressed = llm.engine
+    for engine in (dense, compressed):
+        engine.add_request(prompt, params)
+    while not compressed.scheduler.running or not compressed.scheduler.running[0].kv_compressed:
+        dense.step()
+        compressed.step()
+    seq, reference = compressed.scheduler.running[0], dense.scheduler.running[0]
+    budget, bs = SMALL.budget, 16
+    kept_slots = torch.tensor([seq.block_table[i // bs] * bs + i % bs for i in range(budget)])
+    context = seq.num_computed_tokens
+    recent = range(context - budget, context)
+    recent_slots = torch.tensor([reference.block_table[p // bs] * bs + p % bs for p in recent])
+    ours, theirs = compressed.runner.cache, dense.runner.cache
+    assert torch.equal(ours.keys[0][:, kept_slots], theirs.keys[0][:, recent_slots])
+    assert torch.equal(ours.values[0][:, kept_slots], theirs.values[0][:, recent_slots])
+    assert not torch.equal(ours.keys[1][:, kept_slots], theirs.keys[1][:, recent_slots])
+    while compressed.has_unfinished_requests():
+        compressed.step()
+    assert_pool_free(llm)
+
+
+def test_a_budget_smaller_than_the_sliding_window_is_refused(tiny_model):
+    model = mixed_window_model(tiny_model, 128)
+    with pytest.raises(ValueError, match="budget must hold the sliding layers' window: at least"):
+        tiny_engine(model, ControlConfig(kv_compression=SMALL))
 
 
 def test_the_prefix_cache_stays_true_after_a_compressed_request(tiny_model):

@@ -233,7 +233,7 @@ def pressure_run(loaded, control: ControlConfig, corpus: list[int], args) -> dic
 
 def main(args: argparse.Namespace) -> int:
     options.set_threads(args)
-    loaded = load_model()
+    loaded = load_model(args.model)
     corpus = corpus_tokens(loaded.tokenizer)
     texts = {n: corpus[args.offset : args.offset + n + args.steps] for n in args.lengths}
     sparse = SparsePrefillConfig()
@@ -287,6 +287,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("longcontext", help="EntropyInfer's layers against dense, 2K-8K")
+    parser.add_argument("--model", help="a .gguf file, a folder or an installed model's name")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 6144, 7168, 8064])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--steps", type=int, default=48, help="forced decode steps per prompt")

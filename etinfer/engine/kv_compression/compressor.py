@@ -13,6 +13,9 @@ the new blocks are never published (they hold a selection, not a prefix). From t
 sequence's cache holds ``kv_offset`` fewer entries than it has positions: new tokens take the
 next slot while their rotary position stays their true one.
 
+In a model whose layers differ in their window (Gemma 3) the sliding layers keep their most
+recent ``budget`` positions instead of voting: their window reads what it read before.
+
 A sequence whose context at that point is smaller than the budget is left alone; one that is
 preempted recomputes its whole context (as prefill, over positions) and is compressed again once
 it decodes, by the voters its recompute computed (those served from the prefix cache do not
@@ -53,8 +56,20 @@ class KVCompressor:
         kv: KVCacheManager,
         device: torch.device,
     ) -> None:
-        if model.sliding_window is not None:
-            raise ValueError("kv_compression does not support sliding-window attention yet")
+        if model.uniform_window is not None:
+            raise ValueError(
+                "kv_compression needs layers that see the whole context: every layer of this "
+                f"model slides (window {model.uniform_window}) and reads no more than that"
+            )
+        # Where some layers slide (Gemma 3), those keep their most recent positions: their
+        # window then reads the same keys as before compaction, which needs a budget that
+        # holds it (the cache's last entries are the last positions, in order).
+        self.local_layers = model.local_layers
+        if self.local_layers and config.budget < model.sliding_window:
+            raise ValueError(
+                f"kv_compression.budget must hold the sliding layers' window: at least "
+                f"{model.sliding_window}, got {config.budget}"
+            )
         self.config, self.kv, self.device = config, kv, device
         self.num_layers, self.num_heads, self.head_dim = (
             model.num_layers,
@@ -143,10 +158,13 @@ class KVCompressor:
         kept_index = torch.arange(budget, device=device)
         new_slots = new_table[kept_index // bs] * bs + kept_index % bs
         query_pos = torch.arange(voters.start, voters.stop, device=device)[voted]
+        recent = positions[context - budget :].expand(cache.keys.shape[1], -1)
         for layer in range(len(cache.keys)):
             keys, values = cache.read(layer, slots)  # [kv_heads, context, dim] float32
-            attention = observed_attention(queries[layer], query_pos, keys, self.scale)
-            kept = kept_positions(attention, keys, self.config)
+            kept = recent
+            if layer not in self.local_layers:
+                attention = observed_attention(queries[layer], query_pos, keys, self.scale)
+                kept = kept_positions(attention, keys, self.config)
             kept = kept[..., None].expand(-1, -1, self.head_dim)
             cache.write(
                 layer,
