@@ -41,7 +41,10 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables, indexed by position once per step and shared by the layers
-    that use them (``local``: the sliding layers' own tables, where their base differs)."""
+    that use them (``local``: the sliding layers' own tables, where their base differs).
+
+    The tables hold half a head: both halves of a head rotate by the same angles, so a row is
+    its half twice (the full tables of Gemma 3's 32K positions and two bases took 128 MB)."""
 
     def __init__(
         self,
@@ -54,19 +57,17 @@ class RotaryEmbedding:
         freqs = torch.outer(
             torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(config, local)
         )
-        angles = torch.cat((freqs, freqs), dim=-1)
-        half = config.head_dim // 2
-        self.cos = angles.cos().to(device, dtype)
-        # rotate_half(x) = cat(-x2, x1) = roll(x, half) with the first half negated; folding the
-        # sign into the sine table turns rotation into one roll and one fused multiply-add.
-        sin = angles.sin()
-        sin[:, :half] = -sin[:, :half]
-        self.signed_sin = sin.to(device, dtype)
-        self.half = half
+        self.cos = freqs.cos().to(device, dtype)
+        self.sin = freqs.sin().to(device, dtype)
+        self.half = config.head_dim // 2
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each row, shaped [rows, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        """cos and signed sin for each row, shaped [rows, 1, head_dim] to broadcast over heads.
+        rotate_half(x) = cat(-x2, x1) = roll(x, half) with the first half negated; folding the
+        sign into the sine turns rotation into one roll and one fused multiply-add."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        cos, signed_sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        return cos.unsqueeze(1), signed_sin.unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [rows, heads, head_dim]."""
