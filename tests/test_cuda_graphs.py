@@ -79,4 +79,5 @@ def test_layers_that_shape_decode_steps_run_eagerly(loaded_model) -> None:
         **ENGINE_DEFAULTS,
     )
     assert pruned.engine.runner.graphs is None
-    assert LLM(loaded_model, num_kvcache_blocks=64, cuda_graphs=False).engine.runner.graphs is None
+    eager = LLM(loaded_model, num_kvcache_blocks=64, cuda_graphs=False, **ENGINE_DEFAULTS)
+    assert eager.engine.runner.graphs is None

@@ -60,6 +60,7 @@ CASES = [
     (4, 8, 8, 32, 16, torch.float16, 20, False, [0, 16, 17, 90]),
     (2, 6, 2, 64, 8, torch.int8, None, True, [70, 200]),
     (1, 9, 3, 64, 16, torch.float32, None, True, [1000]),  # many splits
+    (2, 9, 3, 64, 16, torch.float16, 300, True, [1000, 333]),  # a window starting mid-tile
 ]
 
 

@@ -172,6 +172,13 @@ def test_sliding_layers_keep_their_window_and_global_ones_vote(tiny_model):
     assert_pool_free(llm)
 
 
+def test_a_model_whose_every_layer_slides_is_refused(tiny_model):
+    config = replace(tiny_model.config, sliding_window=256)
+    model = replace(tiny_model, config=config, prepared=weakref.WeakValueDictionary())
+    with pytest.raises(ValueError, match="every layer of this model slides"):
+        tiny_engine(model, ControlConfig(kv_compression=SMALL))
+
+
 def test_a_budget_smaller_than_the_sliding_window_is_refused(tiny_model):
     model = mixed_window_model(tiny_model, 128)
     with pytest.raises(ValueError, match="budget must hold the sliding layers' window: at least"):

@@ -10,7 +10,7 @@ import torch
 from etinfer.control.block_selection import DenseSelector
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import DecodeBlocks
-from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model.decode_pattern import build_decode_pattern, pattern_attention, visible_blocks
 from etinfer.model.kv_cache import quantize_rows
 from etinfer.model.paged_attention import PagedAttention
 
@@ -74,8 +74,7 @@ def native(q, keys, values, pattern, *scales):
 )
 def test_native_matches_torch_operations(lengths, dim, window, keep):
     q, keys, values, pattern, _ = case(lengths, dim, window, keep)
-    attention = PagedAttention(HEADS, KV_HEADS, dim, DenseSelector())
-    expected = attention._decode_torch(q, keys, values, pattern)
+    expected = pattern_attention(q, keys, values, pattern, dim**-0.5)
     got = native(q, keys, values, pattern)
     for name, a, b in zip(
         ("out", "row max", "denominators", "weights"), got, expected, strict=True
@@ -259,9 +258,7 @@ def test_one_query_head_per_kv_head():
         blocks, visible_blocks(blocks, KV_HEADS), 1, SLOTS_BLOCKS * BLOCK
     )
     q = torch.randn(len(lengths) * KV_HEADS, dim, generator=gen)
-    expected = PagedAttention(KV_HEADS, KV_HEADS, dim, DenseSelector())._decode_torch(
-        q, keys, values, pattern
-    )
+    expected = pattern_attention(q, keys, values, pattern, dim**-0.5)
     got = native_kernels.decode_attention(
         q, keys, values, pattern.crow, pattern.cols, pattern.outside, 1, dim**-0.5
     )

@@ -9,8 +9,13 @@ static buffers, padded up to the bucket, and the bucket's graph replays the forw
 the output head. Padding rows see no context and write their keys and values to a scratch slot
 that no sequence owns (the cache holds one block more than the pool hands out).
 
-Steps that are not plain decode (prefill chunks, drafts to verify, pruning's per-step budgets,
-captured queries) run eagerly, as vLLM's do outside its captured sizes.
+Steps that are not plain decode (prefill chunks, drafts to verify) run eagerly, as vLLM's do
+outside its captured sizes. An engine with a layer that changes what a decode step reads (block
+summaries for pruning or sparse prefill, KV compression's captured queries and offsets,
+batch-invariant rows) has no graphs at all (``ModelRunner``). That is also why a replayed step
+leaves a block's first write unzeroed (``KVCache.write``'s ``fresh_blocks``): only readers of
+whole blocks need it, the torch decode form and those layers, none of which runs beside graphs;
+the kernel reads a row's context and nothing past it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
+        self.copied: torch.cuda.Event | None = None  # the last step's inputs' copy
         for bucket in reversed(self.buckets):
             self.graphs[bucket] = self._capture(bucket)
 
@@ -60,18 +66,19 @@ class DecodeGraphs:
         host = self.host[:bucket]
         width = max(len(seq.block_table) for seq in seqs)
         steps, tables = [], []
-        for seq in seqs:  # a row per sequence, not per token
-            position = seq.num_computed_tokens
-            index = position - seq.kv_offset  # where KV compression dropped entries
-            table = seq.block_table
-            slot = table[index // block_size] * block_size + index % block_size
-            steps.append((seq.token_ids[position], position, slot, index + 1))
+        for seq in seqs:  # a row per sequence, not per token (no KV offsets: no compression)
+            position, table = seq.num_computed_tokens, seq.block_table
+            slot = table[position // block_size] * block_size + position % block_size
+            steps.append((seq.token_ids[position], position, slot, position + 1))
             tables.append(table + [0] * (width - len(table)))
+        if self.copied is not None:  # the pinned buffer is rewritten once its last copy is done
+            self.copied.synchronize()
         host[:rows, :4] = torch.tensor(steps)
         host[:rows, 4 : 4 + width] = torch.tensor(tables)
         host[rows:, :4] = torch.tensor([0, 0, self.scratch_slot, 0])  # padding rows
-        # The previous step's copy is done: its tokens were read back since.
         self.inputs[:bucket].copy_(host, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
         graph, logits = self.graphs[bucket]
         graph.replay()
         self.replays += 1

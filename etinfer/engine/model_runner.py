@@ -102,11 +102,13 @@ class ModelRunner:
             model, family_of(config), self.attention, max_model_len, device, dtype, quantization
         )
         summaries = selector.needs_summaries or prefill_selector is not None
-        graphs = cuda_graphs and device.type == "cuda" and gpu_decode.available()
-        graphs = graphs and not summaries and query_capturer is None and not batch_invariant
+        # Graphs replay a decode step's fixed launches: none where a layer changes a step's shape
+        # or reads whole blocks (block summaries, captured queries, batch-invariant rows).
+        graphs = cuda_graphs and gpu_decode.serves(device) and not summaries
+        graphs = graphs and query_capturer is None and not batch_invariant
         self.cache = KVCache(
             config.num_layers,
-            num_blocks + graphs,  # the graphs' padding rows write to a block of their own
+            num_blocks + (1 if graphs else 0),  # a block of the graphs' padding rows' own
             block_size,
             config.num_kv_heads,
             config.head_dim,
@@ -149,7 +151,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:
         """Compute the batch's tokens into the cache under the step's decisions; the logits
         where a sequence's known tokens end and at each of its drafts."""
-        if self._replays(batch, decisions):
+        if self._replayable(batch, decisions):
             return StepResult(None, self.graphs.run(batch.seqs))
         inputs = self.inputs.step(batch, decisions.block_budgets)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
@@ -165,7 +167,7 @@ class ModelRunner:
             return StepResult(stats, None)
         return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
 
-    def _replays(self, batch: ScheduledBatch, decisions: StepDecisions) -> bool:
+    def _replayable(self, batch: ScheduledBatch, decisions: StepDecisions) -> bool:
         """Whether the step is a plain decode step a graph computes: one row per sequence, each
         sampled, every block read."""
         graphs, seqs = self.graphs, batch.seqs

@@ -81,7 +81,7 @@ class StepInputBuilder:
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
         self.local_layers = sorted(config.local_layers)
-        self.kernel_reads_tables = device.type == "cuda" and gpu_decode.available()
+        self.kernel_reads_tables = gpu_decode.serves(device)
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]
@@ -105,9 +105,10 @@ class StepInputBuilder:
 
     def _decode_rows(
         self, tables: torch.Tensor, context_lens: torch.Tensor
-    ) -> tuple[DecodeBlocks, torch.Tensor, DecodePattern]:
+    ) -> tuple[DecodeBlocks, torch.Tensor | None, DecodePattern | None]:
         """Rows that attend as decode rows: each to its ``context_lens`` first cache entries
-        through its row of ``tables``. Their layout, visible blocks and dense pattern."""
+        through its row of ``tables``. Their layout, visible blocks and dense pattern (None where
+        the GPU kernel reads the tables)."""
         blocks = DecodeBlocks(
             to_device(tables, self.device), to_device(context_lens, self.device), self.block_size
         )
@@ -116,12 +117,12 @@ class StepInputBuilder:
 
     def _dense_pattern(
         self, blocks: DecodeBlocks, window: int | None
-    ) -> tuple[torch.Tensor, DecodePattern | None]:
-        """The blocks each decode row sees, and their CSR pattern (None where the GPU kernel
-        reads the block tables itself)."""
+    ) -> tuple[torch.Tensor | None, DecodePattern | None]:
+        """The blocks each decode row sees, and their CSR pattern; neither where the GPU kernel
+        reads the block tables itself (``_in_view`` works the blocks out where they are needed)."""
         config = self.config
         if self.kernel_reads_tables:
-            return visible_blocks(blocks, config.num_kv_heads, sliding_window=window), None
+            return None, None
         return decode_pattern(
             blocks,
             config.num_kv_heads,
@@ -130,11 +131,20 @@ class StepInputBuilder:
             sliding_window=window,
         )
 
+    def _in_view(
+        self, blocks: DecodeBlocks, window: int | None, visible: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The blocks decode rows see (pruning's telemetry counts them): ``visible`` where a
+        pattern worked them out, else worked out here."""
+        if visible is not None:
+            return visible
+        return visible_blocks(blocks, self.config.num_kv_heads, sliding_window=window)
+
     def _local_view(
         self,
         meta: AttentionMetadata,
         starts: list[int],
-        decode: tuple[torch.Tensor, DecodePattern] | None = None,
+        decode: tuple[torch.Tensor | None, DecodePattern | None] | None = None,
     ) -> AttentionMetadata | None:
         """The step as the sliding layers see it, where layers differ in their window: the
         same rows, the window's decode pattern and prefill masks (``starts``: each prefill
@@ -190,7 +200,11 @@ class StepInputBuilder:
                 row_budgets = torch.tensor(budgets).repeat_interleave(counts_t[:num_decode])
                 self._set_budgets(decode_blocks, index[:decode_rows] + 1, row_budgets)
                 # The sliding layers read their window, never pruned: that is what they keep.
-                windows = None if local_decode is None else (self.local_layers, local_decode[0])
+                windows = None
+                if local_decode is not None:
+                    local = self._in_view(decode_blocks, self.local_window, local_decode[0])
+                    windows = (self.local_layers, local)
+                visible = self._in_view(decode_blocks, self.sliding_window, visible)
                 telemetry = PruningTelemetry.empty(
                     self.config.num_layers, decode_blocks, visible, self.scale, windows
                 )

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from etinfer.model import block_kernels
 from etinfer.model.block_layout import DecodeBlocks
@@ -189,3 +190,51 @@ def _check_int32_entries(bound: int, row_runs: torch.Tensor, block_size: int) ->
             f"a step's attention pattern would hold {entries:,} entries, over the 2**31 its "
             "int32 offsets take: lower max_num_batched_tokens"
         )
+
+
+def pattern_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of query rows ``q`` over ``pattern``'s cache rows of ``keys`` and ``values``
+    (float32), in torch operations: what the native kernel computes (off the CPU, or without a
+    C compiler). The output, and per row the largest score, the softmax denominator, and the
+    entries' unnormalised weights."""
+    structure = torch.sparse_csr_tensor(
+        pattern.crow,
+        pattern.cols,
+        pattern.zeros,
+        (q.shape[0], keys.shape[0]),
+        check_invariants=False,
+    )
+    scores = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=scale).values()
+    scores.index_fill_(0, pattern.masked, -torch.inf)
+    row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
+    weights = scores.sub_(row_max[pattern.row_ids]).exp_()
+    denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
+    out = F.embedding_bag(
+        pattern.cols,
+        values,
+        pattern.crow,
+        mode="sum",
+        per_sample_weights=weights,
+        include_last_offset=True,
+    )
+    return out.div_(denominators[:, None]), row_max, denominators, weights
+
+
+def observe_mass(
+    mass: torch.Tensor,
+    pattern: DecodePattern,
+    weights: torch.Tensor,
+    denominators: torch.Tensor,
+    block_size: int,
+    group: int,
+) -> None:
+    """Record each attended block's attention mass in ``mass`` [kv_heads, blocks], averaged
+    over the ``group`` query heads that share its KV head (what the mass scorer ranks by, until
+    the block is read again)."""
+    probs = weights / denominators[pattern.row_ids] / group
+    ids = torch.div(pattern.cols, block_size, rounding_mode="floor").long()  # head * blocks + block
+    flat = mass.view(-1)
+    flat.index_fill_(0, ids, 0.0)
+    flat.index_add_(0, ids, probs)

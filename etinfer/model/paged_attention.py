@@ -32,7 +32,13 @@ from etinfer.model.block_layout import (
     PrefillSelector,
     Selection,
 )
-from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
+from etinfer.model.decode_pattern import (
+    DecodePattern,
+    decode_pattern,
+    observe_mass,
+    pattern_attention,
+    visible_blocks,
+)
 from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
@@ -101,8 +107,6 @@ class PagedAttention:
         self.local_layers = local_layers
         self.local_window = local_window
         self.batch_invariant = batch_invariant
-        # On CUDA, decode attention through the Triton kernel that reads the block table itself.
-        self.gpu = gpu_decode.available()
         # Decode attention in one native call where the kernel takes these shapes (and runs on
         # the CPU, checked per call); else as torch operations.
         self.native = native_kernels.available() and native_kernels.takes(
@@ -156,7 +160,7 @@ class PagedAttention:
             selection = self.selector.select(layer, q, blocks, summaries)
         observing = summaries is not None and summaries.mass is not None
         observing = observing and self.selector.observes_mass
-        if self.gpu and q.is_cuda and not observing:  # the mass scorer needs every weight
+        if gpu_decode.serves(q.device) and not observing:  # the mass scorer needs every weight
             return self._decode_gpu(layer, q, cache, meta, selection)
         pattern, visible = meta.dense_pattern, None
         if selection is not None or pattern is None:  # None: the step left it to the kernel
@@ -185,20 +189,23 @@ class PagedAttention:
                 *cache.scales(layer),
             )
         elif cache.dtype == cache.compute_dtype:
-            out, row_max, denominators, weights = self._decode_torch(q, keys, values, pattern)
+            attended = pattern_attention(q, keys, values, pattern, self.scale)
+            out, row_max, denominators, weights = attended
         else:
             # The pattern's rows widened once, in entry order (the CPU's sparse kernels take no
             # half or int8 types); the entries then read those rows one to one.
             keys, values = cache.read_rows(layer, pattern.cols)
             cols = torch.arange(pattern.nnz, dtype=pattern.cols.dtype, device=q.device)
             gathered = dataclasses.replace(pattern, cols=cols)
-            out, row_max, denominators, weights = self._decode_torch(q, keys, values, gathered)
+            attended = pattern_attention(q, keys, values, gathered, self.scale)
+            out, row_max, denominators, weights = attended
         if meta.telemetry is not None and selection is not None:
             meta.telemetry.record(
                 PrunedLayer(layer, selection.bounds, visible, row_max, denominators)
             )
         if observing:
-            self._observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size)
+            group = self.num_heads // self.num_kv_heads
+            observe_mass(summaries.mass, pattern, weights, denominators, cache.block_size, group)
         return out.view(-1, self.num_heads, self.head_dim)
 
     def _decode_gpu(
@@ -237,47 +244,6 @@ class PagedAttention:
                 )
             )
         return out
-
-    def _decode_torch(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the native kernel computes, in torch operations (off the CPU, or without a C
-        compiler), over float32 cache rows."""
-        structure = torch.sparse_csr_tensor(
-            pattern.crow,
-            pattern.cols,
-            pattern.zeros,
-            (q.shape[0], keys.shape[0]),
-            check_invariants=False,
-        )
-        scores = torch.sparse.sampled_addmm(
-            structure, q, keys.t(), beta=0.0, alpha=self.scale
-        ).values()
-        scores.index_fill_(0, pattern.masked, -torch.inf)
-        row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
-        weights = scores.sub_(row_max[pattern.row_ids]).exp_()
-        denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
-        out = F.embedding_bag(
-            pattern.cols,
-            values,
-            pattern.crow,
-            mode="sum",
-            per_sample_weights=weights,
-            include_last_offset=True,
-        )
-        return out.div_(denominators[:, None]), row_max, denominators, weights
-
-    def _observe_mass(self, mass, pattern, weights, denominators, block_size) -> None:
-        """Record each attended block's attention mass, averaged over the query heads that
-        share its KV head (what the mass scorer ranks by, until the block is read again)."""
-        group = self.num_heads // self.num_kv_heads
-        probs = weights / denominators[pattern.row_ids] / group
-        ids = torch.div(
-            pattern.cols, block_size, rounding_mode="floor"
-        ).long()  # head * blocks + block
-        flat = mass.view(-1)
-        flat.index_fill_(0, ids, 0.0)
-        flat.index_add_(0, ids, probs)
 
     def _prefill(
         self,

@@ -30,85 +30,14 @@ from etinfer import LLM, SamplingParams
 from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
+from etinfer.bench.speed.llama_cpp_driver import DECODE_CONTEXT, LLAMA_CPP
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model.catalog import resolve
 from etinfer.model.quantized import QUANTIZATION_MODES
 
-DECODE_CONTEXT = 128  # tokens each decoding sequence holds: the short-chat regime
 STEPS = 24
-
-# Runs inside llama-cpp-python's environment, which has neither torch nor etinfer.
-LLAMA_CPP = f"""
-import json, os, sys, time, numpy, psutil, llama_cpp
-from llama_cpp import Llama
-path, prompt_len, threads, steps = sys.argv[1], *map(int, sys.argv[2:5])
-batches = [int(b) for b in sys.argv[5].split(",")]
-start = time.perf_counter()
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_len + 64,
-            n_batch=prompt_len, n_ubatch=prompt_len, verbose=False)
-load_s = time.perf_counter() - start
-rss = psutil.Process().memory_info().rss
-tokens = llm.tokenize(b" The history of science" * 2000, add_bos=False)[:prompt_len]
-llm.eval(tokens[:64]); llm.reset()
-start = time.perf_counter(); llm.eval(tokens); prefill_s = time.perf_counter() - start
-llm.reset(); llm.eval(tokens[:{DECODE_CONTEXT}])
-times = []
-for _ in range(steps):
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
-    start = time.perf_counter(); llm.eval([token]); times.append(time.perf_counter() - start)
-times.sort()
-decode = {{"1": 1 / times[len(times) // 2]}}
-
-def batched_decode(size, context={DECODE_CONTEXT}):
-    # Several sequences in one context (llama.cpp's own batched decoding, as its batched-bench
-    # does): each its own window of the text, prefilled together, then one token each a step.
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx = size * (context + steps + 16)
-    params.n_batch = params.n_ubatch = size * context
-    params.n_seq_max = size
-    params.n_threads = params.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
-    batch = llama_cpp.llama_batch_init(size * context, 0, size)
-    def fill(rows):  # (token, position, sequence, wants logits)
-        for i, (token, pos, seq, logits) in enumerate(rows):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, logits
-        batch.n_tokens = len(rows)
-    def argmax(i):
-        row = llama_cpp.llama_get_logits_ith(ctx, i)
-        return int(numpy.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).argmax())
-    text = llm.tokenize(b" The history of science" * 2000, add_bos=False)
-    fill([(text[s * 7 + p], p, s, p == context - 1) for s in range(size) for p in range(context)])
-    assert llama_cpp.llama_decode(ctx, batch) == 0
-    last = [argmax(s * context + context - 1) for s in range(size)]
-    times = []
-    for step in range(steps):
-        fill([(last[s], context + step, s, True) for s in range(size)])
-        start = time.perf_counter()
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        times.append(time.perf_counter() - start)
-        last = [argmax(s) for s in range(size)]
-    llama_cpp.llama_batch_free(batch); llama_cpp.llama_free(ctx)
-    times.sort()
-    return size / times[len(times) // 2]
-
-for size in batches:
-    if size > 1:
-        decode[str(size)] = batched_decode(size)
-print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
-                  "prefill_tok_s": prompt_len / prefill_s, "decode_tok_s": decode}}))
-if len(sys.argv) > 6:  # teacher-forced logits of our windows, for top-1 and KL against ours
-    windows_path, logits_path = sys.argv[6:8]
-    del llm
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
-                n_batch=512, logits_all=True, verbose=False)
-    rows = []
-    for window in json.load(open(windows_path)):
-        llm.reset(); llm.eval(window); rows.append(numpy.array(llm.scores[: len(window) - 1]))
-    numpy.save(logits_path, numpy.concatenate(rows).astype(numpy.float32))
-"""
 
 
 # A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's), or

@@ -55,7 +55,7 @@ def make_proposer(
         return NgramProposer(config.ngram_max, config.ngram_min)
     if not engine.draft_model.startswith("self:"):
         return DraftModelProposer(
-            engine, runner.config.vocab_size, runner.max_model_len, runner.cache.num_blocks
+            engine, runner.config.vocab_size, runner.max_model_len, pool.num_blocks
         )
     return build_early_exit(
         engine.draft_model,

@@ -19,15 +19,30 @@ import torch
 
 # Positions a program reads per loop iteration (several blocks of 16 at once).
 TILE = 64
-# Programs worth launching: about two per streaming multiprocessor of a large GPU (an H100 has
-# 132). A batch with fewer (row, KV head) pairs splits each row's context to reach it.
-TARGET_PROGRAMS = 264
+# Programs worth launching: about two per streaming multiprocessor (an H100 has 132). A batch
+# with fewer (row, KV head) pairs splits each row's context to reach it.
+PROGRAMS_PER_SM = 2
+# Where no GPU says how many it has (Triton's interpreter, in the tests): an H100's.
+DEFAULT_SMS = 132
 MAX_SPLITS = 32
 
 
 def available() -> bool:
     """Whether Triton is installed (the CUDA path needs it; the CPU never uses this)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def serves(device: torch.device) -> bool:
+    """Whether decode attention on ``device`` runs on the kernel (CUDA, with Triton)."""
+    return device.type == "cuda" and available()
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    sms = DEFAULT_SMS
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * sms
 
 
 @functools.cache
@@ -37,10 +52,10 @@ def _kernel() -> ModuleType:
     return importlib.import_module("etinfer.model.gpu.paged_decode_kernel")
 
 
-def num_splits(rows: int, kv_heads: int, max_context: int) -> int:
-    """How many parts each row's context is cut into: enough programs to fill the GPU, none
-    shorter than a tile, a power of two (each count is a kernel variant compiled once)."""
-    wanted = math.ceil(TARGET_PROGRAMS / max(1, rows * kv_heads))
+def num_splits(rows: int, kv_heads: int, max_context: int, programs: int = 264) -> int:
+    """How many parts each row's context is cut into: enough to launch ``programs`` programs,
+    none shorter than a tile, a power of two (each count is a kernel variant compiled once)."""
+    wanted = math.ceil(programs / max(1, rows * kv_heads))
     return next_power_of_2(min(wanted, math.ceil(max_context / TILE), MAX_SPLITS))
 
 
@@ -70,7 +85,7 @@ def paged_decode(
     kv_heads = keys.shape[0]
     group = heads // kv_heads
     width = block_tables.shape[1]
-    splits = splits or num_splits(rows, kv_heads, width * block_size)
+    splits = splits or num_splits(rows, kv_heads, width * block_size, _target_programs(q.device))
     acc = torch.empty(rows, heads, splits, dim, device=q.device, dtype=torch.float32)
     maxima = torch.empty(rows, heads, splits, device=q.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
@@ -100,7 +115,7 @@ def paged_decode(
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         DIM=dim,
-        DIM_PAD=next_power_of_2(dim),
+        DIM_PAD=max(16, next_power_of_2(dim)),  # tl.dot takes no dimension under 16
         BLOCK_SIZE=block_size,
         TILE=TILE,
         SPLITS=splits,
