@@ -33,7 +33,7 @@ def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "gemma2"}, "GGUF architecture 'gemma2' is not supported; expected one of llama"),
+        ({"arch": "falcon"}, "GGUF architecture 'falcon' is not supported; expected one of llama"),
         ({"pre": "tekken"}, "pre-tokenizer 'tekken' is not supported"),
         ({"rope_scaling": "linear"}, "GGUF rope scaling 'linear' is not supported"),
     ],
@@ -54,8 +54,9 @@ def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_p
 
 def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     """A one-layer GGUF of ``arch`` (llama, qwen2 with q/k/v biases, qwen3 with query/key
-    norms) of random float32 weights, with the default model's byte-level vocabulary and merges
-    under the pre-tokenizer name ``pre``, written by gguf's writer."""
+    norms, gemma2 with its norms around both halves and soft caps) of random float32 weights,
+    with the default model's byte-level vocabulary and merges under the pre-tokenizer name
+    ``pre``, written by gguf's writer."""
     source = GGUFReader(default_model_path())
     fields = {name: source.fields[name].contents() for name in source.fields}
     tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], 49152, 16, 32
@@ -70,9 +71,13 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     # Qwen 3's heads are not hidden / heads wide: its files name the size, which transformers'
     # reader ignores for its default of 128, so the tiny model takes that.
     head = 128 if arch == "qwen3" else hidden // 4
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2"):
         writer.add_uint32(f"{arch}.attention.key_length", head)
         writer.add_uint32(f"{arch}.attention.value_length", head)
+    if arch == "gemma2":  # caps small enough that tanh bends what this model computes
+        writer.add_uint32(f"{arch}.attention.sliding_window", 6)
+        writer.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
+        writer.add_float32(f"{arch}.final_logit_softcapping", 3.0)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -98,6 +103,8 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
         shapes |= {f"blk.0.attn_{p}.bias": ((4 if p == "q" else 2) * head,) for p in "qkv"}
     if arch == "qwen3":
         shapes |= {f"blk.0.attn_{p}_norm.weight": (head,) for p in "qk"}
+    if arch == "gemma2":
+        shapes |= {f"blk.0.{n}.weight": (hidden,) for n in ("post_attention_norm", "post_ffw_norm")}
     assert len(tokens) == vocab
     for name, shape in shapes.items():
         scale = 0.2 if name.endswith("norm.weight") else 0.5
@@ -244,3 +251,19 @@ def test_our_reader_reads_what_ggufs_reader_reads():
         assert (mine.name, mine.tensor_type) == (theirs.name, theirs.tensor_type)
         assert list(mine.shape) == theirs.shape.tolist()
         assert np.asarray(mine.data).tobytes() == np.asarray(theirs.data).tobytes(), mine.name
+
+
+def test_a_gemma2_file_runs_as_transformers_reads_it(tmp_path):
+    """Gemma 2 from GGUF: its norms stored as 1 + weight, norms after both halves, a sliding
+    window, and scores and logits soft-capped, greedy as transformers computes them."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "smollm", "gemma2")
+    ours = load_model(path)
+    config = ours.config
+    assert (config.attention_softcap, config.logit_softcap) == (2.0, 3.0)
+    assert config.layer_windows == (6,)
+    prompt = ours.tokenizer.encode(
+        "The sky over the harbour was grey, and", add_special_tokens=False
+    )
+    assert_greedy_equals_transformers(path, ours, prompt)

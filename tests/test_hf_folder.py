@@ -54,6 +54,20 @@ FAMILIES = {
         transformers.Phi3ForCausalLM,
         {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
     ),
+    # Gemma 2: Gemma 3's layer without query/key norms, one RoPE base, scores and logits
+    # soft-capped (caps small enough that tanh bends what this model computes).
+    "gemma2-soft-caps": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     # One sliding layer and one global, each with its RoPE base; a query scale of its own.
     "gemma3-mixed-windows": (
         transformers.Gemma3TextConfig,
@@ -191,3 +205,18 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
         assert (out[0].metrics.prefill_attention_skipped == 0.0) == same
         if same:
             assert out[0].token_ids == whole.token_ids
+
+
+@pytest.mark.parametrize(
+    "control",
+    [
+        ControlConfig(pruning=PruningConfig()),
+        ControlConfig(sparse_prefill=True),
+        ControlConfig(kv_compression=True),
+    ],
+    ids=["pruning", "sparse prefill", "kv compression"],
+)
+def test_layers_that_rank_raw_scores_refuse_soft_capped_attention(tmp_path, control):
+    write_tiny_model(tmp_path, "gemma2-soft-caps")
+    with pytest.raises(ValueError, match="rank attention scores without Gemma 2's soft cap"):
+        LLM(str(tmp_path), control=control)

@@ -18,7 +18,6 @@ from etinfer.engine.sequence import Sequence
 from etinfer.engine.step_inputs import QueryCapturer, StepInputBuilder
 from etinfer.model.block_layout import AttentionSelector
 from etinfer.model.families import family_of
-from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
@@ -64,6 +63,13 @@ class ModelRunner:
         ``cuda_graphs``: replay plain decode steps of up to ``max_num_seqs`` rows as CUDA
         graphs, where the device is CUDA and no layer changes a decode step's shape."""
         config = model.config
+        if config.attention_softcap is not None and (
+            selector.needs_summaries or sparse_prefill is not None or query_capturer is not None
+        ):
+            raise ValueError(
+                "pruning, sparse_prefill and kv_compression rank attention scores without "
+                "Gemma 2's soft cap: they do not support this model yet"
+            )
         prefill_selector = None
         if sparse_prefill is not None:
             # Where only some layers slide (Gemma 3), those read their window densely and the
@@ -97,6 +103,7 @@ class ModelRunner:
             config.local_layers,
             config.sliding_window,
             batch_invariant,
+            config.attention_softcap,
         )
         self.model = LlamaModel(
             model, family_of(config), self.attention, max_model_len, device, dtype, quantization
@@ -104,7 +111,7 @@ class ModelRunner:
         summaries = selector.needs_summaries or prefill_selector is not None
         # Graphs replay a decode step's fixed launches: none where a layer changes a step's shape
         # or reads whole blocks (block summaries, captured queries, batch-invariant rows).
-        graphs = cuda_graphs and gpu_decode.serves(device) and not summaries
+        graphs = cuda_graphs and self.attention.kernel_serves(device) and not summaries
         graphs = graphs and query_capturer is None and not batch_invariant
         self.cache = KVCache(
             config.num_layers,
@@ -135,6 +142,7 @@ class ModelRunner:
             prefill_selector=prefill_selector,
             batch_invariant=batch_invariant,
             query_capturer=query_capturer,
+            kernel_reads_tables=self.attention.kernel_serves(device),
         )
 
     def set_selector(self, selector: AttentionSelector) -> None:

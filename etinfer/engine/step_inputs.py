@@ -18,7 +18,6 @@ from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
-from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.paged_attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -68,9 +67,12 @@ class StepInputBuilder:
         prefill_selector: SparsePrefillSelector | None,
         batch_invariant: bool,
         query_capturer: QueryCapturer | None,
+        kernel_reads_tables: bool = False,
     ) -> None:
         """``batch_invariant``: prefill rows attend as decode rows (see EngineConfig);
-        ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
+        ``query_capturer``: the layer that keeps some rows' queries, if one is on;
+        ``kernel_reads_tables``: decode attention runs on the GPU kernel, which needs no
+        pattern."""
         self.config, self.device = config, device
         self.block_size, self.num_slots, self.scale = block_size, num_slots, scale
         self.prefill_selector = prefill_selector
@@ -81,7 +83,7 @@ class StepInputBuilder:
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
         self.local_layers = sorted(config.local_layers)
-        self.kernel_reads_tables = gpu_decode.serves(device)
+        self.kernel_reads_tables = kernel_reads_tables
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]

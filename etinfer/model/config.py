@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Names as Hugging Face's config.json spells them in `model_type`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Attention's score scale where it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar).
     attention_scale: float | None = None
+    # Gemma 2's soft caps: scores (after the scale) and final logits become cap * tanh(x / cap).
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
 
     @property
     def queries_per_kv(self) -> int:

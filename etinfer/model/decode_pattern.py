@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from etinfer.model import block_kernels
 from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.softcap import softcap
 
 if TYPE_CHECKING:
     from etinfer.config import EngineConfig
@@ -193,12 +194,17 @@ def _check_int32_entries(bound: int, row_runs: torch.Tensor, block_size: int) ->
 
 
 def pattern_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pattern: DecodePattern, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pattern: DecodePattern,
+    scale: float,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of query rows ``q`` over ``pattern``'s cache rows of ``keys`` and ``values``
     (float32), in torch operations: what the native kernel computes (off the CPU, or without a
-    C compiler). The output, and per row the largest score, the softmax denominator, and the
-    entries' unnormalised weights."""
+    C compiler), and with ``cap`` scores soft-capped (Gemma 2). The output, and per row the
+    largest score, the softmax denominator, and the entries' unnormalised weights."""
     structure = torch.sparse_csr_tensor(
         pattern.crow,
         pattern.cols,
@@ -207,6 +213,8 @@ def pattern_attention(
         check_invariants=False,
     )
     scores = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=scale).values()
+    if cap is not None:
+        scores = softcap(scores, cap)
     scores.index_fill_(0, pattern.masked, -torch.inf)
     row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
     weights = scores.sub_(row_max[pattern.row_ids]).exp_()

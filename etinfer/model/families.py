@@ -13,6 +13,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": LLAMA,
     "qwen3": LLAMA,  # the Llama layer with query/key norms, which it reads where they are
     "phi3": LLAMA,  # its fused projections are split at load (hf_folder.py)
+    "gemma2": GEMMA3,  # Gemma 3's layer without query/key norms (read where they are)
     "gemma3_text": GEMMA3,
 }
 

@@ -9,6 +9,11 @@ Where it differs from ``llama.py``'s layer, as transformers' ``Gemma3DecoderLaye
 - sliding layers take their own RoPE base (``ModelConfig.local_rope_theta``, chosen per layer by
   the model) and window (``ModelConfig.window``, chosen per layer by the attention);
 - the embeddings are scaled by sqrt(hidden_size) (``Family.scales_embeddings``).
+
+Gemma 2's layer is this one without the query and key norms (read where a file has them), its
+window on every other layer and one RoPE base (the config says so), and its scores and logits
+soft-capped (``ModelConfig.attention_softcap``, ``logit_softcap``: attention and the model
+apply them, not the layer).
 """
 
 from __future__ import annotations

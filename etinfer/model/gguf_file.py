@@ -27,6 +27,7 @@ _ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
 }
@@ -83,6 +84,7 @@ _LAYER_NAMES_BY_ARCH = {
     # Qwen 2 has biases on q, k and v; Qwen 3 none, but query and key norms.
     "qwen2": _LAYER_NAMES | {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
     "qwen3": _LAYER_NAMES | _QK_NORM_NAMES,
+    "gemma2": _GEMMA3_LAYER_NAMES,  # Gemma 3's, without query/key norms
     "gemma3": _GEMMA3_LAYER_NAMES,
     # Phi-3 keeps q, k and v in one matrix and gate and up in another (gate rows first).
     "phi3": {
@@ -96,6 +98,11 @@ _LAYER_NAMES_BY_ARCH = {
 # the whole context (the others slide), and the sliding layers' RoPE base.
 _GEMMA3_GLOBAL_EVERY = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+# Gemma 2 attends to the whole context on every other layer (the odd ones), one RoPE base.
+_GEMMA2_GLOBAL_EVERY = 2
+# Gemma's 27B models scale queries by hidden / heads rather than the head size (llama.cpp tells
+# them apart by their layer count).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -126,7 +133,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, np
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             weights[name] = _unpermute_rotary_rows(tensor, heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's norms as the 1 + weight they scale by; Hugging Face's
             # convention (which the model's reader follows) is the weight.
             weights[name] = tensor - 1
@@ -156,21 +163,24 @@ def _model_config(meta: dict, arch: str, path: Path, *, tie_word_embeddings: boo
     extra = {}
     if arch == "phi3":  # Phi-3 mini's 4K files slide over 2,047 tokens (llama.cpp's n_swa)
         extra = {"sliding_window": meta.get(f"{arch}.attention.sliding_window") or None}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         window, layers = int(get("attention.sliding_window")), int(get("block_count"))
         head_dim = int(get("attention.key_length"))
+        every = _GEMMA2_GLOBAL_EVERY if arch == "gemma2" else _GEMMA3_GLOBAL_EVERY
         extra = {
             "head_dim": head_dim,
-            "layer_windows": tuple(
-                None if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else window for i in range(layers)
-            ),
+            "layer_windows": tuple(None if (i + 1) % every == 0 else window for i in range(layers)),
             "sliding_window": window,
-            "local_rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
-            # query_pre_attn_scalar is the head size for every Gemma 3 but 27B (62 layers),
-            # whose is hidden / heads; llama.cpp tells them apart the same way.
-            "attention_scale": (hidden / heads if layers == 62 else head_dim) ** -0.5,
+            # query_pre_attn_scalar is the head size but on 27B, whose is hidden / heads.
+            "attention_scale": (hidden / heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+            ** -0.5,
             "rope_scaling": rope_scaling,
         }
+        if arch == "gemma3":
+            extra["local_rope_theta"] = _GEMMA3_LOCAL_ROPE_THETA
+        else:
+            extra["attention_softcap"] = meta.get(f"{arch}.attn_logit_softcapping")
+            extra["logit_softcap"] = meta.get(f"{arch}.final_logit_softcapping")
     fields = dict(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -225,7 +235,7 @@ def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [])
-    if kind == "llama" and arch == "gemma3":  # SentencePiece BPE, Gemma's spelling
+    if kind == "llama" and arch in ("gemma2", "gemma3"):  # SentencePiece BPE, Gemma's spelling
         backend = gemma_tokenizer(tokens, types)
     elif kind == "llama" and arch == "phi3":  # SentencePiece BPE, Llama 2's
         backend = llama_tokenizer(tokens, meta["tokenizer.ggml.scores"], types)

@@ -63,12 +63,13 @@ def _model_config(raw: dict, path: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
     )
-    activation = raw.get("hidden_activation" if arch == "gemma3_text" else "hidden_act")
-    expected = "gelu_pytorch_tanh" if arch == "gemma3_text" else "silu"
+    gemma = arch in ("gemma2", "gemma3_text")
+    activation = raw.get("hidden_activation" if gemma else "hidden_act")
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
     if activation not in (None, expected):
         raise ValueError(f"{path}: activation {activation!r} is not supported ({expected})")
-    if arch == "gemma3_text":
-        fields |= _gemma3_fields(raw, local_rope, path)
+    if gemma:
+        fields |= _gemma_fields(raw, arch, local_rope, path)
     elif raw.get("layer_types") and fields["sliding_window"] is not None:
         # Qwen slides only from max_window_layers on, as layer_types spells out.
         window = fields["sliding_window"]
@@ -110,29 +111,36 @@ def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return out
 
 
-def _gemma3_fields(raw: dict, local_rope: dict | None, path: Path) -> dict:
-    """What Gemma 3's config.json adds: per-layer windows, the sliding layers' RoPE base, the
-    query scale and the activation."""
-    for unsupported in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if raw.get(unsupported) is not None:
-            raise ValueError(f"{path}: {unsupported} is not supported (Gemma 2's soft-capping)")
+def _gemma_fields(raw: dict, arch: str, local_rope: dict | None, path: Path) -> dict:
+    """What Gemma's config.json adds: per-layer windows (Gemma 2 slides on every other layer,
+    Gemma 3 on five of six), Gemma 3's sliding layers' RoPE base, the query scale, Gemma 2's
+    soft caps."""
     if raw.get("use_bidirectional_attention"):
         raise ValueError(f"{path}: use_bidirectional_attention is not supported")
     if local_rope and local_rope.get("rope_type", "default") != "default":
         raise ValueError(f"{path}: scaled RoPE on sliding layers is not supported")
     window = raw.get("sliding_window", 4096)  # transformers' defaults where a file omits them
+    every = 2 if arch == "gemma2" else raw.get("sliding_window_pattern", 6)
     kinds = raw.get("layer_types") or [
-        "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0 else "sliding"
+        "full_attention" if (i + 1) % every == 0 else "sliding"
         for i in range(raw["num_hidden_layers"])
     ]
-    local_theta = (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq", 10000.0)
-    return {
+    fields = {
         "layer_windows": tuple(None if kind == "full_attention" else window for kind in kinds),
-        "local_rope_theta": float(local_theta),
         "attention_scale": raw.get("query_pre_attn_scalar", 256) ** -0.5,
         # Gemma ties its head to the embeddings unless the file says otherwise.
         "tie_word_embeddings": raw.get("tie_word_embeddings", True),
     }
+    if arch == "gemma2":  # one RoPE base for every layer; scores and logits soft-capped
+        return fields | {
+            "attention_softcap": raw.get("attn_logit_softcapping"),
+            "logit_softcap": raw.get("final_logit_softcapping"),
+        }
+    local_theta = (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq", 10000.0)
+    for unsupported in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(unsupported) is not None:
+            raise ValueError(f"{path}: {unsupported} is not supported on Gemma 3")
+    return fields | {"local_rope_theta": float(local_theta)}
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

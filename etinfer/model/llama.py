@@ -32,6 +32,7 @@ from etinfer.model.quantized import (
     weight_format,
 )
 from etinfer.model.rotary import RotaryEmbedding
+from etinfer.model.softcap import softcap
 
 logger = logging.getLogger("etinfer.model")
 
@@ -291,7 +292,9 @@ class LlamaModel:
         return F.rms_norm(x, (x.shape[-1],), norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.logit_softcap
+        return logits if cap is None else softcap(logits, cap)
 
 
 LLAMA = Family(DecoderLayer)

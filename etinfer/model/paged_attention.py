@@ -42,6 +42,7 @@ from etinfer.model.decode_pattern import (
 from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
+from etinfer.model.softcap import capped_attention
 
 # The CSR kernels are stable in the pinned torch; the notice would only confuse.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
@@ -92,11 +93,13 @@ class PagedAttention:
         local_layers: frozenset[int] = frozenset(),
         local_window: int | None = None,
         batch_invariant: bool = False,
+        softcap: float | None = None,
     ) -> None:
         """``sliding_window``: every layer's; ``local_layers``: the layers that read the step's
         ``local`` view instead (a model whose layers differ in their window), whose window is
         ``local_window``. ``batch_invariant``: a decode row's result may not depend on the
-        other rows (the GPU kernel then never splits a row's context)."""
+        other rows (the GPU kernel then never splits a row's context). ``softcap``: scores
+        become ``softcap * tanh(s / softcap)`` (Gemma 2), on the torch forms only."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -107,11 +110,13 @@ class PagedAttention:
         self.local_layers = local_layers
         self.local_window = local_window
         self.batch_invariant = batch_invariant
+        self.softcap = softcap
         # Decode attention in one native call where the kernel takes these shapes (and runs on
         # the CPU, checked per call); else as torch operations.
         self.native = native_kernels.available() and native_kernels.takes(
             head_dim, num_heads // num_kv_heads
         )
+        self.native = self.native and softcap is None  # the kernels compute plain scores
 
     def __call__(
         self,
@@ -148,6 +153,11 @@ class PagedAttention:
                 out[rows] = self._sparse_prefill(layer, q[rows], cache, chunk, pieces)
         return out.flatten(1)
 
+    def kernel_serves(self, device: torch.device) -> bool:
+        """Whether decode rows on ``device`` go through the GPU kernel, which reads the block
+        tables itself (no soft cap there yet)."""
+        return gpu_decode.serves(device) and self.softcap is None
+
     def _decode(
         self, layer: int, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -160,7 +170,7 @@ class PagedAttention:
             selection = self.selector.select(layer, q, blocks, summaries)
         observing = summaries is not None and summaries.mass is not None
         observing = observing and self.selector.observes_mass
-        if gpu_decode.serves(q.device) and not observing:  # the mass scorer needs every weight
+        if self.kernel_serves(q.device) and not observing:  # the mass scorer needs every weight
             return self._decode_gpu(layer, q, cache, meta, selection)
         pattern, visible = meta.dense_pattern, None
         if selection is not None or pattern is None:  # None: the step left it to the kernel
@@ -189,7 +199,7 @@ class PagedAttention:
                 *cache.scales(layer),
             )
         elif cache.dtype == cache.compute_dtype:
-            attended = pattern_attention(q, keys, values, pattern, self.scale)
+            attended = pattern_attention(q, keys, values, pattern, self.scale, self.softcap)
             out, row_max, denominators, weights = attended
         else:
             # The pattern's rows widened once, in entry order (the CPU's sparse kernels take no
@@ -197,7 +207,7 @@ class PagedAttention:
             keys, values = cache.read_rows(layer, pattern.cols)
             cols = torch.arange(pattern.nnz, dtype=pattern.cols.dtype, device=q.device)
             gathered = dataclasses.replace(pattern, cols=cols)
-            attended = pattern_attention(q, keys, values, gathered, self.scale)
+            attended = pattern_attention(q, keys, values, gathered, self.scale, self.softcap)
             out, row_max, denominators, weights = attended
         if meta.telemetry is not None and selection is not None:
             meta.telemetry.record(
@@ -258,15 +268,14 @@ class PagedAttention:
             k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
         else:
             k, v = cache.read(layer, chunk.context_slots)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        q, k, v = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        causal = chunk.mask is None
+        if self.softcap is not None:
+            out = capped_attention(q, k, v, chunk.mask, causal, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
         return out[0].transpose(0, 1)
 
     def _sparse_prefill(
