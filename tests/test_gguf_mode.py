@@ -14,7 +14,7 @@ from etinfer import LLM
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
-from etinfer.model import quant_kernels
+from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.linear import BlockLinear, Int4Linear, TopRefinedLinear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, MixedBlocks, stack_rows, weight_format
 from tests.conftest import assert_alone_equals_batched, cpu_only
@@ -46,13 +46,17 @@ def test_without_the_kernels_gguf_mode_says_so_once_and_runs_as_auto(
     loaded_model, monkeypatch, caplog
 ):
     monkeypatch.setenv("ETINFER_NATIVE", "0")
+    # Both libraries are looked up once a process: forgotten here on both sides, so that the
+    # tests after this one find them whichever ran first.
     quant_kernels._library.cache_clear()
+    native_kernels.library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="etinfer.model"):
             llm = LLM(loaded_model, quantization="gguf", num_kvcache_blocks=16)
     finally:
         monkeypatch.undo()
         quant_kernels._library.cache_clear()
+        native_kernels.library.cache_clear()
     said = [r.getMessage() for r in caplog.records if "block kernels" in r.getMessage()]
     assert len(said) == 1 and "run as in 'auto'" in said[0]
     assert isinstance(llm.engine.runner.model.layers[0].gate_up, Int4Linear)

@@ -8,7 +8,10 @@
  * by AVX2's maddubs (or VNNI's dpbusd, which gives the same integers), scaled once a block in
  * float. Our loops are our own: tiles of 4 weight rows by 2 activation rows (the K formats: one
  * weight row by 4), and the output rows shared out in chunks among threads that take the next
- * chunk when done (pool.c's run_parallel). Q4_0, Q4_1 and Q8_0 weights whose rows come in eights
+ * chunk when done (pool.c's run_parallel). Where one pass over the weights takes every
+ * activation row (a decode step), the blocks are decoded as they stream in; with more rows
+ * (batches, prefill) a tile's weight rows are decoded once a call into a buffer every pass
+ * reads, instead of once a pass (1.5x at 16 and 1,024 rows of Q5_0, the same bits). Q4_0, Q4_1 and Q8_0 weights whose rows come in eights
  * take quant_interleaved.c's layout instead, several times fewer instructions a block; this
  * file serves Q5_0, the K formats and any other row count.
  *
@@ -118,15 +121,45 @@ static inline __m256i codes32(int type, const uint8_t *w, float *scale, float *o
     }
 }
 
+/* One block of a 32-element format as a tile reads it: unsigned codes (Q8_0's signed ones), the
+ * scale, and the factor of the activation block's sum that its offset contributes. */
+typedef struct {
+    __m256i u;
+    float scale, offset;
+} Block32;
+
+static inline __m256i block32(int type, const uint8_t *block, float *scale, float *offset) {
+    if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
+        *scale = half(block), *offset = 0.0f;
+        return load32(block + 2);
+    }
+    return codes32(type, block, scale, offset);
+}
+
+/* Weight rows [0, count) (row_bytes apart) decoded: with more activation rows than a tile takes
+ * (prefill), every pair of rows reads them, and each block is then decoded once a call. */
+static void decode32(int type, int64_t block_bytes, const uint8_t *w, int64_t row_bytes,
+                     int64_t count, int64_t blocks, Block32 *out) {
+    for (int64_t i = 0; i < count; ++i, w += row_bytes)
+        for (int64_t b = 0; b < blocks; ++b, ++out) {
+            const uint8_t *block = w + b * block_bytes;
+            __builtin_prefetch(block + PREFETCH_ROWS * row_bytes, 0, 3);
+            out->u = block32(type, block, &out->scale, &out->offset);
+        }
+}
+
 /* A tile of `WR` weight rows (row_bytes apart) times `TR` activation rows: the tile's products
  * are independent chains, which keeps the FMA units busy where one row's chain would wait on
- * each addition's latency (batch 1). Every product follows the same operations in the same order
- * whatever the tile's shape (the offsets by an explicit fmaf, never left to contraction), so the
- * shapes give the same bits. Inlined with WR and TR constant, the arrays live in registers. */
+ * each addition's latency (batch 1). The weight blocks are decoded as they stream in, or read
+ * from `decoded` (`blocks` apart a row; prefill). Every product follows the same operations in
+ * the same order whatever the tile's shape or source (the offsets by an explicit fmaf, never
+ * left to contraction), so all give the same bits. Inlined with WR, TR and the source constant,
+ * the arrays live in registers. */
 static inline __attribute__((always_inline)) void tile32(int type, int64_t block_bytes,
                                                          const uint8_t *w, int64_t row_bytes,
-                                                         const Act32 *x, int64_t blocks, float *y,
-                                                         int64_t ldy, const int WR, const int TR) {
+                                                         const Block32 *decoded, const Act32 *x,
+                                                         int64_t blocks, float *y, int64_t ldy,
+                                                         const int WR, const int TR) {
     __m256 acc[4][2];
     float offsets[4][2];
     for (int i = 0; i < WR; ++i)
@@ -135,16 +168,16 @@ static inline __attribute__((always_inline)) void tile32(int type, int64_t block
         float scale[4], offset[4];
         __m256i u[4];
         for (int i = 0; i < WR; ++i) {
+            if (decoded != NULL) {
+                const Block32 *k = decoded + i * blocks + b;
+                u[i] = k->u, scale[i] = k->scale, offset[i] = k->offset;
+                continue;
+            }
             const uint8_t *block = w + i * row_bytes + b * block_bytes;
             /* The next tile's rows, a tile ahead: the weights stream from memory once a step,
              * and rows of a few hundred bytes are too short for the hardware's prefetchers. */
             __builtin_prefetch(block + PREFETCH_ROWS * row_bytes, 0, 3);
-            if (type == Q8_0) {  // signed codes: |w| times x with w's sign, as unsigned times signed
-                scale[i] = half(block), offset[i] = 0.0f;
-                u[i] = load32(block + 2);
-            } else {
-                u[i] = codes32(type, block, &scale[i], &offset[i]);
-            }
+            u[i] = block32(type, block, &scale[i], &offset[i]);
         }
         for (int j = 0; j < TR; ++j) {
             const Act32 *a = x + j * blocks + b;
@@ -163,25 +196,43 @@ static inline __attribute__((always_inline)) void tile32(int type, int64_t block
         for (int j = 0; j < TR; ++j) y[j * ldy + i] = lanes_sum(acc[i][j]) + offsets[i][j];
 }
 
-/* Weight rows [0, count) times every activation row, by tiles of up to 4 x 2. */
-static void rows32(int type, int64_t block_bytes, const uint8_t *w, int64_t row_bytes,
-                   int64_t count, const Act32 *x, int64_t blocks, int64_t rows, float *y,
-                   int64_t ldy) {
+/* Weight rows [0, count) times every activation row, by tiles of up to 4 x 2, each group of
+ * weight rows streamed (`decoded` NULL: one pass takes every row) or decoded once into it. */
+static inline __attribute__((always_inline)) void tiles32(int type, int64_t block_bytes,
+                                                          const uint8_t *w, int64_t row_bytes,
+                                                          int64_t count, const Act32 *x,
+                                                          int64_t blocks, int64_t rows, float *y,
+                                                          int64_t ldy, Block32 *decoded) {
     int64_t o = 0;
     for (; o + 4 <= count; o += 4) {
         const uint8_t *wo = w + o * row_bytes;
+        if (decoded != NULL) decode32(type, block_bytes, wo, row_bytes, 4, blocks, decoded);
         int64_t r = 0;
         for (; r + 2 <= rows; r += 2)
-            tile32(type, block_bytes, wo, row_bytes, x + r * blocks, blocks, y + r * ldy + o, ldy,
-                   4, 2);
+            tile32(type, block_bytes, wo, row_bytes, decoded, x + r * blocks, blocks,
+                   y + r * ldy + o, ldy, 4, 2);
         if (r < rows)
-            tile32(type, block_bytes, wo, row_bytes, x + r * blocks, blocks, y + r * ldy + o, ldy,
-                   4, 1);
+            tile32(type, block_bytes, wo, row_bytes, decoded, x + r * blocks, blocks,
+                   y + r * ldy + o, ldy, 4, 1);
     }
-    for (; o < count; ++o)
+    for (; o < count; ++o) {
+        const uint8_t *wo = w + o * row_bytes;
+        if (decoded != NULL) decode32(type, block_bytes, wo, row_bytes, 1, blocks, decoded);
         for (int64_t r = 0; r < rows; ++r)
-            tile32(type, block_bytes, w + o * row_bytes, row_bytes, x + r * blocks, blocks,
+            tile32(type, block_bytes, wo, row_bytes, decoded, x + r * blocks, blocks,
                    y + r * ldy + o, ldy, 1, 1);
+    }
+}
+
+static void rows32(int type, int64_t block_bytes, const uint8_t *w, int64_t row_bytes,
+                   int64_t count, const Act32 *x, int64_t blocks, int64_t rows, float *y,
+                   int64_t ldy) {
+    if (rows <= 2) {  // one pass over the weights: decode them as they stream in
+        tiles32(type, block_bytes, w, row_bytes, count, x, blocks, rows, y, ldy, NULL);
+        return;
+    }
+    Block32 decoded[4 * blocks];  // a group of weight rows, read by every pair of rows
+    tiles32(type, block_bytes, w, row_bytes, count, x, blocks, rows, y, ldy, decoded);
 }
 
 /* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. */
@@ -193,56 +244,103 @@ static inline void scales_mins(const uint8_t *p, uint8_t *scale, uint8_t *min) {
     }
 }
 
-static void rows_k(int type, int64_t block_bytes, const uint8_t *w, const Act256 *x, int64_t blocks,
-                   int64_t rows, float *y, int64_t ldy) {
+/* One K-format block decoded: 256 unsigned codes, the 16 group scales, Q4_K/Q5_K's 8 minimums,
+ * d and dmin. Inlined into arrays the caller holds (registers when they stream). */
+static inline __attribute__((always_inline)) void block_k(int type, const uint8_t *w, __m256i *u,
+                                                          int16_t *scale, uint8_t *mins, float *d,
+                                                          float *dmin) {
     const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    *dmin = 0.0f;
+    if (type == Q6_K) {  // ql[128], qh[64], scales[16] (int8), d; groups of 16 elements
+        const uint8_t *ql = w, *qh = w + 128;
+        for (int half_ = 0; half_ < 2; ++half_, ql += 64, qh += 32) {
+            const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh);
+            for (int s = 0; s < 4; ++s) {
+                const __m256i lows = s & 2 ? _mm256_and_si256(_mm256_srli_epi16(s & 1 ? l1 : l0, 4), low)
+                                           : _mm256_and_si256(s & 1 ? l1 : l0, low);
+                const __m256i highs = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s),
+                                                       _mm256_set1_epi8(3));
+                u[4 * half_ + s] = _mm256_or_si256(lows, _mm256_slli_epi16(highs, 4));
+            }
+        }
+        for (int g = 0; g < 16; ++g) scale[g] = (int8_t)w[192 + g];
+        *d = half(w + 208);
+        return;
+    }
+    // Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32],) qs[128]
+    uint8_t sc[8];
+    scales_mins(w + 4, sc, mins);
+    for (int j = 0; j < 8; ++j) scale[2 * j] = scale[2 * j + 1] = sc[j];
+    *d = half(w), *dmin = half(w + 2);
+    const uint8_t *qs = w + (type == Q5_K ? 48 : 16);
+    const __m256i h = type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        const __m256i v = load32(qs + 16 * j);
+        u[j] = _mm256_and_si256(v, low);
+        u[j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (type == Q5_K) {
+            for (int t = 0; t < 2; ++t) {
+                const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(h, j + t), one);
+                u[j + t] = _mm256_or_si256(u[j + t], _mm256_slli_epi16(bit, 4));
+            }
+        }
+    }
+}
+
+/* A K-format weight row decoded, block by block, for prefill: with more activation rows than
+ * a pass takes, every TILE of them reads it, and each block is then decoded once a call. */
+typedef struct {
+    __m256i u[8];
+    __m256i scales[8];  // 32 elements: two groups of 16, each with its scale
+    float d, dmin;
+    int16_t scale[16];
+    uint8_t mins[8];
+} KBlock;
+
+static inline __attribute__((always_inline)) void group_scales(const int16_t *scale,
+                                                               __m256i *scales) {
+    for (int j = 0; j < 8; ++j)
+        scales[j] = _mm256_set_m128i(_mm_set1_epi16(scale[2 * j + 1]), _mm_set1_epi16(scale[2 * j]));
+}
+
+static void decode_k(int type, const uint8_t *w, int64_t block_bytes, int64_t blocks,
+                     KBlock *out) {
+    for (int64_t b = 0; b < blocks; ++b, w += block_bytes, ++out) {
+        for (int64_t line = 0; line < block_bytes; line += 64)
+            __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
+        block_k(type, w, out->u, out->scale, out->mins, &out->d, &out->dmin);
+        group_scales(out->scale, out->scales);
+    }
+}
+
+/* One weight row times up to TILE activation rows, its blocks decoded as they stream in
+ * (`decoded` NULL) or read from `decoded`; the same operations either way. Inlined with the
+ * source constant, the streaming arrays live in registers. */
+static inline __attribute__((always_inline)) void rows_k(int type, int64_t block_bytes,
+                                                         const uint8_t *w, const KBlock *decoded,
+                                                         const Act256 *x, int64_t blocks,
+                                                         int64_t rows, float *y, int64_t ldy) {
     __m256 acc[TILE];
     for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
     float minimums[TILE] = {0};
     for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
-        for (int64_t line = 0; line < block_bytes; line += 64)
-            __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
-        __m256i u[8];
-        int16_t scale[16];
-        float d, dmin = 0.0f;
-        uint8_t mins[8];
-        if (type == Q6_K) {  // ql[128], qh[64], scales[16] (int8), d; groups of 16 elements
-            const uint8_t *ql = w, *qh = w + 128;
-            for (int half_ = 0; half_ < 2; ++half_, ql += 64, qh += 32) {
-                const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh);
-                for (int s = 0; s < 4; ++s) {
-                    const __m256i lows = s & 2 ? _mm256_and_si256(_mm256_srli_epi16(s & 1 ? l1 : l0, 4), low)
-                                               : _mm256_and_si256(s & 1 ? l1 : l0, low);
-                    const __m256i highs = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s),
-                                                           _mm256_set1_epi8(3));
-                    u[4 * half_ + s] = _mm256_or_si256(lows, _mm256_slli_epi16(highs, 4));
-                }
-            }
-            for (int g = 0; g < 16; ++g) scale[g] = (int8_t)w[192 + g];
-            d = half(w + 208);
-        } else {  // Q4_K, Q5_K: d, dmin, scales[12], (Q5_K: qh[32],) qs[128]
-            uint8_t sc[8];
-            scales_mins(w + 4, sc, mins);
-            for (int j = 0; j < 8; ++j) scale[2 * j] = scale[2 * j + 1] = sc[j];
-            d = half(w), dmin = half(w + 2);
-            const uint8_t *qs = w + (type == Q5_K ? 48 : 16);
-            const __m256i h = type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
-            for (int j = 0; j < 8; j += 2) {
-                const __m256i v = load32(qs + 16 * j);
-                u[j] = _mm256_and_si256(v, low);
-                u[j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if (type == Q5_K) {
-                    for (int t = 0; t < 2; ++t) {
-                        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(h, j + t), one);
-                        u[j + t] = _mm256_or_si256(u[j + t], _mm256_slli_epi16(bit, 4));
-                    }
-                }
-            }
+        __m256i streamed_u[8], streamed_scales[8];
+        int16_t streamed_scale[16];
+        uint8_t streamed_mins[8];
+        const __m256i *u = streamed_u, *scales = streamed_scales;
+        const int16_t *scale = streamed_scale;
+        const uint8_t *mins = streamed_mins;
+        float d, dmin;
+        if (decoded != NULL) {
+            const KBlock *k = decoded + b;
+            u = k->u, scales = k->scales, scale = k->scale, mins = k->mins;
+            d = k->d, dmin = k->dmin;
+        } else {
+            for (int64_t line = 0; line < block_bytes; line += 64)
+                __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
+            block_k(type, w, streamed_u, streamed_scale, streamed_mins, &d, &dmin);
+            group_scales(streamed_scale, streamed_scales);
         }
-        __m256i scales[8];  // 32 elements: two groups of 16, each with its scale
-        for (int j = 0; j < 8; ++j)
-            scales[j] = _mm256_set_m128i(_mm_set1_epi16(scale[2 * j + 1]),
-                                         _mm_set1_epi16(scale[2 * j]));
         for (int64_t i = 0; i < rows; ++i) {
             const Act256 *a = x + i * blocks + b;
             __m256i sum = _mm256_setzero_si256();
@@ -282,12 +380,21 @@ static void run_rows(void *arg, int64_t first, int64_t end) {
                t->y + first, t->ldy);
         return;
     }
-    for (int64_t o = first; o < end; ++o, w += t->row_bytes)
+    const Act256 *x = t->x;
+    if (t->rows <= TILE) {  // one pass over the weights: decode them as they stream in
+        for (int64_t o = first; o < end; ++o, w += t->row_bytes)
+            rows_k(t->type, t->block_bytes, w, NULL, x, t->blocks, t->rows, t->y + o, t->ldy);
+        return;
+    }
+    KBlock decoded[t->blocks];  // one weight row, read by every TILE of activation rows
+    for (int64_t o = first; o < end; ++o, w += t->row_bytes) {
+        decode_k(t->type, w, t->block_bytes, t->blocks, decoded);
         for (int64_t r = 0; r < t->rows; r += TILE) {
             const int64_t rows = t->rows - r < TILE ? t->rows - r : TILE;
-            rows_k(t->type, t->block_bytes, w, (const Act256 *)t->x + r * t->blocks, t->blocks,
-                   rows, t->y + r * t->ldy + o, t->ldy);
+            rows_k(t->type, t->block_bytes, w, decoded, x + r * t->blocks, t->blocks, rows,
+                   t->y + r * t->ldy + o, t->ldy);
         }
+    }
 }
 
 /* y [rows, out] (rows `ldy` apart: a part of a wider output) = x [rows, k] (quantized by
