@@ -79,6 +79,8 @@ def test_step_profile_reports_a_decode_steps_work(capsys):
     # Kernels are launched on a GPU only; on the CPU the operators run where they are called.
     on_cuda = EngineConfig(**options.engine_kwargs(args)).device_type() == "cuda"
     assert (figures["kernel launches a step"] > 0) == on_cuda
+    # The CPU has no device to wait for; a step on CUDA waits once at least (its tokens).
+    assert (figures["host syncs a step"] > 0) == on_cuda
     assert "batch 2, 2 decode steps" in capsys.readouterr().out
 
 

@@ -1,6 +1,6 @@
 """Where a decode step goes, by torch's profiler: the operators that take the host's time, and
-per step the device kernels launched, the host-device copies and the host syncs (each a wait for
-the device on CUDA, where a step should have at most one).
+per step the device kernels launched, the host-device copies, the host syncs (each a wait for
+the device on CUDA, where a step should have at most one) and the tensor values read back.
 
     etinfer bench step-profile --batch 16 --steps 10
 """
@@ -17,8 +17,10 @@ from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
 
 # Host-side events that move data or wait for the device, as the profiler names them (a
-# replayed CUDA graph is one launch).
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item")
+# replayed CUDA graph is one launch). A read of a CUDA tensor's value waits through one of the
+# waits counted; scalar reads are counted apart, on any device (on the CPU they wait for nothing).
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+SCALAR_READ_EVENTS = ("aten::item",)
 COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "kernel launches a step": per_step(LAUNCH_EVENTS),
         "host-device copies a step": per_step(COPY_EVENTS),
         "host syncs a step": per_step(SYNC_EVENTS),
+        "scalar reads a step": per_step(SCALAR_READ_EVENTS),
     }
     print(f"{engine.config.torch_device()}, batch {args.batch}, {args.steps} decode steps:")
     for name, value in figures.items():
