@@ -7,12 +7,8 @@ from etinfer.control.block_selection import BlockSelector, DenseSelector
 from etinfer.model.block_layout import DecodeBlocks, Selection
 from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.paged_attention import (
-    AttentionMetadata,
-    PagedAttention,
-    PrefillChunk,
-    prefill_mask,
-)
+from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
+from etinfer.model.prefill_attention import PrefillChunk, prefill_mask
 from tests.conftest import rows_read
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4

@@ -22,7 +22,8 @@ from etinfer.control.sparse_prefill import (
     segment_budgets,
 )
 from etinfer.model.block_layout import PrefillPiece
-from etinfer.model.paged_attention import PagedAttention, PrefillChunk
+from etinfer.model.paged_attention import PagedAttention
+from etinfer.model.prefill_attention import PrefillChunk
 from tests.test_paged_attention import (
     BLOCK,
     CACHE_DTYPES,

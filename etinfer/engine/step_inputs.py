@@ -18,12 +18,9 @@ from etinfer.engine.sequence import Sequence
 from etinfer.model.block_layout import DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
 from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
-from etinfer.model.paged_attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    PruningTelemetry,
-    prefill_mask,
-)
+from etinfer.model.paged_attention import AttentionMetadata
+from etinfer.model.prefill_attention import PrefillChunk, prefill_mask
+from etinfer.model.pruning_telemetry import PruningTelemetry
 
 
 class QueryCapture(Protocol):

@@ -9,9 +9,8 @@ per-entry weights. Sequences of any lengths share one call per layer, and groupe
 read their KV head without repeating it. Each layer asks the step's :class:`AttentionSelector`
 which blocks to read. With ``batch_invariant`` prefill rows come here too (``model_runner.py``).
 
-**Prefill chunks** (several query tokens of one sequence) go through
-``scaled_dot_product_attention``, one sequence at a time: there the work is quadratic in the
-chunk, and gathering the chunk's cached prefix once is cheap beside it.
+**Decode on CUDA** goes through the GPU kernel that reads the block tables (``gpu/``).
+**Prefill chunks** (several query tokens of one sequence) take ``prefill_attention.py``'s paths.
 """
 
 from __future__ import annotations
@@ -21,14 +20,11 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import (
     AttentionSelector,
     DecodeBlocks,
-    PrefillContext,
-    PrefillPiece,
     PrefillSelector,
     Selection,
 )
@@ -41,24 +37,11 @@ from etinfer.model.decode_pattern import (
 )
 from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.kv_cache import KVCache
+from etinfer.model.prefill_attention import PrefillAttention, PrefillChunk
 from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
-from etinfer.model.softcap import capped_attention
 
 # The CSR kernels are stable in the pinned torch; the notice would only confuse.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-
-
-@dataclass
-class PrefillChunk:
-    start: int  # first row of the chunk in the step's flat batch
-    length: int
-    # Cache slots of positions [0, context) when the chunk follows a cached prefix, else None:
-    # then the chunk's fresh keys and values are the whole context.
-    context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [length, context] True where a query may attend
-    # What a prefill selector needs to narrow the chunk's attention (None: dense); then
-    # ``context_slots`` is always set.
-    sparse: PrefillContext | None = None
 
 
 @dataclass
@@ -80,7 +63,7 @@ class AttentionMetadata:
     local: AttentionMetadata | None = None
 
 
-class PagedAttention:
+class PagedAttention(PrefillAttention):
     def __init__(
         self,
         num_heads: int,
@@ -254,107 +237,3 @@ class PagedAttention:
                 )
             )
         return out
-
-    def _prefill(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        chunk: PrefillChunk,
-    ) -> torch.Tensor:
-        if chunk.context_slots is None:  # the chunk's own keys, as the cache holds them
-            k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
-        else:
-            k, v = cache.read(layer, chunk.context_slots)
-        q, k, v = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        causal = chunk.mask is None
-        if self.softcap is not None:
-            out = capped_attention(q, k, v, chunk.mask, causal, self.scale, self.softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=chunk.mask, is_causal=causal, scale=self.scale, enable_gqa=True
-            )
-        return out[0].transpose(0, 1)
-
-    def _sparse_prefill(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        cache: KVCache,
-        chunk: PrefillChunk,
-        pieces: list[PrefillPiece],
-    ) -> torch.Tensor:
-        """Each piece of the chunk over its own keys: densely, or per KV head over the kept
-        blocks and the local window (each head its own call: the kept sets differ in size, and
-        padding them to one would compute the padding)."""
-        out = torch.empty_like(q)
-        group, block_size = self.num_heads // self.num_kv_heads, cache.block_size
-        block = torch.arange(block_size, device=q.device)
-        for piece in pieces:
-            end = piece.end
-            query_pos = torch.arange(piece.start, end, device=q.device)
-            if piece.kept is None:
-                keys = torch.arange(end, device=q.device)
-                out[piece.rows] = self._attend(
-                    layer, q[piece.rows], keys, query_pos, cache, chunk, slice(None)
-                )
-                continue
-            local = torch.arange(piece.local_start, end, device=q.device)
-            for head, kept in enumerate(piece.kept):
-                keys = torch.cat([(kept[:, None] * block_size + block).flatten(), local])
-                heads = slice(head * group, (head + 1) * group)
-                out[piece.rows, heads] = self._attend(
-                    layer,
-                    q[piece.rows, heads],
-                    keys,
-                    query_pos,
-                    cache,
-                    chunk,
-                    slice(head, head + 1),
-                )
-        return out
-
-    def _attend(
-        self,
-        layer: int,
-        q: torch.Tensor,  # [rows, heads, head_dim]
-        key_pos: torch.Tensor,
-        query_pos: torch.Tensor,
-        cache: KVCache,
-        chunk: PrefillChunk,
-        kv_heads: slice,
-    ) -> torch.Tensor:
-        """Attention of queries at ``query_pos`` over the keys at ``key_pos`` (causally)."""
-        k, v = cache.read(layer, chunk.context_slots[key_pos], kv_heads)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        if self.sliding_window is not None:
-            mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
-
-
-def prefill_mask(
-    start: int, length: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Visibility of keys [0, start + length) to the chunk's queries at positions start + i.
-
-    None when plain causal masking over the chunk alone is exact (no prefix, no window).
-    """
-    context = start + length
-    if start == 0 and (sliding_window is None or sliding_window >= length):
-        return None
-    query_pos = torch.arange(start, context, device=device)[:, None]
-    key_pos = torch.arange(context, device=device)[None, :]
-    mask = key_pos <= query_pos
-    if sliding_window is not None:
-        mask &= key_pos > query_pos - sliding_window
-    return mask
