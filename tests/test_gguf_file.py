@@ -115,6 +115,19 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     writer.close()
 
 
+def assert_tokenizes_as_transformers(path, ours, samples: list[str], decodes: bool = False) -> None:
+    """Our tokenizer of a GGUF file gives transformers' ids for each sample (and, with
+    ``decodes``, its text back from them), transformers' tokenizer read from the same file."""
+    import transformers
+
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for sample in samples:
+        ids = ours.tokenizer.encode(sample, add_special_tokens=False)
+        assert ids == reference.encode(sample, add_special_tokens=False), sample
+        if decodes:
+            assert ours.tokenizer.decode(ids) == reference.decode(ids), sample
+
+
 def assert_greedy_equals_transformers(path, ours, prompt: list[int]) -> None:
     """Our float32 engine's greedy tokens for ``prompt`` are transformers' argmax, its model
     read by its own GGUF reader from the same file."""
@@ -139,20 +152,17 @@ def test_a_byte_level_file_splits_text_as_its_model_does(tmp_path, pre, arch):
     """Llama 3's pattern keeps up to three digits together and Qwen 2's one: our tokenizer of a
     file naming either gives transformers' tokens, and a Llama, Qwen 2 or Qwen 3 file's model
     transformers' greedy tokens."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, pre, arch)
     ours = load_model(path)
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     samples = [
         "In 2025, 1234567 people paid $3.50 each; that's 4,320,023.",
         "  indented\n\n\tcode = f(x)  # comment\r\nUnicode: ünïcödé, 日本語, 🙂",
         "I'M sure they'LL say it's fine, you'd think.",
     ]
-    for sample in samples:
-        ids = ours.tokenizer.encode(sample, add_special_tokens=False)
-        assert ids == reference.encode(sample, add_special_tokens=False), sample
+    assert_tokenizes_as_transformers(path, ours, samples)
     pieces = ours.tokenizer.backend.pre_tokenizer.pre_tokenize_str("1234567")
     assert [p for p, _ in pieces] == (
         ["123", "456", "7"] if pre == "llama-bpe" else list("1234567")
@@ -217,22 +227,18 @@ def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_p
     """Phi-3 from GGUF: the SentencePiece vocabulary tokenizes as transformers' reader of the
     same file does, and the model (its qkv and gate-up split at load) gives transformers'
     greedy tokens."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
 
     path = tmp_path / "phi3.gguf"
     write_tiny_phi3(path)
     ours = load_model(path)
     assert ours.config.architecture == "phi3"
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     samples = [
         "the thing is in the inn, at ten.",
         "  two spaces, then  more; Ünïcödé 🙂 and digits 1234",
         "re-entering",
     ]
-    for sample in samples:
-        ids = ours.tokenizer.encode(sample, add_special_tokens=False)
-        assert ids == reference.encode(sample, add_special_tokens=False), sample
-        assert ours.tokenizer.decode(ids) == reference.decode(ids), sample
+    assert_tokenizes_as_transformers(path, ours, samples, decodes=True)
     assert ours.tokenizer.encode("the")[0] == 1  # the file asks for BOS
     assert_greedy_equals_transformers(path, ours, ours.tokenizer.encode(samples[0]))
 

@@ -14,7 +14,8 @@ llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=p
             n_batch=prompt_len, n_ubatch=prompt_len, verbose=False)
 load_s = time.perf_counter() - start
 rss = psutil.Process().memory_info().rss
-tokens = llm.tokenize(b" The history of science" * 2000, add_bos=False)[:prompt_len]
+text = llm.tokenize(b" The history of science" * 2000, add_bos=False)
+tokens = text[:prompt_len]
 llm.eval(tokens[:64]); llm.reset()
 start = time.perf_counter(); llm.eval(tokens); prefill_s = time.perf_counter() - start
 llm.reset(); llm.eval(tokens[:{DECODE_CONTEXT}])
@@ -47,7 +48,6 @@ def batched_decode(size, context={DECODE_CONTEXT}):
     def argmax(i):
         row = llama_cpp.llama_get_logits_ith(ctx, i)
         return int(numpy.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).argmax())
-    text = llm.tokenize(b" The history of science" * 2000, add_bos=False)
     fill([(text[s * 7 + p], p, s, p == context - 1) for s in range(size) for p in range(context)])
     assert llama_cpp.llama_decode(ctx, batch) == 0
     last = [argmax(s * context + context - 1) for s in range(size)]

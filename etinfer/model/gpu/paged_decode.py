@@ -52,7 +52,9 @@ def _kernel() -> ModuleType:
     return importlib.import_module("etinfer.model.gpu.paged_decode_kernel")
 
 
-def num_splits(rows: int, kv_heads: int, max_context: int, programs: int = 264) -> int:
+def num_splits(
+    rows: int, kv_heads: int, max_context: int, programs: int = PROGRAMS_PER_SM * DEFAULT_SMS
+) -> int:
     """How many parts each row's context is cut into: enough to launch ``programs`` programs,
     none shorter than a tile, a power of two (each count is a kernel variant compiled once)."""
     wanted = math.ceil(programs / max(1, rows * kv_heads))
