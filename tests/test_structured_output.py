@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from etinfer import LLM, SamplingParams
-from etinfer.bench.structured.schemas import SCHEMAS
+from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS
 from etinfer.config import EngineConfig, SpeculativeConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
@@ -324,10 +324,13 @@ def guidance_llm(make_llm) -> LLM:
 
 @pytest.mark.slow
 def test_the_llguidance_backend_holds_every_schema_too(guidance_llm: LLM):
+    # Greedy: sampled at 0.7, a number's fraction digits can run past max_tokens (neither
+    # backend bounds them), and which seed does so moves with the host's rounding (the "point"
+    # schema did held to AVX2). The sampled schemas are xgrammar's test above.
     prompts = [chat_ids(guidance_llm, [{"role": "user", "content": p}]) for _, p, _ in SCHEMAS]
     params = [
-        SamplingParams(temperature=0.7, max_tokens=256, seed=i, structured={"json": schema})
-        for i, (_, _, schema) in enumerate(SCHEMAS)
+        SamplingParams(temperature=0.0, max_tokens=256, structured={"json": schema})
+        for _, _, schema in SCHEMAS
     ]
     for (name, _, schema), out in zip(SCHEMAS, guidance_llm.generate(prompts, params), strict=True):
         assert out.finish_reason == "stop" and valid(out.text, schema), (name, out.text)
@@ -344,9 +347,7 @@ def test_the_llguidance_backend_takes_every_kind_and_refuses_what_it_cannot(guid
         ),
         "json_object": (True, lambda t: isinstance(json.loads(t), dict)),
     }
-    ok = chat_ids(
-        guidance_llm, [{"role": "user", "content": 'Reply with the JSON {"ok": true} only.'}]
-    )
+    ok = chat_ids(guidance_llm, [{"role": "user", "content": JSON_OBJECT_PROMPT}])
     for kind, (spec, check) in kinds.items():
         params = SamplingParams(temperature=0.0, max_tokens=64, structured={kind: spec})
         out = guidance_llm.generate(ok if kind == "json_object" else ids, params)[0]

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from etinfer.bench.structured.schemas import SCHEMAS, schema_format
+from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS, schema_format
 from tests.server.conftest import CHAT, post
 
 WEATHER_TOOL = {
@@ -104,7 +104,7 @@ def test_twenty_schemas_validate_mixed_with_free_requests(client, model_name):
 def test_json_object_and_vllm_extra_fields(client, model_name):
     reply = client.chat.completions.create(
         model=model_name,
-        messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true} only.'}],
+        messages=[{"role": "user", "content": JSON_OBJECT_PROMPT}],
         max_tokens=64,
         temperature=0.0,
         response_format={"type": "json_object"},

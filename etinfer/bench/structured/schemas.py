@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# What a json_object request asks for. Worded so that greedy decoding closes the object on AVX2
+# and AVX-512 hosts alike: after 'Reply with the JSON {"ok": true} only.' the comma after true
+# is a near-tie that AVX2's rounding tips towards a string running past 64 tokens.
+JSON_OBJECT_PROMPT = 'Reply with this JSON and nothing else: {"ok": true}'
+
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 SHORT = {"type": "string", "maxLength": 40}
 
