@@ -115,14 +115,16 @@ class Int8Linear:
 
 class BlockLinear:
     """A GGUF weight in its own blocks on etinfer's kernels (``quant_kernels``): float32 in and
-    out, the activations quantized to 8 bits a block inside the call."""
+    out, the activations quantized to 8 bits a block inside the call (twice, the second time
+    what the first left out, where the weight's ``activation_bits`` is 16)."""
 
     def __init__(self, weight: GGUFBlocks | MixedBlocks, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         parts = weight.parts if isinstance(weight, MixedBlocks) else (weight,)
         self.product = quant_kernels.BlockProduct(
-            [quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts]
+            [quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts],
+            precise=weight.activation_bits == 16,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

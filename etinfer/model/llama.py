@@ -24,6 +24,7 @@ from etinfer.model.loader import LoadedModel
 from etinfer.model.norm import RMSNorm
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.quantized import (
+    BLOCK_MODES,
     Format,
     GGUFBlocks,
     Weight,
@@ -50,7 +51,7 @@ class WeightReader:
         norm_offset: float = 0.0,
     ) -> None:
         """``norm_offset``: the family's, added to every RMSNorm weight (``norm``)."""
-        if device.type != "cpu" and quantization in ("int4", "int8", "gguf"):
+        if device.type != "cpu" and quantization in ("int4", "int8", *BLOCK_MODES):
             raise ValueError(
                 f"quantization={quantization!r} runs on the CPU's weight-only kernels; on "
                 f"{device} use 'auto' or 'none' (weights there are float for now)"
@@ -62,10 +63,11 @@ class WeightReader:
         blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
         if quantization == "auto" and self.quantization == "none" and blocks:
             self.notes.append(f"GGUF blocks dequantized to float: no integer kernels on {device}")
-        if quantization == "gguf" and blocks and not quant_kernels.available():
+        if quantization in BLOCK_MODES and blocks and not quant_kernels.available():
             self.notes.append(
-                "quantization='gguf': etinfer's block kernels are not available here (they need "
-                "x86-64-v3, a C compiler and ETINFER_NATIVE not 0); the weights run as in 'auto'"
+                f"quantization={quantization!r}: etinfer's block kernels are not available here "
+                "(they need x86-64-v3, a C compiler and ETINFER_NATIVE not 0); the weights run "
+                "as in 'auto'"
             )
         self.used: set[str] = set()
         self.dequantized: list[str] = []

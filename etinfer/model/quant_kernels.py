@@ -97,7 +97,7 @@ class _Part(ctypes.Structure):
 
 def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.block_linear.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64]
+    library.block_linear.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64]
     library.block_linear.restype = ctypes.c_int
     library.repack8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer]
     library.repack8.restype = ctypes.c_int
@@ -154,15 +154,17 @@ class BlockProduct:
     """Weights [out, in] in block formats stacked by output rows, as one kernel call: ``x``
     [rows, in] times their transpose, [rows, sum of outs] float32. Fused projections may mix
     formats (Q4_K_M files keep v in Q6_K beside q and k in Q4_K); the activations are quantized
-    once for each block size the parts need."""
+    once for each block size the parts need. ``precise``: each activation block as two 8-bit
+    blocks, its codes and its remainder's, both multiplied in one pass over the weights."""
 
-    def __init__(self, parts: list[BlockWeight]) -> None:
+    def __init__(self, parts: list[BlockWeight], precise: bool = False) -> None:
         widths = {part.in_features for part in parts}
         if len(widths) != 1:
             raise ValueError(f"stacked weights of different input widths {sorted(widths)}")
         self.parts = tuple(parts)  # the bytes the call's pointers point at
         self.name = "+".join(part.qtype.name for part in parts)  # for errors: Q4_K+Q6_K
         self.in_features = widths.pop()
+        self.precise = precise
         self.out_features = sum(part.out_features for part in parts)
         self._table = (_Part * len(parts))(
             *(_Part(p.qtype, p.data.data_ptr(), p.out_features, p.block_bytes, p.interleaved)
@@ -180,7 +182,7 @@ class BlockProduct:
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = library.block_linear(
             self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), self.precise,
         )  # fmt: skip
         if status == -3:
             raise MemoryError(f"no memory for {rows} rows of quantized activations")

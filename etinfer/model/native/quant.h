@@ -35,9 +35,12 @@ typedef struct {
 } BlockPart;
 
 /* Each file's entry points, for quant_linear.c. Activations are quantized a row at a time, rows
- * shared among `threads` when there are many. */
-void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads);
-void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads);
+ * shared among `threads` when there are many; `split`, each row as two (its codes, then the codes
+ * of its remainder). */
+void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads,
+                    int split);
+void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads,
+                     int split);
 int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t block_bytes,
                  const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads);
 int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,

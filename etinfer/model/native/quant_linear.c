@@ -32,9 +32,12 @@ static void *scratch_of(size_t bytes) {
 }
 
 /* y [rows, sum of the parts' outs] = x [rows, k] times the parts' weights, stacked by output
- * rows. Returns 0; -1 for a format or layout without a kernel, -3 if scratch memory ran out. */
+ * rows. `precise`: each activation row is quantized as two, its 8-bit codes and those of the
+ * remainder they leave, both products computed in the one pass over the weights and added (about
+ * 15 bits of activation; see quant_kernels.py for what that buys and costs). Returns 0; -1 for a
+ * format or layout without a kernel, -3 if scratch memory ran out. */
 int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t rows, int64_t k,
-                 float *y, int64_t threads) {
+                 float *y, int64_t threads, int64_t precise) {
     int64_t total = 0, with32 = 0, with256 = 0;
     for (int64_t p = 0; p < count; ++p) {
         total += parts[p].out;
@@ -42,26 +45,34 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
         with32 |= !is_k_format(parts[p].type);
     }
     if (rows == 0 || total == 0) return 0;
-    const size_t bytes32 = with32 ? (size_t)(rows * (k / 32)) * sizeof(Act32) : 0;
-    const size_t bytes256 = with256 ? (size_t)(rows * (k / 256)) * sizeof(Act256) : 0;
-    uint8_t *buffer = scratch_of(bytes32 + bytes256);
+    const int split = precise != 0;
+    const int64_t act_rows = rows * (split + 1);
+    const size_t bytes32 = with32 ? (size_t)(act_rows * (k / 32)) * sizeof(Act32) : 0;
+    const size_t bytes256 = with256 ? (size_t)(act_rows * (k / 256)) * sizeof(Act256) : 0;
+    const size_t bytes_y = split ? (size_t)(act_rows * total) * sizeof(float) : 0;
+    uint8_t *buffer = scratch_of(bytes32 + bytes256 + bytes_y);
     if (buffer == NULL) return -3;
     Act32 *x32 = (Act32 *)buffer;
     Act256 *x256 = (Act256 *)(buffer + bytes32);
-    if (with32) quantize_act32(x, rows, k, x32, threads);
-    if (with256) quantize_act256(x, rows, k, x256, threads);
+    float *out = split ? (float *)(buffer + bytes32 + bytes256) : y;  // both halves' products
+    if (with32) quantize_act32(x, rows, k, x32, threads, split);
+    if (with256) quantize_act256(x, rows, k, x256, threads, split);
     int64_t column = 0;
     for (int64_t p = 0; p < count; ++p) {
         const BlockPart *part = &parts[p];
         const void *act = is_k_format(part->type) ? (const void *)x256 : (const void *)x32;
         const int status =
             part->interleaved
-                ? quant_matmul8((int)part->type, part->w, part->out, k, act, rows, y + column,
-                                total, threads)
+                ? quant_matmul8((int)part->type, part->w, part->out, k, act, act_rows,
+                                out + column, total, threads)
                 : quant_matmul((int)part->type, part->w, part->out, k, part->block_bytes, act,
-                               rows, y + column, total, threads);
+                               act_rows, out + column, total, threads);
         if (status != 0) return status;
         column += part->out;
     }
+    if (split)  // a row's codes' product plus its remainder's, in that order
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < total; ++c)
+                y[r * total + c] = out[2 * r * total + c] + out[(2 * r + 1) * total + c];
     return 0;
 }
