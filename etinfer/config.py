@@ -148,7 +148,9 @@ class EngineConfig:
         metadata={
             "help": "of the weights: auto (a GGUF keeps its own: Q4_0/Q4_1 as int4, Q8_0 as "
             "int8, Q5_0 and K formats in their blocks), gguf (every GGUF block format in its "
-            "blocks, on etinfer's kernels with 8-bit activations), none (float, dequantized at "
+            "blocks, on etinfer's kernels with 8-bit activations), gguf-a16 (as gguf, the "
+            "activations in two 8-bit parts: closer to float, slower at batches), none (float, "
+            "dequantized at "
             "load), int8 (per row), int4 (groups of 32)"
         },
     )

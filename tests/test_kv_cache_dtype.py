@@ -55,7 +55,10 @@ def test_the_torch_path_reads_the_cache_as_the_native_kernel_does(make_llm, name
     """Decode over each cache type in torch operations (off the CPU, without a compiler): the
     first decode step, over what prefill stored, gives the native kernel's logprobs within
     float32 rounding. Later steps read keys written after a step of each path; a last-bit
-    difference can move a 16- or 8-bit rounding of those, so only the tokens are compared."""
+    difference can move a 16- or 8-bit rounding of those, so only the tokens are compared.
+    int8: the prompt's last, partly filled block is prefilled again by each path (the prefix
+    cache keeps full blocks), and a last-bit difference there moves a code by one step of 1/127
+    of its block's range: 1.0e-3 held to AVX2; a misread scale or offset moves it by far more."""
     llm = make_llm(quantization="none", kv_cache_dtype=name, max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     native = llm.generate(PROMPTS[:3], params)
@@ -68,7 +71,9 @@ def test_the_torch_path_reads_the_cache_as_the_native_kernel_does(make_llm, name
     for a, b in zip(native, torch_path, strict=True):
         assert a.token_ids == b.token_ids
         token = a.token_ids[1]  # the first decode step's
-        assert a.logprobs[1][token].logprob == pytest.approx(b.logprobs[1][token].logprob, abs=5e-4)
+        within = 3e-3 if name == "int8" else 5e-4
+        expected = pytest.approx(b.logprobs[1][token].logprob, abs=within)
+        assert a.logprobs[1][token].logprob == expected
 
 
 def test_pruning_and_prefix_caching_run_on_an_int8_cache(make_llm):
