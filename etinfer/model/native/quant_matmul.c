@@ -330,10 +330,27 @@ static inline __attribute__((always_inline)) void block_k(int type, const uint8_
 typedef struct {
     __m256i u[8];
     __m256i scales[8];  // 32 elements: two groups of 16, each with its scale
+    __m256i groups;     // a group's factor of its codes' sum (group_factors)
     float d, dmin;
-    int16_t scale[16];
-    uint8_t mins[8];
 } KBlock;
+
+/* Per group of 16 elements, the factor of its activation codes' sum: Q6_K's scale (its codes are
+ * stored plus 32), Q4_K's and Q5_K's minimum (one a sub-block of 32, so each twice). */
+static inline __m256i group_factors(int type, const uint8_t *w, const uint8_t *mins) {
+    if (type == Q6_K) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+    const __m128i eight = _mm_loadl_epi64((const __m128i *)mins);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(eight, eight));
+}
+
+/* sum over g of factors[g] * sums[g]: 16 products in one madd, then the 8 lanes; an exact
+ * integer, the same as a scalar loop's. */
+static inline int32_t grouped_sum(__m256i factors, const int16_t *sums) {
+    const __m256i p = _mm256_madd_epi16(factors, load32(sums));
+    __m128i v = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(v);
+}
 
 static inline __attribute__((always_inline)) void group_scales(const int16_t *scale,
                                                                __m256i *scales) {
@@ -346,8 +363,11 @@ static void decode_k(int type, const uint8_t *w, int64_t block_bytes, int64_t bl
     for (int64_t b = 0; b < blocks; ++b, w += block_bytes, ++out) {
         for (int64_t line = 0; line < block_bytes; line += 64)
             __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
-        block_k(type, w, out->u, out->scale, out->mins, &out->d, &out->dmin);
-        group_scales(out->scale, out->scales);
+        int16_t scale[16];
+        uint8_t mins[8];
+        block_k(type, w, out->u, scale, mins, &out->d, &out->dmin);
+        group_scales(scale, out->scales);
+        out->groups = group_factors(type, w, mins);
     }
 }
 
@@ -362,23 +382,24 @@ static inline __attribute__((always_inline)) void rows_k(int type, int64_t block
     for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
     float minimums[TILE] = {0};
     for (int64_t b = 0; b < blocks; ++b, w += block_bytes) {
-        __m256i streamed_u[8], streamed_scales[8];
-        int16_t streamed_scale[16];
-        uint8_t streamed_mins[8];
+        __m256i streamed_u[8], streamed_scales[8], groups;
+        int16_t scale[16];
+        uint8_t mins[8];
         const __m256i *u = streamed_u, *scales = streamed_scales;
-        const int16_t *scale = streamed_scale;
-        const uint8_t *mins = streamed_mins;
         float d, dmin;
         if (decoded != NULL) {
             const KBlock *k = decoded + b;
-            u = k->u, scales = k->scales, scale = k->scale, mins = k->mins;
-            d = k->d, dmin = k->dmin;
+            u = k->u, scales = k->scales, groups = k->groups, d = k->d, dmin = k->dmin;
         } else {
             for (int64_t line = 0; line < block_bytes; line += 64)
                 __builtin_prefetch(w + PREFETCH_BYTES + line, 0, 3);
-            block_k(type, w, streamed_u, streamed_scale, streamed_mins, &d, &dmin);
-            group_scales(streamed_scale, streamed_scales);
+            block_k(type, w, streamed_u, scale, mins, &d, &dmin);
+            group_scales(scale, streamed_scales);
+            // Q6_K's factors load straight from the block; Q4_K's minimums were just unpacked
+            // byte by byte, and a vector load of them would wait on those stores: a loop then.
+            if (type == Q6_K) groups = group_factors(type, w, mins);
         }
+        const int vector = decoded != NULL || type == Q6_K;
         for (int64_t i = 0; i < rows; ++i) {
             const Act256 *a = x + i * blocks + b;
             __m256i sum = _mm256_setzero_si256();
@@ -386,15 +407,14 @@ static inline __attribute__((always_inline)) void rows_k(int type, int64_t block
                 const __m256i p = _mm256_maddubs_epi16(u[j], load32(a->q + 32 * j));
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scales[j]));
             }
-            int32_t offset = 0;  // Q6_K: codes are stored plus 32; Q4_K, Q5_K: a minimum a group
-            if (type == Q6_K) {
-                for (int g = 0; g < 16; ++g) offset += scale[g] * a->sums[g];
-                offset *= -32;
+            int32_t grouped = 0;  // the same integer either way
+            if (vector) {
+                grouped = grouped_sum(groups, a->sums);
             } else {
-                int32_t m = 0;
-                for (int j = 0; j < 8; ++j) m += mins[j] * (a->sums[2 * j] + a->sums[2 * j + 1]);
-                minimums[i] += dmin * a->d * (float)m;
+                for (int j = 0; j < 8; ++j) grouped += mins[j] * (a->sums[2 * j] + a->sums[2 * j + 1]);
             }
+            const int32_t offset = type == Q6_K ? -32 * grouped : 0;
+            if (type != Q6_K) minimums[i] += dmin * a->d * (float)grouped;
             const __m256i total = _mm256_add_epi32(sum, _mm256_setr_epi32(offset, 0, 0, 0, 0, 0, 0, 0));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a->d), acc[i]);
         }
