@@ -111,6 +111,19 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtyp
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=["Q4_1", "Q6_K"])
+def test_precise_tokens_past_the_products_buffer_are_each_as_alone(qtype):
+    """A precise call holds its two products a token in a 16 MiB buffer, so a wide output (a
+    vocabulary's head) takes a few tokens at a time: 65,536 outputs, 32 tokens a time."""
+    out, k = 65536, 256
+    weight = quant_kernels.BlockWeight.prepare(qtype, random_blocks(qtype, out, k, seed=4), k)
+    product = quant_kernels.BlockProduct([weight], precise=True)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    whole = product(x)
+    for i in (0, 31, 32, 39):
+        assert torch.equal(product(x[i : i + 1])[0], whole[i])
+
+
 def test_a_weight_whose_rows_do_not_match_the_input_is_refused():
     data = random_blocks(Q.Q4_0, 8, 64)
     with pytest.raises(ValueError, match="Q4_0 weight of 36 bytes a row for an input of 96"):

@@ -31,6 +31,33 @@ static void *scratch_of(size_t bytes) {
     return scratch;
 }
 
+/* The products of `rows` activation rows (as quantize_act32/256 left them) and every part, into
+ * y's columns. Returns 0, or the first part's nonzero status. */
+static int parts_product(const BlockPart *parts, int64_t count, const Act32 *x32,
+                         const Act256 *x256, int64_t rows, int64_t k, float *y, int64_t total,
+                         int64_t threads) {
+    int64_t column = 0;
+    for (int64_t p = 0; p < count; ++p) {
+        const BlockPart *part = &parts[p];
+        const void *act = is_k_format(part->type) ? (const void *)x256 : (const void *)x32;
+        const int status =
+            part->interleaved
+                ? quant_matmul8((int)part->type, part->w, part->out, k, act, rows, y + column,
+                                total, threads)
+                : quant_matmul((int)part->type, part->w, part->out, k, part->block_bytes, act,
+                               rows, y + column, total, threads);
+        if (status != 0) return status;
+        column += part->out;
+    }
+    return 0;
+}
+
+/* Bytes of the buffer that holds a precise call's two products a token, the tokens it takes at
+ * a time set by them: a layer's products take a prefill chunk of hundreds of tokens at once (each
+ * pass over the weights then serves them all; chunks of 16 cost a fifth of prefill's rate), a
+ * 262,144-row head a few tokens at a time instead of 4 GiB for 2,048. */
+enum { PRECISE_BUFFER_BYTES = 16 << 20 };
+
 /* y [rows, sum of the parts' outs] = x [rows, k] times the parts' weights, stacked by output
  * rows. `precise`: each activation row is quantized as two, its 8-bit codes and those of the
  * remainder they leave, both products computed in the one pass over the weights and added (about
@@ -46,7 +73,12 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
     }
     if (rows == 0 || total == 0) return 0;
     const int split = precise != 0;
-    const int64_t act_rows = rows * (split + 1);
+    int64_t chunk = rows;
+    if (split) {
+        const int64_t fits = PRECISE_BUFFER_BYTES / (2 * total * (int64_t)sizeof(float));
+        chunk = fits < 1 ? 1 : fits < rows ? fits : rows;
+    }
+    const int64_t act_rows = chunk * (split + 1);
     const size_t bytes32 = with32 ? (size_t)(act_rows * (k / 32)) * sizeof(Act32) : 0;
     const size_t bytes256 = with256 ? (size_t)(act_rows * (k / 256)) * sizeof(Act256) : 0;
     const size_t bytes_y = split ? (size_t)(act_rows * total) * sizeof(float) : 0;
@@ -54,25 +86,21 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
     if (buffer == NULL) return -3;
     Act32 *x32 = (Act32 *)buffer;
     Act256 *x256 = (Act256 *)(buffer + bytes32);
-    float *out = split ? (float *)(buffer + bytes32 + bytes256) : y;  // both halves' products
-    if (with32) quantize_act32(x, rows, k, x32, threads, split);
-    if (with256) quantize_act256(x, rows, k, x256, threads, split);
-    int64_t column = 0;
-    for (int64_t p = 0; p < count; ++p) {
-        const BlockPart *part = &parts[p];
-        const void *act = is_k_format(part->type) ? (const void *)x256 : (const void *)x32;
-        const int status =
-            part->interleaved
-                ? quant_matmul8((int)part->type, part->w, part->out, k, act, act_rows,
-                                out + column, total, threads)
-                : quant_matmul((int)part->type, part->w, part->out, k, part->block_bytes, act,
-                               act_rows, out + column, total, threads);
-        if (status != 0) return status;
-        column += part->out;
+    if (!split) {
+        if (with32) quantize_act32(x, rows, k, x32, threads, 0);
+        if (with256) quantize_act256(x, rows, k, x256, threads, 0);
+        return parts_product(parts, count, x32, x256, rows, k, y, total, threads);
     }
-    if (split)  // a row's codes' product plus its remainder's, in that order
-        for (int64_t r = 0; r < rows; ++r)
+    float *pairs = (float *)(buffer + bytes32 + bytes256);  // a token's two products, in turn
+    for (int64_t first = 0; first < rows; first += chunk) {
+        const int64_t n = rows - first < chunk ? rows - first : chunk;
+        if (with32) quantize_act32(x + first * k, n, k, x32, threads, 1);
+        if (with256) quantize_act256(x + first * k, n, k, x256, threads, 1);
+        const int status = parts_product(parts, count, x32, x256, 2 * n, k, pairs, total, threads);
+        if (status != 0) return status;
+        for (int64_t r = 0; r < n; ++r)  // a row's codes' product plus its remainder's
             for (int64_t c = 0; c < total; ++c)
-                y[r * total + c] = out[2 * r * total + c] + out[(2 * r + 1) * total + c];
+                y[(first + r) * total + c] = pairs[2 * r * total + c] + pairs[(2 * r + 1) * total + c];
+    }
     return 0;
 }
