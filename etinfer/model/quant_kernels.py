@@ -49,6 +49,7 @@ ACTIVATION_BLOCK = {
 _NATIVE = Path(native_kernels.__file__).parent / "native"
 _SOURCES = [
     _NATIVE / "quant_linear.c",
+    _NATIVE / "quant_activations.c",
     _NATIVE / "quant_matmul.c",
     _NATIVE / "quant_interleaved.c",
     _NATIVE / "pool.c",

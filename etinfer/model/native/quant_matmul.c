@@ -3,7 +3,8 @@
  * of activations x, the work of a decode step, of speculative verification and of prefill.
  *
  * As llama.cpp does, the activations are first quantized to 8 bits per block (a scale and 32 or
- * 256 signed bytes, with the sums the formats' offsets need), and each weight block meets its
+ * 256 signed bytes, with the sums the formats' offsets need: quant_activations.c), and each
+ * weight block meets its
  * activation block in an integer dot product: 32 unsigned 4- to 6-bit codes times 32 signed bytes
  * by AVX2's maddubs (or VNNI's dpbusd, which gives the same integers), scaled once a block in
  * float. Our loops are our own: tiles of 4 weight rows by 2 activation rows (the K formats: one
@@ -11,9 +12,10 @@
  * chunk when done (pool.c's run_parallel). Where one pass over the weights takes every
  * activation row (a decode step), the blocks are decoded as they stream in; with more rows
  * (batches, prefill) a tile's weight rows are decoded once a call into a buffer every pass
- * reads, instead of once a pass (1.5x at 16 and 1,024 rows of Q5_0, the same bits). Q4_0, Q4_1 and Q8_0 weights whose rows come in eights
- * take quant_interleaved.c's layout instead, several times fewer instructions a block; this
- * file serves Q5_0, the K formats and any other row count.
+ * reads, instead of once a pass (1.5x at 16 and 1,024 rows of Q5_0, the same bits). Q4_0, Q4_1
+ * and Q8_0 weights whose rows come in eights take quant_interleaved.c's layout instead, several
+ * times fewer instructions a block; this file serves Q5_0, the K formats and any other row
+ * count.
  *
  * Row invariance: the result for activation row r and weight row o is the same sequence of
  * operations whatever the other rows of the call and whichever thread computes it, so a token's
@@ -28,101 +30,6 @@
 
 enum { TILE = 4 };  // activation rows per pass over a weight row (K formats)
 enum { PREFETCH_ROWS = 8 };  // weight rows ahead that a tile asks the memory system for
-
-/* Round to nearest, halves away from zero, as llama.cpp's quantizers do; the scale is the block's
- * largest magnitude over 127, so codes stay in -127..127 (the sign trick below needs that). */
-static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < count; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    *d = amax / 127.0f;
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
-}
-
-/* A block's codes and scale, then, where asked (d2 and q2 not NULL), the codes and scale of what
- * they leave out, x - d q: the two products add up to about 15 bits of each activation
- * (block_linear's `precise`). */
-static void quantize_split(const float *x, int64_t count, float *d, int8_t *q, float *d2,
-                           int8_t *q2) {
-    quantize_block(x, count, d, q);
-    if (q2 == NULL) return;
-    float rest[256];
-    for (int64_t i = 0; i < count; ++i) rest[i] = x[i] - *d * (float)q[i];
-    quantize_block(rest, count, d2, q2);
-}
-
-static void sums32(Act32 *a) {
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) sum += a->q[i];
-    a->s = a->d * (float)sum;
-}
-
-static void sums256(Act256 *a) {
-    for (int g = 0; g < 16; ++g) {
-        int sum = 0;
-        for (int i = 0; i < 16; ++i) sum += a->q[16 * g + i];
-        a->sums[g] = (int16_t)sum;
-    }
-}
-
-/* Rows below which quantizing them is not worth a second thread (about 1 us for 576 values). */
-enum { QUANTIZE_ROWS_PER_THREAD = 16 };
-
-/* Rows [first, end) of x; split, each row becomes two activation rows, its codes then its
- * remainder's (rows 2i and 2i + 1, which a kernel's tile then reads in one pass). */
-static void quantize32_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
-                            int split) {
-    const int64_t blocks = k / 32;
-    for (int64_t row = first; row < end; ++row)
-        for (int64_t b = 0; b < blocks; ++b) {
-            Act32 *a = (Act32 *)out_ + row * (split + 1) * blocks + b;
-            Act32 *rest = split ? a + blocks : NULL;
-            quantize_split(x + row * k + b * 32, 32, &a->d, a->q, rest ? &rest->d : NULL,
-                           rest ? rest->q : NULL);
-            sums32(a);
-            if (rest) sums32(rest);
-        }
-}
-
-static void quantize256_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
-                             int split) {
-    const int64_t blocks = k / 256;
-    for (int64_t row = first; row < end; ++row)
-        for (int64_t b = 0; b < blocks; ++b) {
-            Act256 *a = (Act256 *)out_ + row * (split + 1) * blocks + b;
-            Act256 *rest = split ? a + blocks : NULL;
-            quantize_split(x + row * k + b * 256, 256, &a->d, a->q, rest ? &rest->d : NULL,
-                           rest ? rest->q : NULL);
-            sums256(a);
-            if (rest) sums256(rest);
-        }
-}
-
-/* Rows shared among threads when there are many; each row's blocks are quantized alone, in
- * their own order, so where a row is quantized does not change it. */
-static void quantize_rows(void (*rows_fn)(const float *, int64_t, void *, int64_t, int64_t, int),
-                          const float *x, int64_t rows, int64_t k, void *out, int64_t threads,
-                          int split) {
-    int64_t parts = rows / QUANTIZE_ROWS_PER_THREAD;
-    if (parts > threads) parts = threads;
-    if (parts <= 1) {
-        rows_fn(x, k, out, 0, rows, split);
-        return;
-    }
-#pragma omp parallel for num_threads(parts)
-    for (int64_t p = 0; p < parts; ++p)
-        rows_fn(x, k, out, rows * p / parts, rows * (p + 1) / parts, split);
-}
-
-void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads,
-                    int split) {
-    quantize_rows(quantize32_rows, x, rows, k, out, threads, split);
-}
-
-void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads,
-                     int split) {
-    quantize_rows(quantize256_rows, x, rows, k, out, threads, split);
-}
 
 /* 16 bytes of two codes each: the low nibbles as elements 0-15, the high ones as 16-31. */
 static inline __m256i nibbles16(const uint8_t *p) {

@@ -1,0 +1,108 @@
+/* Activations quantized for the block kernels (quant_matmul.c, quant_interleaved.c), as llama.cpp
+ * quantizes them: a scale and 8-bit codes a block of 32 (the 32-element formats, with d times the
+ * codes' sum that their offsets multiply) or of 256 (the K formats, with the sums of each 16
+ * codes that their minimums and offsets multiply). Split (quantization='gguf-a16'), a row is
+ * quantized as two: its codes, then the codes of what they leave out.
+ *
+ * Each row's blocks are quantized alone and in their own order, so where and beside what a row
+ * is quantized does not change its codes (the kernels' row invariance starts here).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "quant.h"
+
+/* Round to nearest, halves away from zero, as llama.cpp's quantizers do; the scale is the block's
+ * largest magnitude over 127, so codes stay in -127..127 (the Q8_0 kernels' sign trick needs that). */
+static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < count; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    *d = amax / 127.0f;
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
+}
+
+/* A block's codes and scale, then, where asked (d2 and q2 not NULL), the codes and scale of what
+ * they leave out, x - d q: the two products add up to about 15 bits of each activation
+ * (block_linear's `precise`). */
+static void quantize_split(const float *x, int64_t count, float *d, int8_t *q, float *d2,
+                           int8_t *q2) {
+    quantize_block(x, count, d, q);
+    if (q2 == NULL) return;
+    float rest[256];
+    for (int64_t i = 0; i < count; ++i) rest[i] = x[i] - *d * (float)q[i];
+    quantize_block(rest, count, d2, q2);
+}
+
+static void sums32(Act32 *a) {
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += a->q[i];
+    a->s = a->d * (float)sum;
+}
+
+static void sums256(Act256 *a) {
+    for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += a->q[16 * g + i];
+        a->sums[g] = (int16_t)sum;
+    }
+}
+
+/* Rows below which quantizing them is not worth a second thread (about 1 us for 576 values). */
+enum { QUANTIZE_ROWS_PER_THREAD = 16 };
+
+/* Rows [first, end) of x; split, each row becomes two activation rows, its codes then its
+ * remainder's (rows 2i and 2i + 1, which a kernel's tile then reads in one pass). */
+static void quantize32_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
+                            int split) {
+    const int64_t blocks = k / 32;
+    for (int64_t row = first; row < end; ++row)
+        for (int64_t b = 0; b < blocks; ++b) {
+            Act32 *a = (Act32 *)out_ + row * (split + 1) * blocks + b;
+            Act32 *rest = split ? a + blocks : NULL;
+            quantize_split(x + row * k + b * 32, 32, &a->d, a->q, rest ? &rest->d : NULL,
+                           rest ? rest->q : NULL);
+            sums32(a);
+            if (rest) sums32(rest);
+        }
+}
+
+static void quantize256_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
+                             int split) {
+    const int64_t blocks = k / 256;
+    for (int64_t row = first; row < end; ++row)
+        for (int64_t b = 0; b < blocks; ++b) {
+            Act256 *a = (Act256 *)out_ + row * (split + 1) * blocks + b;
+            Act256 *rest = split ? a + blocks : NULL;
+            quantize_split(x + row * k + b * 256, 256, &a->d, a->q, rest ? &rest->d : NULL,
+                           rest ? rest->q : NULL);
+            sums256(a);
+            if (rest) sums256(rest);
+        }
+}
+
+/* Rows shared among threads when there are many; each row's blocks are quantized alone, in
+ * their own order, so where a row is quantized does not change it. */
+static void quantize_rows(void (*rows_fn)(const float *, int64_t, void *, int64_t, int64_t, int),
+                          const float *x, int64_t rows, int64_t k, void *out, int64_t threads,
+                          int split) {
+    int64_t parts = rows / QUANTIZE_ROWS_PER_THREAD;
+    if (parts > threads) parts = threads;
+    if (parts <= 1) {
+        rows_fn(x, k, out, 0, rows, split);
+        return;
+    }
+#pragma omp parallel for num_threads(parts)
+    for (int64_t p = 0; p < parts; ++p)
+        rows_fn(x, k, out, rows * p / parts, rows * (p + 1) / parts, split);
+}
+
+void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads,
+                    int split) {
+    quantize_rows(quantize32_rows, x, rows, k, out, threads, split);
+}
+
+void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads,
+                     int split) {
+    quantize_rows(quantize256_rows, x, rows, k, out, threads, split);
+}
