@@ -60,7 +60,7 @@ class GGUFBlocks:
         return self.data.shape[0], self.in_features
 
     def rows(self, index: torch.Tensor) -> GGUFBlocks:
-        return GGUFBlocks(self.qtype, self.data[index], self.in_features, self.activation_bits)
+        return replace(self, data=self.data[index])
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out, in], by the ``gguf`` package (the reference every format is held to).

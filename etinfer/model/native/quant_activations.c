@@ -8,6 +8,7 @@
  * is quantized does not change its codes (the kernels' row invariance starts here).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "quant.h"
@@ -34,13 +35,15 @@ static void quantize_split(const float *x, int64_t count, float *d, int8_t *q, f
     quantize_block(rest, count, d2, q2);
 }
 
-static void sums32(Act32 *a) {
+static void sums32(void *block) {
+    Act32 *a = block;
     int sum = 0;
     for (int i = 0; i < 32; ++i) sum += a->q[i];
     a->s = a->d * (float)sum;
 }
 
-static void sums256(Act256 *a) {
+static void sums256(void *block) {
+    Act256 *a = block;
     for (int g = 0; g < 16; ++g) {
         int sum = 0;
         for (int i = 0; i < 16; ++i) sum += a->q[16 * g + i];
@@ -51,58 +54,55 @@ static void sums256(Act256 *a) {
 /* Rows below which quantizing them is not worth a second thread (about 1 us for 576 values). */
 enum { QUANTIZE_ROWS_PER_THREAD = 16 };
 
+/* An activation block's layout: its elements, its size, where its codes sit (d is first in
+ * both), and what fills in the sums its weight formats need. */
+typedef struct {
+    int64_t elements;
+    size_t size, codes_at;
+    void (*sums)(void *block);
+} ActKind;
+
+static const ActKind ACT32 = {32, sizeof(Act32), offsetof(Act32, q), sums32};
+static const ActKind ACT256 = {256, sizeof(Act256), offsetof(Act256, q), sums256};
+
 /* Rows [first, end) of x; split, each row becomes two activation rows, its codes then its
  * remainder's (rows 2i and 2i + 1, which a kernel's tile then reads in one pass). */
-static void quantize32_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
-                            int split) {
-    const int64_t blocks = k / 32;
+static void quantize_block_rows(const ActKind *kind, const float *x, int64_t k, void *out,
+                                int64_t first, int64_t end, int split) {
+    const int64_t blocks = k / kind->elements;
     for (int64_t row = first; row < end; ++row)
         for (int64_t b = 0; b < blocks; ++b) {
-            Act32 *a = (Act32 *)out_ + row * (split + 1) * blocks + b;
-            Act32 *rest = split ? a + blocks : NULL;
-            quantize_split(x + row * k + b * 32, 32, &a->d, a->q, rest ? &rest->d : NULL,
-                           rest ? rest->q : NULL);
-            sums32(a);
-            if (rest) sums32(rest);
-        }
-}
-
-static void quantize256_rows(const float *x, int64_t k, void *out_, int64_t first, int64_t end,
-                             int split) {
-    const int64_t blocks = k / 256;
-    for (int64_t row = first; row < end; ++row)
-        for (int64_t b = 0; b < blocks; ++b) {
-            Act256 *a = (Act256 *)out_ + row * (split + 1) * blocks + b;
-            Act256 *rest = split ? a + blocks : NULL;
-            quantize_split(x + row * k + b * 256, 256, &a->d, a->q, rest ? &rest->d : NULL,
-                           rest ? rest->q : NULL);
-            sums256(a);
-            if (rest) sums256(rest);
+            uint8_t *a = (uint8_t *)out + (row * (split + 1) * blocks + b) * kind->size;
+            uint8_t *rest = split ? a + blocks * kind->size : NULL;
+            quantize_split(x + row * k + b * kind->elements, kind->elements, (float *)a,
+                           (int8_t *)(a + kind->codes_at), rest ? (float *)rest : NULL,
+                           rest ? (int8_t *)(rest + kind->codes_at) : NULL);
+            kind->sums(a);
+            if (rest) kind->sums(rest);
         }
 }
 
 /* Rows shared among threads when there are many; each row's blocks are quantized alone, in
  * their own order, so where a row is quantized does not change it. */
-static void quantize_rows(void (*rows_fn)(const float *, int64_t, void *, int64_t, int64_t, int),
-                          const float *x, int64_t rows, int64_t k, void *out, int64_t threads,
-                          int split) {
+static void quantize_rows(const ActKind *kind, const float *x, int64_t rows, int64_t k, void *out,
+                          int64_t threads, int split) {
     int64_t parts = rows / QUANTIZE_ROWS_PER_THREAD;
     if (parts > threads) parts = threads;
     if (parts <= 1) {
-        rows_fn(x, k, out, 0, rows, split);
+        quantize_block_rows(kind, x, k, out, 0, rows, split);
         return;
     }
 #pragma omp parallel for num_threads(parts)
     for (int64_t p = 0; p < parts; ++p)
-        rows_fn(x, k, out, rows * p / parts, rows * (p + 1) / parts, split);
+        quantize_block_rows(kind, x, k, out, rows * p / parts, rows * (p + 1) / parts, split);
 }
 
 void quantize_act32(const float *x, int64_t rows, int64_t k, Act32 *out, int64_t threads,
                     int split) {
-    quantize_rows(quantize32_rows, x, rows, k, out, threads, split);
+    quantize_rows(&ACT32, x, rows, k, out, threads, split);
 }
 
 void quantize_act256(const float *x, int64_t rows, int64_t k, Act256 *out, int64_t threads,
                      int split) {
-    quantize_rows(quantize256_rows, x, rows, k, out, threads, split);
+    quantize_rows(&ACT256, x, rows, k, out, threads, split);
 }

@@ -100,7 +100,8 @@ int block_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
         if (status != 0) return status;
         for (int64_t r = 0; r < n; ++r)  // a row's codes' product plus its remainder's
             for (int64_t c = 0; c < total; ++c)
-                y[(first + r) * total + c] = pairs[2 * r * total + c] + pairs[(2 * r + 1) * total + c];
+                y[(first + r) * total + c] =
+                    pairs[2 * r * total + c] + pairs[(2 * r + 1) * total + c];
     }
     return 0;
 }

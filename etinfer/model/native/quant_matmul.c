@@ -4,8 +4,7 @@
  *
  * As llama.cpp does, the activations are first quantized to 8 bits per block (a scale and 32 or
  * 256 signed bytes, with the sums the formats' offsets need: quant_activations.c), and each
- * weight block meets its
- * activation block in an integer dot product: 32 unsigned 4- to 6-bit codes times 32 signed bytes
+ * weight block meets its activation block in an integer dot product: 32 unsigned 4- to 6-bit codes times 32 signed bytes
  * by AVX2's maddubs (or VNNI's dpbusd, which gives the same integers), scaled once a block in
  * float. Our loops are our own: tiles of 4 weight rows by 2 activation rows (the K formats: one
  * weight row by 4), and the output rows shared out in chunks among threads that take the next
