@@ -150,7 +150,8 @@ class EngineConfig:
             "int8, Q5_0 and K formats in their blocks), gguf (every GGUF block format in its "
             "blocks, on etinfer's kernels with 8-bit activations), gguf-a16 (as gguf, the "
             "activations in two 8-bit parts: closer to float, slower at batches), none (float, "
-            "dequantized at load), int8 (per row), int4 (groups of 32)"
+            "dequantized at load), int8 (per row), int4 (groups of 32); on CUDA auto is none, "
+            "int4 and int8 run on the GPU's own kernel"
         },
     )
     device: str = field(

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
+from etinfer.model.gpu import available
 from etinfer.model.gpu import paged_decode as gpu
 
-pytestmark = pytest.mark.skipif(not gpu.available(), reason="Triton is not installed")
+pytestmark = pytest.mark.skipif(not available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"

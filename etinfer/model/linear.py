@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from etinfer.model import quant_kernels
+from etinfer.model.gpu.weight_only import WeightOnlyLinear
 from etinfer.model.quantized import Format, GGUFBlocks, Int4Weight, Int8Weight, MixedBlocks
 
 # oneDNN picks its blocked weight layout from a batch-size hint. Measured on a 2-core AVX2 machine,
@@ -132,7 +133,7 @@ class BlockLinear:
         return y if self.bias is None else y + self.bias
 
 
-Layer = Linear | Int4Linear | Int8Linear | BlockLinear
+Layer = Linear | Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear
 
 
 def make_linear(
@@ -143,6 +144,8 @@ def make_linear(
     int8 kernel takes one scale per row only."""
     if isinstance(weight, GGUFBlocks | MixedBlocks):
         return BlockLinear(weight, bias)
+    if isinstance(weight, Int4Weight | Int8Weight) and weight.codes.device.type == "cuda":
+        return WeightOnlyLinear(weight, bias)
     if isinstance(weight, Int8Weight):
         if weight.group_size == weight.shape[1]:
             return Int8Linear(weight, bias, dtype)
@@ -165,7 +168,7 @@ class TopRefinedLinear:
 
     def __init__(
         self,
-        layer: Int4Linear | Int8Linear | BlockLinear,
+        layer: Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear,
         weight: Int4Weight | Int8Weight | GGUFBlocks,
     ) -> None:
         self.layer, self.weight = layer, weight
@@ -191,13 +194,15 @@ def kernel_input_dtype(layer: Layer) -> torch.dtype | None:
 
 
 def make_head(weight: Format) -> Linear | TopRefinedLinear:
-    """The output head. An 8-bit head in groups (Q8_0) runs on the int8 kernel requantized per
-    row, unlike the other layers: its two-plane form reads every weight twice and took twice as
-    long at batch 1 (0.78 against 0.37 ms on the default head). The second rounding reaches only
-    the logits past the refined candidates: entropy moved by 4e-4 nats on average on real text,
-    while bfloat16 output rounding alone moves it by 1.6e-3 (BENCHMARKS.md)."""
+    """The output head. On the CPU an 8-bit head in groups (Q8_0) runs on the int8 kernel
+    requantized per row, unlike the other layers: its two-plane form reads every weight twice
+    and took twice as long at batch 1 (0.78 against 0.37 ms on the default head). The second
+    rounding reaches only the logits past the refined candidates: entropy moved by 4e-4 nats
+    on average on real text, while bfloat16 output rounding alone moves it by 1.6e-3
+    (BENCHMARKS.md)."""
     kernel_weight = weight
-    if isinstance(weight, Int8Weight) and weight.group_size != weight.shape[1]:
+    grouped = isinstance(weight, Int8Weight) and weight.group_size != weight.shape[1]
+    if grouped and weight.codes.device.type == "cpu":  # the GPU's kernel takes groups
         kernel_weight = Int8Weight.quantize(weight.dequantize())
     layer = make_linear(kernel_weight)
     return layer if isinstance(layer, Linear) else TopRefinedLinear(layer, weight)

@@ -51,14 +51,17 @@ class WeightReader:
         norm_offset: float = 0.0,
     ) -> None:
         """``norm_offset``: the family's, added to every RMSNorm weight (``norm``)."""
-        if device.type != "cpu" and quantization in ("int4", "int8", *BLOCK_MODES):
+        if device.type != "cpu" and quantization in BLOCK_MODES:
             raise ValueError(
-                f"quantization={quantization!r} runs on the CPU's weight-only kernels; on "
-                f"{device} use 'auto' or 'none' (weights there are float for now)"
+                f"quantization={quantization!r} runs on etinfer's CPU block kernels; on {device} "
+                "use 'auto' or 'none' (float weights) or 'int4' or 'int8' (the GPU's kernels)"
             )
         self.weights, self.device, self.dtype = weights, device, dtype
         self.norm_offset = norm_offset
-        self.quantization = quantization if device.type == "cpu" else "none"
+        # On a GPU ``auto`` is float weights: a small model's decode step there is bound by its
+        # launches, not its weights' bytes (BENCHMARKS.md), and float needs no dequantizing.
+        on_gpu_auto = device.type != "cpu" and quantization == "auto"
+        self.quantization = "none" if on_gpu_auto else quantization
         self.notes: list[str] = []
         blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
         if quantization == "auto" and self.quantization == "none" and blocks:
@@ -94,7 +97,9 @@ class WeightReader:
         )
         if dequantized:
             self.dequantized.append(dequantized)
-        return weight.to(self.device, self.dtype) if isinstance(weight, torch.Tensor) else weight
+        if isinstance(weight, torch.Tensor):
+            return weight.to(self.device, self.dtype)
+        return weight if self.device.type == "cpu" else weight.to(self.device)
 
 
 class DecoderLayer:

@@ -94,9 +94,7 @@ class PrefillAttention:
     ) -> torch.Tensor:
         if self.softcap is not None:
             return capped_attention(q, k, v, mask, causal, self.scale, self.softcap)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
-        )
+        return grouped_attention(q, k, v, mask, causal, self.scale)
 
     def _sparse_prefill(
         self,
@@ -151,15 +149,31 @@ class PrefillAttention:
         mask = key_pos[None, :] <= query_pos[:, None]
         if self.sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
+        out = grouped_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, False, self.scale
         )
         return out[0].transpose(0, 1)
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [1, heads, queries, dim]
+    k: torch.Tensor,  # [1, kv_heads, keys, dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [queries, keys] True where a query may attend
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA over grouped query heads. On CUDA a mask with grouped heads sends torch to its math
+    kernel, which materialises every score (flash attention takes no mask, the memory-efficient
+    kernel no grouped heads): there the keys and values are widened to the query heads first,
+    so that the memory-efficient kernel serves a chunk that follows a cached prefix."""
+    grouped = k.shape[1] != q.shape[1]
+    if grouped and mask is not None and q.device.type == "cuda":
+        group = q.shape[1] // k.shape[1]
+        k, v, grouped = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped
+    )
 
 
 def prefill_mask(

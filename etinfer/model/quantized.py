@@ -168,6 +168,10 @@ class Int4Weight:
         )
         return values.view(*values.shape[:-1], self.planes, -1).sum(-2)
 
+    def to(self, device: torch.device) -> Int4Weight:
+        moved = {name: getattr(self, name).to(device) for name in ("codes", "scale", "zero")}
+        return replace(self, **moved)
+
 
 @dataclass(frozen=True)
 class Int8Weight:
@@ -202,6 +206,9 @@ class Int8Weight:
         if rows is not None:
             codes, scale = codes[rows], scale[rows]
         return codes.float() * scale.repeat_interleave(self.group_size, -1)
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return replace(self, codes=self.codes.to(device), scale=self.scale.to(device))
 
     def as_int4_planes(self) -> Int4Weight:
         """The same weights as two 4-bit planes, for the int4 kernel (torch's int8 kernel takes

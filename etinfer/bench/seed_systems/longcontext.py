@@ -232,6 +232,10 @@ def pressure_run(loaded, control: ControlConfig, corpus: list[int], args) -> dic
 
 
 def main(args: argparse.Namespace) -> int:
+    # Fidelity is read after compression has run: positions past its N_d + 1 decode steps.
+    least = COMPRESSION.decode_queries + 2
+    if args.steps < least:
+        raise SystemExit(f"error: --steps must be at least {least} (got {args.steps})")
     options.set_threads(args)
     loaded = load_model(args.model)
     corpus = corpus_tokens(loaded.tokenizer)

@@ -11,11 +11,13 @@ by the batch, so a step can be captured as a CUDA graph (``engine/cuda_graphs.py
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import math
 from types import ModuleType
 
 import torch
+
+from etinfer.model.gpu import available
 
 # Positions a program reads per loop iteration (several blocks of 16 at once).
 TILE = 64
@@ -25,11 +27,6 @@ PROGRAMS_PER_SM = 2
 # Where no GPU says how many it has (Triton's interpreter, in the tests): an H100's.
 DEFAULT_SMS = 132
 MAX_SPLITS = 32
-
-
-def available() -> bool:
-    """Whether Triton is installed (the CUDA path needs it; the CPU never uses this)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def serves(device: torch.device) -> bool:
