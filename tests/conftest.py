@@ -21,6 +21,11 @@ from etinfer.model.loader import LoadedModel, load_model
 # tests start inherit it.
 os.environ.setdefault(DEVICE_ENV, "cpu")
 ON_CUDA = os.environ[DEVICE_ENV].startswith("cuda")
+# Without a GPU the GPU's Triton kernels run in Triton's CPU interpreter (their tests check them
+# there). Triton reads the variable when a kernel is defined, so it is set before anything can
+# import Triton: transformers does, and a kernel defined after that read saw it unset.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 cpu_only = pytest.mark.skipif(ON_CUDA, reason="a CPU kernel or a CPU-specific default")
 # What the suite's shared engines assert (the same tokens however a batch is cut, after
 # preemption, with each layer at its identity) is exact in float32. On the CPU ``auto`` is

@@ -1,12 +1,10 @@
 """The GPU's paged decode kernel against attention computed in float64 from gathered rows.
 
-Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET, set here before the
-kernel is first imported): the same program, element by element, so its indexing, masking and
-split merging are checked on every host where Triton is installed."""
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET, which conftest.py
+sets before anything imports Triton): the same program, element by element, so its indexing,
+masking and split merging are checked on every host where Triton is installed."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -16,11 +14,11 @@ from etinfer.model.gpu import paged_decode as gpu
 
 pytestmark = pytest.mark.skipif(not available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
-def reference(q, keys, values, k_scales, v_scales, tables, context_lens, bs, scale, window, keep):
+def reference(
+    q, keys, values, k_scales, v_scales, tables, context_lens, bs, scale, window, keep, cap=None
+):
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
@@ -47,6 +45,8 @@ def reference(q, keys, values, k_scales, v_scales, tables, context_lens, bs, sca
                 k *= k_scales[h, slots.to(keys.device)].double().cpu()[:, None]
                 v *= v_scales[h, slots.to(keys.device)].double().cpu()[:, None]
             scores = k @ q[row, head].double().cpu() * scale
+            if cap is not None:
+                scores = cap * torch.tanh(scores / cap)
             scores[~seen] = -torch.inf
             out[row, head] = torch.softmax(scores, 0) @ v
             row_max[row, head] = scores.max()
@@ -55,19 +55,22 @@ def reference(q, keys, values, k_scales, v_scales, tables, context_lens, bs, sca
 
 
 CASES = [
-    # rows, heads, kv_heads, dim, block_size, cache dtype, window, keep, contexts
-    (3, 9, 3, 64, 16, torch.float32, None, False, [1, 37, 300]),
-    (2, 4, 1, 96, 4, torch.bfloat16, None, False, [5, 130]),
-    (4, 8, 8, 32, 16, torch.float16, 20, False, [0, 16, 17, 90]),
-    (2, 6, 2, 64, 8, torch.int8, None, True, [70, 200]),
-    (1, 9, 3, 64, 16, torch.float32, None, True, [1000]),  # many splits
-    (2, 9, 3, 64, 16, torch.float16, 300, True, [1000, 333]),  # a window starting mid-tile
+    # rows, heads, kv_heads, dim, block_size, cache dtype, window, keep, contexts, soft cap
+    (3, 9, 3, 64, 16, torch.float32, None, False, [1, 37, 300], None),
+    (2, 4, 1, 96, 4, torch.bfloat16, None, False, [5, 130], None),
+    (4, 8, 8, 32, 16, torch.float16, 20, False, [0, 16, 17, 90], None),
+    (2, 6, 2, 64, 8, torch.int8, None, True, [70, 200], None),
+    (1, 9, 3, 64, 16, torch.float32, None, True, [1000], None),  # many splits
+    (2, 9, 3, 64, 16, torch.float16, 300, True, [1000, 333], None),  # a window from mid-tile
+    # Gemma 2's soft cap, small enough to bend most scores (theirs is 50 on larger scores)
+    (3, 8, 4, 32, 16, torch.float32, None, False, [3, 90, 400], 0.5),
+    (2, 8, 4, 32, 16, torch.bfloat16, 40, True, [300, 77], 2.0),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_paged_decode_matches_float64_attention(case) -> None:
-    rows, heads, kv_heads, dim, bs, dtype, window, with_keep, contexts = case
+    rows, heads, kv_heads, dim, bs, dtype, window, with_keep, contexts, cap = case
     g = torch.Generator().manual_seed(len(contexts) * 7 + dim)
     num_blocks = 200
     slots = num_blocks * bs
@@ -95,9 +98,11 @@ def test_paged_decode_matches_float64_attention(case) -> None:
         for t in (q, keys, values, k_scales, v_scales, wide, context_lens, keep)
     ]
     moved[5] = moved[5][:, :width]
-    got, row_max, denominators = gpu.paged_decode(*moved[:7], bs, scale, window, moved[7])
+    got, row_max, denominators = gpu.paged_decode(
+        *moved[:7], bs, scale, window, moved[7], softcap=cap
+    )
     want, want_max, want_sum = reference(
-        q, keys, values, k_scales, v_scales, tables, context_lens, bs, scale, window, keep
+        q, keys, values, k_scales, v_scales, tables, context_lens, bs, scale, window, keep, cap
     )
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row_max.double().cpu(), want_max, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,11 @@
 """The GPU's weight-only int4 and int8 kernel against float64 products of the same weights, and
 ``quantization="int4"``/``"int8"`` on CUDA against the float32 engine on real text.
 
-Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET, set here before the
-kernel is first imported), its dots in float32 there (see ``gpu/weight_only.py``)."""
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET, which conftest.py
+sets before anything imports Triton), its dots in float32 there (see ``gpu/weight_only.py``)."""
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import pytest
@@ -24,8 +23,6 @@ from tests.conftest import ON_CUDA
 
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def q4_1_blocks(out: int, width: int, generator: torch.Generator) -> GGUFBlocks:

@@ -10,7 +10,12 @@ import torch
 from etinfer.control.block_selection import DenseSelector
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import DecodeBlocks
-from etinfer.model.decode_pattern import build_decode_pattern, pattern_attention, visible_blocks
+from etinfer.model.decode_pattern import (
+    build_decode_pattern,
+    gathered_scores,
+    pattern_attention,
+    visible_blocks,
+)
 from etinfer.model.kv_cache import quantize_rows
 from etinfer.model.paged_attention import PagedAttention
 
@@ -60,6 +65,19 @@ def native(q, keys, values, pattern, *scales):
         q.shape[1] ** -0.5,
         *scales,
     )
+
+
+def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables():
+    """The scores the torch form computes off the CPU (gathered rows) against the CPU's
+    ``sampled_addmm``, on block tables in the pool's random order."""
+    q, keys, _, pattern, blocks = case([37, 5, 200, 16], 64, None, 0.5)
+    assert (blocks.block_tables.diff(dim=1) < 0).any()  # the columns are not sorted
+    structure = torch.sparse_csr_tensor(
+        pattern.crow, pattern.cols, pattern.zeros, (q.shape[0], keys.shape[0])
+    )
+    expected = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=0.125)
+    got = gathered_scores(q, keys, pattern, 0.125)
+    torch.testing.assert_close(got, expected.values(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

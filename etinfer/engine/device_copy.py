@@ -12,4 +12,5 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     is done)."""
     if device.type != "cuda":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    # A view whose elements share memory (an expanded block table) cannot be pinned in place.
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)

@@ -205,14 +205,18 @@ def pattern_attention(
     (float32), in torch operations: what the native kernel computes (off the CPU, or without a
     C compiler), and with ``cap`` scores soft-capped (Gemma 2). The output, and per row the
     largest score, the softmax denominator, and the entries' unnormalised weights."""
-    structure = torch.sparse_csr_tensor(
-        pattern.crow,
-        pattern.cols,
-        pattern.zeros,
-        (q.shape[0], keys.shape[0]),
-        check_invariants=False,
-    )
-    scores = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=scale).values()
+    if q.device.type == "cpu":
+        structure = torch.sparse_csr_tensor(
+            pattern.crow,
+            pattern.cols,
+            pattern.zeros,
+            (q.shape[0], keys.shape[0]),
+            check_invariants=False,
+        )
+        scores = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=scale)
+        scores = scores.values()
+    else:
+        scores = gathered_scores(q, keys, pattern, scale)
     if cap is not None:
         scores = softcap(scores, cap)
     scores.index_fill_(0, pattern.masked, -torch.inf)
@@ -228,6 +232,17 @@ def pattern_attention(
         include_last_offset=True,
     )
     return out.div_(denominators[:, None]), row_max, denominators, weights
+
+
+def gathered_scores(
+    q: torch.Tensor, keys: torch.Tensor, pattern: DecodePattern, scale: float
+) -> torch.Tensor:
+    """The pattern's scores as dots of gathered rows, off the CPU. There ``sampled_addmm`` is
+    cuSPARSE's SDDMM, which may take a CSR tensor's column indices as sorted in each row, the
+    CSR invariant; ours follow the block table's order, the pool's. On an H200 that path gave
+    the Gemma 2 test wrong logprobs (this form replaces it, not yet re-run on a GPU). A decode
+    pattern is small: its gathered rows cost little."""
+    return (q[pattern.row_ids] * keys[pattern.cols.long()]).sum(-1) * scale
 
 
 def observe_mass(

@@ -82,7 +82,8 @@ class PagedAttention(PrefillAttention):
         ``local`` view instead (a model whose layers differ in their window), whose window is
         ``local_window``. ``batch_invariant``: a decode row's result may not depend on the
         other rows (the GPU kernel then never splits a row's context). ``softcap``: scores
-        become ``softcap * tanh(s / softcap)`` (Gemma 2), on the torch forms only."""
+        become ``softcap * tanh(s / softcap)`` (Gemma 2), on the torch forms and the GPU kernel
+        (the CPU's native kernel computes plain scores)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -99,7 +100,7 @@ class PagedAttention(PrefillAttention):
         self.native = native_kernels.available() and native_kernels.takes(
             head_dim, num_heads // num_kv_heads
         )
-        self.native = self.native and softcap is None  # the kernels compute plain scores
+        self.native = self.native and softcap is None  # the kernel computes plain scores
 
     def __call__(
         self,
@@ -138,8 +139,8 @@ class PagedAttention(PrefillAttention):
 
     def kernel_serves(self, device: torch.device) -> bool:
         """Whether decode rows on ``device`` go through the GPU kernel, which reads the block
-        tables itself (no soft cap there yet)."""
-        return gpu_decode.serves(device) and self.softcap is None
+        tables itself."""
+        return gpu_decode.serves(device)
 
     def _decode(
         self, layer: int, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -229,6 +230,7 @@ class PagedAttention(PrefillAttention):
             window,
             visible,
             splits=1 if self.batch_invariant else None,
+            softcap=self.softcap,
         )
         if meta.telemetry is not None and selection is not None:
             meta.telemetry.record(

@@ -71,6 +71,7 @@ def paged_decode(
     sliding_window: int | None = None,
     keep: torch.Tensor | None = None,  # [rows, kv_heads, width] bool: the blocks read
     splits: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's attention over the first ``context_lens[row]`` positions of its block table
     (the last ``sliding_window`` of them where set; only ``keep``'s blocks where given), in
@@ -79,7 +80,8 @@ def paged_decode(
     inputs), [rows, heads] each.
 
     ``splits``: parts each row's context is cut into (default: enough to fill the GPU, which
-    depends on the batch, so a row's rounding does too; 1 makes each row's result its own)."""
+    depends on the batch, so a row's rounding does too; 1 makes each row's result its own).
+    ``softcap``: scores soft-capped (Gemma 2), as ``softcap.py`` defines it."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
@@ -109,6 +111,7 @@ def paged_decode(
         width,
         sliding_window or 0,
         scale,
+        softcap or 1.0,
         HEADS=heads,
         KV_HEADS=kv_heads,
         GROUP=group,
@@ -120,6 +123,7 @@ def paged_decode(
         SPLITS=splits,
         HAS_SCALES=has_scales,
         HAS_KEEP=has_keep,
+        CAPPED=softcap is not None,
     )
     return merge_splits(acc, maxima, sums)
 

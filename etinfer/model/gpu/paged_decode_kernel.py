@@ -34,6 +34,7 @@ def paged_decode_partials(
     keep_width,
     window,  # tokens a row sees back from itself; 0: all of them
     scale,
+    softcap,  # scores become softcap * tanh(score / softcap) (Gemma 2) where CAPPED
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -45,6 +46,7 @@ def paged_decode_partials(
     SPLITS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +99,11 @@ def paged_decode_partials(
             keys = keys * tl.load(k_scale_ptr + slots, mask=valid, other=0.0)[:, None]
             values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [GROUP_PAD, TILE]
+        if CAPPED:
+            # tanh from one exp, of a non-positive argument so it never overflows.
+            t = tl.exp(-2.0 * tl.abs(scores) / softcap)
+            magnitude = softcap * (1.0 - t) / (1.0 + t)
+            scores = tl.where(scores < 0, -magnitude, magnitude)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A tile with nothing visible leaves the maximum at -inf; shift by 0 then, not by -inf.
