@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from etinfer.control.block_selection import DenseSelector
-from etinfer.model import native_kernels
+from etinfer.model import decode_pattern, native_kernels
 from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.decode_pattern import (
     build_decode_pattern,
@@ -67,9 +67,11 @@ def native(q, keys, values, pattern, *scales):
     )
 
 
-def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables():
-    """The scores the torch form computes off the CPU (gathered rows) against the CPU's
-    ``sampled_addmm``, on block tables in the pool's random order."""
+@pytest.mark.parametrize("piece", [1 << 20, 1000])
+def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables(monkeypatch, piece):
+    """The scores the torch form computes off the CPU (gathered rows, in one piece or in many)
+    against the CPU's ``sampled_addmm``, on block tables in the pool's random order."""
+    monkeypatch.setattr(decode_pattern, "_GATHERED_ENTRIES", piece)
     q, keys, _, pattern, blocks = case([37, 5, 200, 16], 64, None, 0.5)
     assert (blocks.block_tables.diff(dim=1) < 0).any()  # the columns are not sorted
     structure = torch.sparse_csr_tensor(

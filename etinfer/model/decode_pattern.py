@@ -234,6 +234,11 @@ def pattern_attention(
     return out.div_(denominators[:, None]), row_max, denominators, weights
 
 
+# Entries whose rows ``gathered_scores`` gathers at once: two [entries, head_dim] float32 copies,
+# 512 MiB at a head dimension of 64.
+_GATHERED_ENTRIES = 1 << 20
+
+
 def gathered_scores(
     q: torch.Tensor, keys: torch.Tensor, pattern: DecodePattern, scale: float
 ) -> torch.Tensor:
@@ -241,8 +246,13 @@ def gathered_scores(
     cuSPARSE's SDDMM, which may take a CSR tensor's column indices as sorted in each row, the
     CSR invariant; ours follow the block table's order, the pool's. On an H200 that path gave
     the Gemma 2 test wrong logprobs (this form replaces it, not yet re-run on a GPU). A decode
-    pattern is small: its gathered rows cost little."""
-    return (q[pattern.row_ids] * keys[pattern.cols.long()]).sum(-1) * scale
+    pattern's gathered rows cost little, and a long one is taken in pieces of bounded size."""
+    scores = torch.empty(pattern.nnz, dtype=q.dtype, device=q.device)
+    for start in range(0, pattern.nnz, _GATHERED_ENTRIES):
+        piece = slice(start, start + _GATHERED_ENTRIES)
+        rows, cols = pattern.row_ids[piece], pattern.cols[piece].long()
+        torch.linalg.vecdot(q[rows], keys[cols], out=scores[piece])
+    return scores.mul_(scale)
 
 
 def observe_mass(
