@@ -243,6 +243,22 @@ def test_a_phi3_file_reads_its_fused_matrices_and_sentencepiece_vocabulary(tmp_p
     assert_greedy_equals_transformers(path, ours, ours.tokenizer.encode(samples[0]))
 
 
+def test_llamas_q_and_k_keep_the_files_bytes_and_read_rows_in_the_models_order(loaded_model):
+    """llama.cpp stores q and k rows in its rotary layout: the loaded model keeps views of the
+    file (no reordered copy) and reads them in the model's order, as the tests against
+    transformers check end to end."""
+    mapping = loaded_model.file_mapping
+    for name in ("q_proj", "k_proj"):
+        weight = loaded_model.weights[f"model.layers.3.self_attn.{name}.weight"]
+        assert weight.order is not None and not torch.equal(weight.order, weight.order.sort()[0])
+        assert 0 <= weight.data.data_ptr() - mapping.ctypes.data < mapping.nbytes
+        picked = torch.tensor([0, 5, weight.shape[0] - 1])
+        assert torch.equal(weight.rows(picked).data, weight.data[weight.order[picked]])
+        assert torch.equal(weight.dequantize(picked), weight.dequantize()[picked])
+    split = loaded_model.weights["model.layers.0.mlp.down_proj.weight"].rows(slice(2, 9))
+    assert split.data._base is not None  # a slice of rows in the file's order is a view
+
+
 def test_our_reader_reads_what_ggufs_reader_reads():
     """The direct reader (model/gguf_reader.py) against the gguf package's, on the default file:
     every field's value, every tensor's name, type, shape and bytes."""

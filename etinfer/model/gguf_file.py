@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import struct
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -224,11 +225,12 @@ def _tensor(t: GGUFTensor) -> Weight:
 
 def _unpermute_rotary_rows(weight: Weight, heads: int) -> Weight:
     """Undo llama.cpp's reordering of q/k rows (pairs interleaved) back to Hugging Face's halves.
-    Only whole rows move, so a weight still in blocks is reordered as it is."""
+    Only whole rows move: a weight still in blocks keeps the file's bytes and reads its rows in
+    this order (``GGUFBlocks.order``)."""
     out_features = weight.shape[0]
     half = out_features // heads // 2
     order = torch.arange(out_features).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
-    return weight.rows(order) if isinstance(weight, GGUFBlocks) else weight[order]
+    return replace(weight, order=order) if isinstance(weight, GGUFBlocks) else weight[order]
 
 
 def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:

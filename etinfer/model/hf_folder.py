@@ -103,7 +103,7 @@ def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         for part, rows in split[fused]:
             end = weight.shape[0] if rows is None else start + rows
             out[f"{prefix}{part}_proj.weight"] = (
-                weight.rows(torch.arange(start, end))
+                weight.rows(slice(start, end))
                 if isinstance(weight, GGUFBlocks)
                 else weight[start:end]
             )

@@ -124,7 +124,7 @@ class BlockLinear:
         self.bias = bias
         parts = weight.parts if isinstance(weight, MixedBlocks) else (weight,)
         self.product = quant_kernels.BlockProduct(
-            [quant_kernels.BlockWeight.prepare(p.qtype, p.data, p.in_features) for p in parts],
+            [quant_kernels.BlockWeight.prepare(p.qtype, p.ordered, p.in_features) for p in parts],
             precise=weight.activation_bits == 16,
         )
 

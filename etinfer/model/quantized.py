@@ -49,18 +49,30 @@ class GGUFBlocks:
     output row ``o`` (a block never spans two rows), so rows can be reordered and stacked."""
 
     qtype: GGMLQuantizationType
-    data: torch.Tensor  # uint8 [out, bytes per row]
+    data: torch.Tensor  # uint8 [out, bytes per row], as the file stores them
     in_features: int
     # Bits of the activations the kernels multiply it by: 8, or 16 as two 8-bit parts
     # (``gguf-a16``); how the product is computed, set by the mode, not read from the file.
     activation_bits: int = 8
+    # Output row ``o`` is row ``order[o]`` of ``data`` (None: the file's order). Where the file
+    # orders rows otherwise than the model (llama.cpp's rotary layout of q and k), the rows are
+    # moved when read, so a loaded model keeps the file's bytes and no reordered copy of them
+    # (a 7B llama's q and k in Q4_K_M are about 360 MiB).
+    order: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.data.shape[0], self.in_features
 
-    def rows(self, index: torch.Tensor) -> GGUFBlocks:
-        return replace(self, data=self.data[index])
+    @property
+    def ordered(self) -> torch.Tensor:
+        """``data`` with its rows in the model's order (a copy where they move)."""
+        return self.data if self.order is None else self.data[self.order]
+
+    def rows(self, index: torch.Tensor | slice) -> GGUFBlocks:
+        """Those output rows (a slice of rows in the file's order is a view, not a copy)."""
+        index = index if self.order is None else self.order[index]
+        return replace(self, data=self.data[index], order=None)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out, in], by the ``gguf`` package (the reference every format is held to).
@@ -68,7 +80,7 @@ class GGUFBlocks:
         Q4_0, Q4_1 and Q8_0 by torch operations with gguf's formulas (the same bits, a tenth of
         the time of a numpy call at batch 1)."""
         if rows is None:
-            values = dequantize(self.data.numpy(), self.qtype).reshape(self.shape)
+            values = dequantize(self.ordered.numpy(), self.qtype).reshape(self.shape)
             return torch.from_numpy(values.astype("float32", copy=False))
         part = self.rows(rows.reshape(-1))
         if self.qtype not in NATIVE_TYPES:
@@ -86,7 +98,7 @@ class GGUFBlocks:
         blocks, 32] in order: 0..15 (uint8) for Q4_0 and Q4_1, int8 for Q8_0."""
         group, size = GGML_QUANT_SIZES[self.qtype]
         header = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}[self.qtype]
-        raw = self.data.view(self.data.shape[0], self.in_features // group, size)
+        raw = self.ordered.view(self.data.shape[0], self.in_features // group, size)
         fields = raw[..., :header].contiguous().view(torch.float16).float()
         payload = raw[..., header:]
         if self.qtype == _Q.Q8_0:
@@ -232,7 +244,7 @@ def stack_rows(parts: list[Weight]) -> Weight:
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, GGUFBlocks) and p.qtype == parts[0].qtype for p in parts):
-        data = torch.cat([p.data for p in parts])
+        data = torch.cat([p.ordered for p in parts])
         return GGUFBlocks(parts[0].qtype, data, parts[0].in_features)
     takes = [
         isinstance(p, GGUFBlocks) and quant_kernels.takes(p.qtype, p.in_features) for p in parts
