@@ -2,7 +2,9 @@
 several query rows of one sequence.
 
 Chunks go through ``scaled_dot_product_attention``, one sequence at a time: there the work is
-quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it. A sliding
+quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it on the
+CPU. On CUDA a chunk after a cached prefix reads it in place, in the GPU's prefill kernel
+(``gpu/paged_prefill.py``). A sliding
 layer's long chunk goes by blocks of queries, each over the keys its window reaches; sparse
 prefill's pieces read the kept blocks per KV head (``control/sparse_prefill.py``).
 """
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from etinfer.model.block_layout import PrefillContext, PrefillPiece, PrefillSelector
+from etinfer.model.gpu import paged_decode as gpu_decode
+from etinfer.model.gpu.paged_prefill import paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.softcap import capped_attention
 
@@ -54,12 +58,20 @@ class PrefillAttention:
         cache: KVCache,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
+        window = self.local_window if layer in self.local_layers else self.sliding_window
+        if chunk.context_slots is not None and gpu_decode.serves(q.device):
+            # The prefix where the cache holds it, not gathered (a chunk with no prefix keeps
+            # SDPA's flash kernel below).
+            keys, values = cache.keys[layer], cache.values[layer]
+            return paged_prefill(
+                q, keys, values, *cache.layer_scales(layer), chunk.context_slots, self.scale,
+                window, self.softcap,
+            )  # fmt: skip
         if chunk.context_slots is None:  # the chunk's own keys, as the cache holds them
             k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
         else:
             k, v = cache.read(layer, chunk.context_slots)
         q, k, v = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        window = self.local_window if layer in self.local_layers else self.sliding_window
         if window is not None and chunk.length > window:
             return self._windowed(q, k, v, window)[0].transpose(0, 1)
         return self._dense(q, k, v, chunk.mask, chunk.mask is None)[0].transpose(0, 1)

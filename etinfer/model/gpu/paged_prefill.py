@@ -1,0 +1,69 @@
+"""Prefill attention on the GPU over the paged cache: a chunk that follows a cached prefix reads
+its keys and values where the cache holds them (``paged_prefill_kernel.py``), where SDPA needed
+the prefix gathered into one copy per layer first. A chunk with no prefix keeps SDPA's flash
+kernel, which needs no cache at all."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from etinfer.model.gpu.paged_decode import next_power_of_2
+
+# Keys a program reads per loop iteration.
+TILE = 64
+
+
+@functools.cache
+def _kernel() -> ModuleType:
+    # Imported on first use: Triton reads TRITON_INTERPRET (its CPU interpreter, which the
+    # tests use without a GPU) when the kernel is defined.
+    return importlib.import_module("etinfer.model.gpu.paged_prefill_kernel")
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [queries, heads, dim] float32: the chunk's, its last query the newest
+    keys: torch.Tensor,  # [kv_heads, slots, dim] one layer's cache, the chunk's keys written
+    values: torch.Tensor,
+    key_scales: torch.Tensor | None,  # [kv_heads, slots] float32, int8 caches only
+    value_scales: torch.Tensor | None,
+    slots: torch.Tensor,  # [context] the cache slot of each position, the chunk's last
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of the chunk's queries over positions [0, context) (the last
+    ``sliding_window`` of them for each query, where set), in float32: [queries, heads, dim]."""
+    queries, heads, dim = q.shape
+    group = heads // keys.shape[0]
+    dim_pad = max(16, next_power_of_2(dim))  # tl.dot takes no dimension under 16
+    block_m = 64 if dim_pad <= 128 else 32  # a [block_m, dim] float32 tile a program
+    out = torch.empty(queries, heads, dim, device=q.device, dtype=torch.float32)
+    has_scales = key_scales is not None
+    _kernel().paged_prefill[(-(-queries // block_m), heads)](
+        q.contiguous(),
+        keys,
+        values,
+        key_scales if has_scales else out,
+        value_scales if has_scales else out,
+        slots.contiguous(),
+        out,
+        queries,
+        slots.shape[0] - queries,
+        keys.shape[1],
+        sliding_window or 0,
+        scale,
+        softcap or 1.0,
+        HEADS=heads,
+        GROUP=group,
+        DIM=dim,
+        DIM_PAD=dim_pad,
+        BLOCK_M=block_m,
+        TILE=TILE,
+        HAS_SCALES=has_scales,
+        CAPPED=softcap is not None,
+    )
+    return out

@@ -1,0 +1,99 @@
+"""The Triton kernel of prefill attention over the paged cache (imported only where Triton is;
+see ``gpu/paged_prefill.py``, which launches it).
+
+One program per (tile of a chunk's queries, query head): it reads the cache slot of each key
+position from the chunk's slot list and the keys and values from the cache where they are, so
+no prefix is gathered or copied, and computes the causal online softmax of its queries (each
+sees the positions up to its own, and only the last ``window`` of them where set) a tile of
+keys at a time. Dots are IEEE float32 (never tf32), as in the decode kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_prefill(
+    q_ptr,  # [queries, heads, dim] float32: the chunk's queries
+    k_ptr,  # [kv_heads, slots, dim] the layer's cache, any stored type
+    v_ptr,
+    k_scale_ptr,  # [kv_heads, slots] float32 (int8 caches), else unused
+    v_scale_ptr,
+    slot_ptr,  # [context] the cache slot of each position of the sequence
+    out_ptr,  # out [queries, heads, dim] float32
+    queries,
+    first,  # the position of the chunk's first query (context - queries)
+    num_slots,
+    window,  # positions a query sees back from itself; 0: all of them
+    scale,
+    softcap,  # scores become softcap * tanh(score / softcap) where CAPPED
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    CAPPED: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < queries
+    positions = first + rows
+    dims = tl.arange(0, DIM_PAD)
+    in_dim = dims < DIM
+    q = tl.load(
+        q_ptr + (rows[:, None] * HEADS + head) * DIM + dims[None, :],
+        mask=row_ok[:, None] & in_dim[None, :],
+        other=0.0,
+    )
+    q = q * scale
+    # Keys below ``lowest`` are outside every query's window, keys from ``end`` on after them all.
+    end = tl.minimum(first + (tile + 1) * BLOCK_M, first + queries)
+    lowest = 0
+    if window > 0:
+        lowest = tl.maximum(first + tile * BLOCK_M - window + 1, 0)
+    oldest = tl.where(window > 0, positions - window, -1)  # a query sees keys after this
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    cache_base = kv_head.to(tl.int64) * num_slots
+    key_start = lowest
+    while key_start < end:  # a while loop: Triton's interpreter takes no tensor range bounds
+        keys_at = key_start + tl.arange(0, TILE)
+        valid = keys_at < end
+        slots = cache_base + tl.load(slot_ptr + keys_at, mask=valid, other=0).to(tl.int64)
+        where = slots[:, None] * DIM + dims[None, :]
+        readable = valid[:, None] & in_dim[None, :]
+        keys = tl.load(k_ptr + where, mask=readable, other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + where, mask=readable, other=0.0).to(tl.float32)
+        if HAS_SCALES:
+            keys = keys * tl.load(k_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+            values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_M, TILE]
+        if CAPPED:
+            t = tl.exp(-2.0 * tl.abs(scores) / softcap)
+            magnitude = softcap * (1.0 - t) / (1.0 + t)
+            scores = tl.where(scores < 0, -magnitude, magnitude)
+        visible = valid[None, :] & (keys_at[None, :] <= positions[:, None])
+        visible = visible & (keys_at[None, :] > oldest[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A row that sees nothing in this tile keeps its maximum at -inf: shift it by 0.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+        row_max = new_max
+        key_start += TILE
+    out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    tl.store(
+        out_ptr + (rows[:, None] * HEADS + head) * DIM + dims[None, :],
+        out,
+        mask=row_ok[:, None] & in_dim[None, :],
+    )
