@@ -71,6 +71,35 @@ def test_paged_prefill_matches_float64_attention(case):
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_listed_positions_are_read_alone_and_causally(window):
+    """Sparse prefill's form: the keys are a list of positions (kept blocks, then the local
+    window), each still masked causally by its position."""
+    g = torch.Generator().manual_seed(7)
+    queries, context, heads, dim, bs = 40, 400, 3, 64, 16
+    keys, values = torch.randn(2, 1, 1024, dim, generator=g)
+    slots = torch.randperm(1024, generator=g)[:context]
+    kept = torch.tensor([0, 3, 4, 9, 17])  # blocks, some past a query's position
+    local = torch.arange(context - queries - 20, context)
+    positions = torch.cat([(kept[:, None] * bs + torch.arange(bs)).flatten(), local])
+    q = torch.randn(queries, heads, dim, generator=g)
+    first, scale = context - queries, dim**-0.5
+    moved = [t.to(DEVICE) for t in (q, keys, values)]
+    got = paged_prefill(
+        *moved[:3], None, None, slots.to(DEVICE), scale, window,
+        key_positions=positions.to(DEVICE), first=first,
+    )  # fmt: skip
+    k, v = keys[0, slots[positions]].double(), values[0, slots[positions]].double()
+    scores = torch.einsum("qhd,kd->hqk", q.double(), k) * scale
+    query_at = torch.arange(first, context)[:, None]
+    visible = positions[None, :] <= query_at
+    if window:
+        visible &= positions[None, :] > query_at - window
+    weights = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1)
+    want = torch.einsum("hqk,kd->qhd", weights, v)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(tiny_model, monkeypatch):
     """The kernels wired into the engine, on the CPU in the interpreter: a prompt prefilled in
     chunks (each after the last one's prefix, so through the prefill kernel) and decoded

@@ -22,6 +22,7 @@ from etinfer.control.sparse_prefill import (
     segment_budgets,
 )
 from etinfer.model.block_layout import PrefillPiece
+from etinfer.model.gpu import paged_decode
 from etinfer.model.paged_attention import PagedAttention
 from etinfer.model.prefill_attention import PrefillChunk
 from tests.test_paged_attention import (
@@ -151,8 +152,16 @@ def reference(q, keys, values, query_pos, visible):
     return out
 
 
+@pytest.mark.parametrize("on_gpu_kernel", [False, True])
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
-def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(dtype):
+def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
+    dtype, on_gpu_kernel, monkeypatch
+):
+    """On the torch path, and through the GPU's prefill kernel (in Triton's interpreter without
+    a GPU), which reads the listed positions where the cache holds them."""
+    if on_gpu_kernel:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(paged_decode, "serves", lambda device: True)
     length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
     cache, (table,) = scattered_cache([length], dtype=dtype)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])

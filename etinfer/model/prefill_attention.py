@@ -124,11 +124,10 @@ class PrefillAttention:
         block = torch.arange(block_size, device=q.device)
         for piece in pieces:
             end = piece.end
-            query_pos = torch.arange(piece.start, end, device=q.device)
             if piece.kept is None:
                 keys = torch.arange(end, device=q.device)
                 out[piece.rows] = self._attend(
-                    layer, q[piece.rows], keys, query_pos, cache, chunk, slice(None)
+                    layer, q[piece.rows], keys, piece.start, cache, chunk, slice(None)
                 )
                 continue
             local = torch.arange(piece.local_start, end, device=q.device)
@@ -139,7 +138,7 @@ class PrefillAttention:
                     layer,
                     q[piece.rows, heads],
                     keys,
-                    query_pos,
+                    piece.start,
                     cache,
                     chunk,
                     slice(head, head + 1),
@@ -151,12 +150,21 @@ class PrefillAttention:
         layer: int,
         q: torch.Tensor,  # [rows, heads, head_dim]
         key_pos: torch.Tensor,
-        query_pos: torch.Tensor,
+        first: int,
         cache: KVCache,
         chunk: PrefillChunk,
         kv_heads: slice,
     ) -> torch.Tensor:
-        """Attention of queries at ``query_pos`` over the keys at ``key_pos`` (causally)."""
+        """Attention of queries at positions ``first``, ``first + 1``... over the keys at
+        ``key_pos`` (causally): on CUDA in the prefill kernel, which reads them in place."""
+        if gpu_decode.serves(q.device):
+            scales = [None if s is None else s[kv_heads] for s in cache.layer_scales(layer)]
+            return paged_prefill(
+                q, cache.keys[layer, kv_heads], cache.values[layer, kv_heads], *scales,
+                chunk.context_slots, self.scale, self.sliding_window,
+                key_positions=key_pos, first=first,
+            )  # fmt: skip
+        query_pos = torch.arange(first, first + q.shape[0], device=q.device)
         k, v = cache.read(layer, chunk.context_slots[key_pos], kv_heads)
         mask = key_pos[None, :] <= query_pos[:, None]
         if self.sliding_window is not None:

@@ -34,10 +34,17 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_positions: torch.Tensor | None = None,
+    first: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunk's queries over positions [0, context) (the last
-    ``sliding_window`` of them for each query, where set), in float32: [queries, heads, dim]."""
+    ``sliding_window`` of them for each query, where set), in float32: [queries, heads, dim].
+    ``key_positions``: read those positions only (causally still), the queries' positions then
+    starting at ``first``."""
     queries, heads, dim = q.shape
+    keyed = key_positions is not None
+    if first is None:
+        first = slots.shape[0] - queries
     group = heads // keys.shape[0]
     dim_pad = max(16, next_power_of_2(dim))  # tl.dot takes no dimension under 16
     block_m = 64 if dim_pad <= 128 else 32  # a [block_m, dim] float32 tile a program
@@ -50,9 +57,11 @@ def paged_prefill(
         key_scales if has_scales else out,
         value_scales if has_scales else out,
         slots.contiguous(),
+        key_positions.contiguous() if keyed else slots,
         out,
         queries,
-        slots.shape[0] - queries,
+        first,
+        key_positions.shape[0] if keyed else 0,
         keys.shape[1],
         sliding_window or 0,
         scale,
@@ -65,5 +74,6 @@ def paged_prefill(
         TILE=TILE,
         HAS_SCALES=has_scales,
         CAPPED=softcap is not None,
+        KEYED=keyed,
     )
     return out

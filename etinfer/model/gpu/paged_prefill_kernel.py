@@ -5,7 +5,8 @@ One program per (tile of a chunk's queries, query head): it reads the cache slot
 position from the chunk's slot list and the keys and values from the cache where they are, so
 no prefix is gathered or copied, and computes the causal online softmax of its queries (each
 sees the positions up to its own, and only the last ``window`` of them where set) a tile of
-keys at a time. Dots are IEEE float32 (never tf32), as in the decode kernel.
+keys at a time. Given a list of positions (KEYED: sparse prefill's kept blocks and local
+window), it reads those alone. Dots are IEEE float32 (never tf32), as in the decode kernel.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ def paged_prefill(
     k_scale_ptr,  # [kv_heads, slots] float32 (int8 caches), else unused
     v_scale_ptr,
     slot_ptr,  # [context] the cache slot of each position of the sequence
+    key_pos_ptr,  # [num_keys] the positions read, where KEYED (sparse prefill's); else unused
     out_ptr,  # out [queries, heads, dim] float32
     queries,
-    first,  # the position of the chunk's first query (context - queries)
+    first,  # the position of the first query (the queries' positions follow on)
+    num_keys,
     num_slots,
     window,  # positions a query sees back from itself; 0: all of them
     scale,
@@ -37,6 +40,7 @@ def paged_prefill(
     TILE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     CAPPED: tl.constexpr,
+    KEYED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -52,11 +56,14 @@ def paged_prefill(
         other=0.0,
     )
     q = q * scale
-    # Keys below ``lowest`` are outside every query's window, keys from ``end`` on after them all.
-    end = tl.minimum(first + (tile + 1) * BLOCK_M, first + queries)
-    lowest = 0
-    if window > 0:
-        lowest = tl.maximum(first + tile * BLOCK_M - window + 1, 0)
+    if KEYED:  # the listed positions, each masked by its position
+        end = num_keys
+        lowest = 0
+    else:  # positions [lowest, end): before ``lowest`` out of every window, after ``end`` ahead
+        end = tl.minimum(first + (tile + 1) * BLOCK_M, first + queries)
+        lowest = 0
+        if window > 0:
+            lowest = tl.maximum(first + tile * BLOCK_M - window + 1, 0)
     oldest = tl.where(window > 0, positions - window, -1)  # a query sees keys after this
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -66,6 +73,8 @@ def paged_prefill(
     while key_start < end:  # a while loop: Triton's interpreter takes no tensor range bounds
         keys_at = key_start + tl.arange(0, TILE)
         valid = keys_at < end
+        if KEYED:
+            keys_at = tl.load(key_pos_ptr + keys_at, mask=valid, other=0)
         slots = cache_base + tl.load(slot_ptr + keys_at, mask=valid, other=0).to(tl.int64)
         where = slots[:, None] * DIM + dims[None, :]
         readable = valid[:, None] & in_dim[None, :]
