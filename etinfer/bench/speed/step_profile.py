@@ -8,7 +8,12 @@ the device on CUDA, where a step should have at most one) and the tensor values 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import warnings
+from collections import Counter
+from collections.abc import Iterator
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from etinfer import options
@@ -34,13 +39,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.warmup):  # prefills, and the first decode steps
         engine.step()
     activities = [ProfilerActivity.CPU]
-    if engine.config.torch_device().type == "cuda":
+    on_cuda = engine.config.torch_device().type == "cuda"
+    if on_cuda:
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as profiler:
+    with profile(activities=activities) as profiler, synchronizing_calls(on_cuda) as waits:
         for _ in range(args.steps):
             engine.step()
     events = profiler.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    for place, count in waits.most_common():
+        print(f"  a synchronizing operation at {place}: {count / args.steps:.1f} a step")
 
     def per_step(names: tuple[str, ...]) -> float:
         return sum(e.count for e in events if e.key.startswith(names)) / args.steps
@@ -57,6 +65,26 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     for name, value in figures.items():
         print(f"  {name}: {value:.1f}")
     return figures
+
+
+@contextlib.contextmanager
+def synchronizing_calls(on_cuda: bool) -> Iterator[Counter[str]]:
+    """Where the host waited for the device, on CUDA: torch's sync debug mode warns at each
+    operation that synchronizes (a value read back, a shape that depends on data), and each
+    warning's place in the code is counted, filled in when the block ends. Explicit waits on
+    events are not operations and are not seen here; the profile's counts have them."""
+    places: Counter[str] = Counter()
+    if not on_cuda:
+        yield places
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield places
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    places.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
