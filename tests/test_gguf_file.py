@@ -1,12 +1,17 @@
 """GGUF files we cannot read faithfully are refused by name, not loaded wrong."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
 
+from etinfer.model import quant_kernels
 from etinfer.model.catalog import default_model_path
+from etinfer.model.linear import make_linear
 from etinfer.model.loader import load_model
+from etinfer.model.quantized import stack_rows
 
 
 def write_gguf(path, arch="llama", pre="smollm", rope_scaling=None):
@@ -253,8 +258,14 @@ def test_llamas_q_and_k_keep_the_files_bytes_and_read_rows_in_the_models_order(l
         assert weight.order is not None and not torch.equal(weight.order, weight.order.sort()[0])
         assert 0 <= weight.data.data_ptr() - mapping.ctypes.data < mapping.nbytes
         picked = torch.tensor([0, 5, weight.shape[0] - 1])
-        assert torch.equal(weight.rows(picked).data, weight.data[weight.order[picked]])
         assert torch.equal(weight.dequantize(picked), weight.dequantize()[picked])
+    # Where the rows are used: stacked into one matrix, and multiplied on the block kernels.
+    q, k = (loaded_model.weights[f"model.layers.3.self_attn.{n}_proj.weight"] for n in "qk")
+    assert torch.equal(stack_rows([q, k]).dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    if quant_kernels.available():
+        x = torch.randn(3, q.shape[1])
+        product = make_linear(replace(q, activation_bits=16))(x)  # about 15-bit activations
+        torch.testing.assert_close(product, x @ q.dequantize().T, rtol=1e-3, atol=1e-3)
     split = loaded_model.weights["model.layers.0.mlp.down_proj.weight"].rows(slice(2, 9))
     assert split.data._base is not None  # a slice of rows in the file's order is a view
 

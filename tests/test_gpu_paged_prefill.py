@@ -79,7 +79,7 @@ def test_listed_positions_are_read_alone_and_causally(window):
     queries, context, heads, dim, bs = 40, 400, 3, 64, 16
     keys, values = torch.randn(2, 1, 1024, dim, generator=g)
     slots = torch.randperm(1024, generator=g)[:context]
-    kept = torch.tensor([0, 3, 4, 9, 17])  # blocks, some past a query's position
+    kept = torch.tensor([0, 3, 9, 22, 23])  # blocks; 22 and 23 (352-383) pass queries 360..
     local = torch.arange(context - queries - 20, context)
     positions = torch.cat([(kept[:, None] * bs + torch.arange(bs)).flatten(), local])
     q = torch.randn(queries, heads, dim, generator=g)
@@ -105,14 +105,30 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(tiny_model, m
     chunks (each after the last one's prefix, so through the prefill kernel) and decoded
     through the decode kernel gives the CPU paths' greedy tokens, with logprobs to rounding."""
     from etinfer import LLM, SamplingParams
+    from etinfer.model import gpu, prefill_attention
     from etinfer.model.gpu import paged_decode
 
     prompt = [(17 * i + 5) % 1000 for i in range(80)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     settings = {"dtype": "float32", "kv_cache_dtype": "float32", "max_num_batched_tokens": 32}
     plain = LLM(tiny_model, **settings).generate([prompt], params)[0]
-    monkeypatch.setattr(paged_decode, "serves", lambda device: True)
+    calls = {"prefill": 0, "decode": 0}
+
+    def counted(name, kernel):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(gpu, "serves", lambda device: True)
+    monkeypatch.setattr(
+        prefill_attention, "paged_prefill", counted("prefill", prefill_attention.paged_prefill)
+    )
+    monkeypatch.setattr(paged_decode, "paged_decode", counted("decode", paged_decode.paged_decode))
     kernels = LLM(tiny_model, cuda_graphs=False, **settings).generate([prompt], params)[0]
+    # Two layers: the chunks after the first (32 + 16 positions) and the five decode steps.
+    assert calls == {"prefill": 2 * 2, "decode": 2 * 5}
     assert kernels.token_ids == plain.token_ids
     for ours, theirs, token in zip(kernels.logprobs, plain.logprobs, plain.token_ids, strict=True):
         assert ours[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)

@@ -67,11 +67,11 @@ def native(q, keys, values, pattern, *scales):
     )
 
 
-@pytest.mark.parametrize("piece", [1 << 20, 1000])
-def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables(monkeypatch, piece):
+@pytest.mark.parametrize("piece_bytes", [512 << 20, 1000 * 2 * 64 * 4])
+def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables(monkeypatch, piece_bytes):
     """The scores the torch form computes off the CPU (gathered rows, in one piece or in many)
     against the CPU's ``sampled_addmm``, on block tables in the pool's random order."""
-    monkeypatch.setattr(decode_pattern, "_GATHERED_ENTRIES", piece)
+    monkeypatch.setattr(decode_pattern, "_GATHERED_BYTES", piece_bytes)
     q, keys, _, pattern, blocks = case([37, 5, 200, 16], 64, None, 0.5)
     assert (blocks.block_tables.diff(dim=1) < 0).any()  # the columns are not sorted
     structure = torch.sparse_csr_tensor(

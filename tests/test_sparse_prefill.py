@@ -21,8 +21,8 @@ from etinfer.control.sparse_prefill import (
     SparsePrefillSelector,
     segment_budgets,
 )
+from etinfer.model import gpu
 from etinfer.model.block_layout import PrefillPiece
-from etinfer.model.gpu import paged_decode
 from etinfer.model.paged_attention import PagedAttention
 from etinfer.model.prefill_attention import PrefillChunk
 from tests.test_paged_attention import (
@@ -161,7 +161,7 @@ def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
     a GPU), which reads the listed positions where the cache holds them."""
     if on_gpu_kernel:
         pytest.importorskip("triton")
-        monkeypatch.setattr(paged_decode, "serves", lambda device: True)
+        monkeypatch.setattr(gpu, "serves", lambda device: True)
     length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
     cache, (table,) = scattered_cache([length], dtype=dtype)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])

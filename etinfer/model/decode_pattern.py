@@ -234,9 +234,8 @@ def pattern_attention(
     return out.div_(denominators[:, None]), row_max, denominators, weights
 
 
-# Entries whose rows ``gathered_scores`` gathers at once: two [entries, head_dim] float32 copies,
-# 512 MiB at a head dimension of 64.
-_GATHERED_ENTRIES = 1 << 20
+# Bytes of the rows ``gathered_scores`` gathers at once (a query's and a key's per entry).
+_GATHERED_BYTES = 512 << 20
 
 
 def gathered_scores(
@@ -248,8 +247,9 @@ def gathered_scores(
     the Gemma 2 test wrong logprobs (this form replaces it, not yet re-run on a GPU). A decode
     pattern's gathered rows cost little, and a long one is taken in pieces of bounded size."""
     scores = torch.empty(pattern.nnz, dtype=q.dtype, device=q.device)
-    for start in range(0, pattern.nnz, _GATHERED_ENTRIES):
-        piece = slice(start, start + _GATHERED_ENTRIES)
+    entries = max(1, _GATHERED_BYTES // (2 * q.shape[-1] * q.element_size()))
+    for start in range(0, pattern.nnz, entries):
+        piece = slice(start, start + entries)
         rows, cols = pattern.row_ids[piece], pattern.cols[piece].long()
         torch.linalg.vecdot(q[rows], keys[cols], out=scores[piece])
     return scores.mul_(scale)

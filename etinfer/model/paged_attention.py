@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from etinfer.model import native_kernels
+from etinfer.model import gpu, native_kernels
 from etinfer.model.block_layout import (
     AttentionSelector,
     DecodeBlocks,
@@ -140,7 +140,7 @@ class PagedAttention(PrefillAttention):
     def kernel_serves(self, device: torch.device) -> bool:
         """Whether decode rows on ``device`` go through the GPU kernel, which reads the block
         tables itself."""
-        return gpu_decode.serves(device)
+        return gpu.serves(device)
 
     def _decode(
         self, layer: int, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from etinfer.model import gpu
 from etinfer.model.block_layout import PrefillContext, PrefillPiece, PrefillSelector
-from etinfer.model.gpu import paged_decode as gpu_decode
 from etinfer.model.gpu.paged_prefill import paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.softcap import capped_attention
@@ -59,7 +59,7 @@ class PrefillAttention:
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         window = self.local_window if layer in self.local_layers else self.sliding_window
-        if chunk.context_slots is not None and gpu_decode.serves(q.device):
+        if chunk.context_slots is not None and gpu.serves(q.device):
             # The prefix where the cache holds it, not gathered (a chunk with no prefix keeps
             # SDPA's flash kernel below).
             keys, values = cache.keys[layer], cache.values[layer]
@@ -125,9 +125,8 @@ class PrefillAttention:
         for piece in pieces:
             end = piece.end
             if piece.kept is None:
-                keys = torch.arange(end, device=q.device)
                 out[piece.rows] = self._attend(
-                    layer, q[piece.rows], keys, piece.start, cache, chunk, slice(None)
+                    layer, q[piece.rows], None, end, cache, chunk, slice(None)
                 )
                 continue
             local = torch.arange(piece.local_start, end, device=q.device)
@@ -135,13 +134,7 @@ class PrefillAttention:
                 keys = torch.cat([(kept[:, None] * block_size + block).flatten(), local])
                 heads = slice(head * group, (head + 1) * group)
                 out[piece.rows, heads] = self._attend(
-                    layer,
-                    q[piece.rows, heads],
-                    keys,
-                    piece.start,
-                    cache,
-                    chunk,
-                    slice(head, head + 1),
+                    layer, q[piece.rows, heads], keys, end, cache, chunk, slice(head, head + 1)
                 )
         return out
 
@@ -149,22 +142,26 @@ class PrefillAttention:
         self,
         layer: int,
         q: torch.Tensor,  # [rows, heads, head_dim]
-        key_pos: torch.Tensor,
-        first: int,
+        key_pos: torch.Tensor | None,
+        end: int,
         cache: KVCache,
         chunk: PrefillChunk,
         kv_heads: slice,
     ) -> torch.Tensor:
-        """Attention of queries at positions ``first``, ``first + 1``... over the keys at
-        ``key_pos`` (causally): on CUDA in the prefill kernel, which reads them in place."""
-        if gpu_decode.serves(q.device):
+        """Attention of the queries at the positions before ``end`` over the keys at
+        ``key_pos`` (None: every position before ``end``), causally: on CUDA in the prefill
+        kernel, which reads them in place."""
+        first = end - q.shape[0]
+        if gpu.serves(q.device):
             scales = [None if s is None else s[kv_heads] for s in cache.layer_scales(layer)]
             return paged_prefill(
                 q, cache.keys[layer, kv_heads], cache.values[layer, kv_heads], *scales,
-                chunk.context_slots, self.scale, self.sliding_window,
+                chunk.context_slots[:end], self.scale, self.sliding_window,
                 key_positions=key_pos, first=first,
             )  # fmt: skip
-        query_pos = torch.arange(first, first + q.shape[0], device=q.device)
+        if key_pos is None:
+            key_pos = torch.arange(end, device=q.device)
+        query_pos = torch.arange(first, end, device=q.device)
         k, v = cache.read(layer, chunk.context_slots[key_pos], kv_heads)
         mask = key_pos[None, :] <= query_pos[:, None]
         if self.sliding_window is not None:

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from etinfer.model.gpu import available
+from etinfer.model.gpu import dot_width, next_power_of_2
 
 # Positions a program reads per loop iteration (several blocks of 16 at once).
 TILE = 64
@@ -27,11 +27,6 @@ PROGRAMS_PER_SM = 2
 # Where no GPU says how many it has (Triton's interpreter, in the tests): an H100's.
 DEFAULT_SMS = 132
 MAX_SPLITS = 32
-
-
-def serves(device: torch.device) -> bool:
-    """Whether decode attention on ``device`` runs on the kernel (CUDA, with Triton)."""
-    return device.type == "cuda" and available()
 
 
 @functools.cache
@@ -115,9 +110,9 @@ def paged_decode(
         HEADS=heads,
         KV_HEADS=kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
+        GROUP_PAD=dot_width(group),
         DIM=dim,
-        DIM_PAD=max(16, next_power_of_2(dim)),  # tl.dot takes no dimension under 16
+        DIM_PAD=dot_width(dim),
         BLOCK_SIZE=block_size,
         TILE=TILE,
         SPLITS=splits,
@@ -140,8 +135,3 @@ def merge_splits(
     out = (acc * weights[..., None]).sum(2)
     out /= denominators.clamp_min(torch.finfo(torch.float32).tiny)
     return out, row_max.squeeze(-1), denominators.squeeze(-1)
-
-
-def next_power_of_2(n: int) -> int:
-    """The least power of two not below ``n`` (1 for ``n`` <= 1)."""
-    return 1 << max(0, n - 1).bit_length()

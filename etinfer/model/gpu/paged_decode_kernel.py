@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from etinfer.model.gpu.attention_tile import online_softmax_step, soft_cap
+
 
 @triton.jit
 def paged_decode_partials(
@@ -100,19 +102,9 @@ def paged_decode_partials(
             values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [GROUP_PAD, TILE]
         if CAPPED:
-            # tanh from one exp, of a non-positive argument so it never overflows.
-            t = tl.exp(-2.0 * tl.abs(scores) / softcap)
-            magnitude = softcap * (1.0 - t) / (1.0 + t)
-            scores = tl.where(scores < 0, -magnitude, magnitude)
+            scores = soft_cap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        # A tile with nothing visible leaves the maximum at -inf; shift by 0 then, not by -inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(row_max - shift)
-        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
         tile_start += TILE
 
     out = (row * HEADS + heads) * SPLITS + split

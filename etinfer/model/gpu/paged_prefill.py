@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from etinfer.model.gpu.paged_decode import next_power_of_2
+from etinfer.model.gpu import dot_width
 
 # Keys a program reads per loop iteration.
 TILE = 64
@@ -40,13 +40,15 @@ def paged_prefill(
     """Causal attention of the chunk's queries over positions [0, context) (the last
     ``sliding_window`` of them for each query, where set), in float32: [queries, heads, dim].
     ``key_positions``: read those positions only (causally still), the queries' positions then
-    starting at ``first``."""
+    starting at ``first``, which must be given."""
     queries, heads, dim = q.shape
     keyed = key_positions is not None
+    if keyed and first is None:
+        raise ValueError("paged_prefill: key_positions needs the queries' first position")
     if first is None:
         first = slots.shape[0] - queries
     group = heads // keys.shape[0]
-    dim_pad = max(16, next_power_of_2(dim))  # tl.dot takes no dimension under 16
+    dim_pad = dot_width(dim)
     block_m = 64 if dim_pad <= 128 else 32  # a [block_m, dim] float32 tile a program
     out = torch.empty(queries, heads, dim, device=q.device, dtype=torch.float32)
     has_scales = key_scales is not None
@@ -75,5 +77,7 @@ def paged_prefill(
         HAS_SCALES=has_scales,
         CAPPED=softcap is not None,
         KEYED=keyed,
+        # Wide heads in 4 warps spilled tens of KB of registers a program (ptxas, sm_90).
+        num_warps=8 if dim_pad >= 128 else 4,
     )
     return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from etinfer.model.gpu.attention_tile import online_softmax_step, soft_cap
+
 
 @triton.jit
 def paged_prefill(
@@ -85,20 +87,11 @@ def paged_prefill(
             values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_M, TILE]
         if CAPPED:
-            t = tl.exp(-2.0 * tl.abs(scores) / softcap)
-            magnitude = softcap * (1.0 - t) / (1.0 + t)
-            scores = tl.where(scores < 0, -magnitude, magnitude)
+            scores = soft_cap(scores, softcap)
         visible = valid[None, :] & (keys_at[None, :] <= positions[:, None])
         visible = visible & (keys_at[None, :] > oldest[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        # A row that sees nothing in this tile keeps its maximum at -inf: shift it by 0.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(row_max - shift)
-        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
         key_start += TILE
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(

@@ -21,7 +21,8 @@ from etinfer.model.quantized import Int4Weight, Int8Weight
 
 # A tile of 16 rows (the fewest ``tl.dot`` takes), 64 outputs, 32 inputs (one quantization
 # group). Fixed, not tuned per batch: a row's result then never depends on the batch (greedy
-# batching and preemption's recompute rest on that).
+# batching and preemption's recompute rest on that). Decode's tile; a long prefill dequantizes
+# each weight once per 16 rows, which a prefill tiling of its own would cut.
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
@@ -30,6 +31,14 @@ def _kernel() -> ModuleType:
     # Imported on first use: Triton reads TRITON_INTERPRET (its CPU interpreter, which the
     # tests use without a GPU) when the kernel is defined.
     return importlib.import_module("etinfer.model.gpu.weight_only_kernel")
+
+
+@functools.cache
+def _float32_dots_only() -> bool:
+    """Whether the kernel runs in Triton's interpreter (the tests without a GPU), which gets
+    bfloat16 dots wrong (numpy has no bfloat16): there the dots are float32, the rest of the
+    program the same. Read once, at the first launch, as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class WeightOnlyLinear:
@@ -73,9 +82,7 @@ class WeightOnlyLinear:
             INPUTS=self.in_features,
             GROUP=self.group_size,
             INT4=self.int4,
-            # Triton's interpreter (the tests without a GPU) gets bfloat16 dots wrong: numpy
-            # has no bfloat16. There the dots are float32, the rest of the program the same.
-            WIDE=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            WIDE=x.dtype == torch.float32 or _float32_dots_only(),
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,

@@ -36,8 +36,9 @@ def weight_only_matmul(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 64-bit offsets: a head of 262,144 outputs over 8,192 rows passes 2**31 elements.
+    row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    col = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     row_ok = row < rows
     col_ok = col < outputs

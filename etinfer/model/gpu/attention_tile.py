@@ -1,0 +1,31 @@
+"""What the decode and prefill attention kernels do to each tile of scores, as Triton functions
+they both call (Triton inlines them; its interpreter runs them as they are)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)`` (Gemma 2), tanh from one exp of a non-positive argument, so
+    it never overflows."""
+    t = tl.exp(-2.0 * tl.abs(scores) / cap)
+    magnitude = cap * (1.0 - t) / (1.0 + t)
+    return tl.where(scores < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def online_softmax_step(scores, values, row_max, row_sum, acc):
+    """One tile of the online softmax: ``scores`` [rows, tile] (-inf where not seen) and the
+    tile's ``values`` [tile, dim] folded into each row's running maximum, sum of weights and
+    weighted values. A row that has seen nothing yet keeps its maximum at -inf and is shifted
+    by 0, not by -inf."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    weights = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(row_max - shift)
+    row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+    return new_max, row_sum, acc
