@@ -78,6 +78,16 @@ def test_bfloat16_products_are_the_weights_to_rounding(kind):
     assert (got.double() - expected).abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_read_back_from_the_stored_codes_are_the_weights(kind):
+    """What an embedding and a refined head read: the packed codes give the format's weights."""
+    weight = weights(kind, 70, 128)
+    layer = WeightOnlyLinear(weight.to(DEVICE))
+    ids = torch.tensor([[3, 0], [69, 3]])
+    assert torch.equal(layer.dequantize(ids.to(DEVICE)).cpu(), weight.dequantize(ids))
+    assert torch.equal(layer.dequantize().cpu(), weight.dequantize())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_alone_is_bit_equal_to_the_same_row_in_a_batch(dtype):
     layer = WeightOnlyLinear(weights("q4_1", 96, 192).to(DEVICE))
@@ -110,8 +120,10 @@ def test_integer_weights_on_cuda_follow_float32_on_real_text(loaded_model, mode)
         llm = LLM(loaded_model, **settings)
         passes[name] = forced_log_probs(llm, fidelity_texts(llm, 4, 256 + 64), 256, 64)
         if name == mode:
-            layer = llm.engine.runner.model.layers[0].qkv
+            model = llm.engine.runner.model
+            layer = model.layers[0].qkv
             assert isinstance(layer, WeightOnlyLinear) and layer.int4 == (mode == "int4")
+            assert isinstance(model.embed, WeightOnlyLinear)  # tied: the head's codes, once
     kl, agree = divergences(passes["float32"], passes[mode])
     assert statistics.fmean(agree) >= 0.9, statistics.fmean(agree)
     assert statistics.fmean(kl) < 0.05, statistics.fmean(kl)

@@ -169,7 +169,7 @@ class TopRefinedLinear:
     def __init__(
         self,
         layer: Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear,
-        weight: Int4Weight | Int8Weight | GGUFBlocks,
+        weight: Int4Weight | Int8Weight | GGUFBlocks | WeightOnlyLinear,
     ) -> None:
         self.layer, self.weight = layer, weight
         self.candidates = min(_REFINED_CANDIDATES, layer.out_features)
@@ -205,4 +205,7 @@ def make_head(weight: Format) -> Linear | TopRefinedLinear:
     if grouped and weight.codes.device.type == "cpu":  # the GPU's kernel takes groups
         kernel_weight = Int8Weight.quantize(weight.dequantize())
     layer = make_linear(kernel_weight)
-    return layer if isinstance(layer, Linear) else TopRefinedLinear(layer, weight)
+    if isinstance(layer, Linear):
+        return layer
+    # The GPU's layer reads its rows back from its own codes (two to a byte in int4).
+    return TopRefinedLinear(layer, layer if isinstance(layer, WeightOnlyLinear) else weight)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
+from etinfer.model.gpu.weight_only import WeightOnlyLinear
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
@@ -201,6 +202,8 @@ class LlamaWeights:
         self.norm = read.norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
+        if tied and isinstance(getattr(self.lm_head, "weight", None), WeightOnlyLinear):
+            self.embed = self.lm_head.weight  # the tied rows read from the head's packed codes
         unexpected = sorted(set(weights) - read.used - {"lm_head.weight"})
         if unexpected:
             raise ValueError(f"unexpected weights in the model: {', '.join(unexpected[:5])}")

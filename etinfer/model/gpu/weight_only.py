@@ -63,6 +63,21 @@ class WeightOnlyLinear:
         self.scale = weight.scale.float().contiguous()
         self.group_size, self.bias = weight.group_size, bias
 
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 weights (of ``rows`` only, where given: token ids, a head's candidates) read
+        back from the codes as stored, by the format's own formula: an embedding or a refined
+        head needs no second, unpacked copy of the codes."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t[rows]
+
+        if not self.int4:
+            return Int8Weight(pick(self.codes), pick(self.scale), self.group_size).dequantize()
+        packed = pick(self.codes)
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+        zero = pick(self.zero)
+        return Int4Weight(codes, pick(self.scale), zero, self.group_size).dequantize()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         rows = x.shape[0]
