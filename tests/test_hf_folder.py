@@ -107,6 +107,25 @@ def write_tiny_model(folder, family):
 def test_tiny_model_folder_matches_transformers(tmp_path, family):
     reference = write_tiny_model(tmp_path, family)
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="float32")
+    assert_matches_transformers(llm, reference)
+
+
+@pytest.mark.parametrize("family", ["gemma2-soft-caps", "gemma3-mixed-windows"])
+def test_soft_caps_and_windows_hold_on_the_gpu_kernels(tmp_path, family, monkeypatch):
+    """The GPU's attention kernels (in Triton's interpreter without a GPU) take Gemma 2's soft
+    cap and Gemma 3's windows: transformers' tokens and logprobs, prefilled in chunks after a
+    prefix and decoded through the kernels (an H200 run found the capped torch path wrong)."""
+    pytest.importorskip("triton")
+    from etinfer.model import gpu
+
+    reference = write_tiny_model(tmp_path, family)
+    monkeypatch.setattr(gpu, "serves", lambda device: True)
+    settings = {"dtype": "float32", "kv_cache_dtype": "float32", "cuda_graphs": False}
+    llm = LLM(str(tmp_path), max_num_batched_tokens=8, **settings)
+    assert_matches_transformers(llm, reference)
+
+
+def assert_matches_transformers(llm: LLM, reference) -> None:
     prompt = [(7 * i + 3) % VOCAB for i in range(13)]
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
