@@ -1,7 +1,8 @@
 """etinfer: an LLM inference engine in which predictive entropy is a first-class control signal."""
 
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import EngineConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.stress import StressConfig
 from etinfer.llm import LLM

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from etinfer import options
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import EngineConfig
 from etinfer.control.calibration import (
     Calibration,
     expected_calibration_error,
     fit_temperature,
     nll,
 )
+from etinfer.control.config import ControlConfig
 from etinfer.corpus import CORPUS, corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel, load_model

@@ -7,14 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
-from etinfer.control.kv_compression import KVCompressionConfig
-from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
+from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
-from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.control.stress import StressConfig
-from etinfer.control.switching import SwitchingConfig
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.structured.params import BACKENDS
 from etinfer.validation import check_choice, check_float, check_int
@@ -31,92 +28,6 @@ CUDA_AUTO_DTYPE = "bfloat16"
 # Where set, what ``device="auto"`` means (the test suite sets it to pick its device).
 DEVICE_ENV = "ETINFER_DEVICE"
 KV_CACHE_DTYPES = DTYPES | {"int8": torch.int8}
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """Which entropy control layers are on, engine-wide.
-
-    - sampling: requests that choose no temperature controller of their own (and are not greedy)
-      sample with ``entropy_target``, by the feedback law.
-    - pruning: decode attention keeps only the blocks the entropic selector picks; ``True`` uses
-      the default ``PruningConfig``.
-    - scheduling: the ``entropy`` scheduling policy replaces ``EngineConfig.scheduling_policy``;
-      ``True`` uses the default ``SchedulingConfig``.
-    - switching: Entropy Adaptive Decoding between the engine's ``draft_model`` (small) and
-      the model (large); ``True`` uses the default ``SwitchingConfig``. Lossy by design, and not
-      part of ``full()`` (the paper's three layers).
-    - sparse_prefill: long prompts' chunked prefill reads, per segment and KV head, the blocks
-      its attention entropy budgets (EntropyInfer); ``True`` uses the default
-      ``SparsePrefillConfig``. Lossy, opt-in.
-    - kv_compression: after a long prompt's first generated tokens, each (layer, KV head) keeps
-      the cached positions its queries attend to most and the rest of the blocks go back to the
-      pool (EntropyInfer's latent compression); ``True`` uses the default
-      ``KVCompressionConfig``. Lossy, opt-in.
-    """
-
-    sampling: bool = False
-    pruning: bool | PruningConfig = False
-    scheduling: bool | SchedulingConfig = False
-    entropy_target: float = 2.0
-    switching: bool | SwitchingConfig = False
-    sparse_prefill: bool | SparsePrefillConfig = False
-    kv_compression: bool | KVCompressionConfig = False
-
-    def __post_init__(self) -> None:
-        check_float("entropy_target", self.entropy_target, low=0.0, low_open=True)
-        layers = {
-            "pruning": PruningConfig,
-            "scheduling": SchedulingConfig,
-            "switching": SwitchingConfig,
-            "sparse_prefill": SparsePrefillConfig,
-            "kv_compression": KVCompressionConfig,
-        }
-        for name, kind in layers.items():
-            if not isinstance(getattr(self, name), bool | kind):
-                raise ValueError(
-                    f"{name} must be a bool or a {kind.__name__}, got {getattr(self, name)!r}"
-                )
-
-    @classmethod
-    def baseline(cls) -> ControlConfig:
-        """Fixed scheduling, dense attention, fixed temperature."""
-        return cls()
-
-    @classmethod
-    def full(cls) -> ControlConfig:
-        """Every control layer on, with its defaults."""
-        return cls(sampling=True, pruning=True, scheduling=True)
-
-    @property
-    def pruning_config(self) -> PruningConfig | None:
-        if self.pruning is True:
-            return PruningConfig()
-        return self.pruning or None
-
-    @property
-    def switching_config(self) -> SwitchingConfig | None:
-        if self.switching is True:
-            return SwitchingConfig()
-        return self.switching or None
-
-    @property
-    def scheduling_config(self) -> SchedulingConfig | None:
-        if self.scheduling is True:
-            return SchedulingConfig()
-        return self.scheduling or None
-
-    @property
-    def kv_compression_config(self) -> KVCompressionConfig | None:
-        if self.kv_compression is True:
-            return KVCompressionConfig()
-        return self.kv_compression or None
-
-    @property
-    def sparse_prefill_config(self) -> SparsePrefillConfig | None:
-        if self.sparse_prefill is True:
-            return SparsePrefillConfig()
-        return self.sparse_prefill or None
 
 
 @dataclass

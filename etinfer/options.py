@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from etinfer.config import ControlConfig, EngineConfig, SpeculativeConfig
+from etinfer.config import EngineConfig, SpeculativeConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.stress import StressConfig
 
 CONTROL_PRESETS: dict[str, ControlConfig] = {

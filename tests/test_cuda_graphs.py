@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from etinfer import LLM, SamplingParams
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from tests.conftest import ENGINE_DEFAULTS, ON_CUDA, PROMPTS, assert_pool_free
 
 pytestmark = pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs (ETINFER_DEVICE=cuda)")

@@ -7,8 +7,9 @@ import torch
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.fidelity import divergences, forced_log_probs
 from etinfer.bench.speed.kv_cache import fidelity_texts
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import EngineConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from tests.conftest import ON_CUDA, PROMPTS
 
 # Teacher-forced against a float32 cache on float weights, 256 tokens of context then 32 forced

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import EngineConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import EntropyPolicy, SchedulingConfig
 from tests.scheduling_helpers import SimClock, decoding, make_seq, only, seen

@@ -11,8 +11,8 @@ import pytest
 from etinfer.bench.stress import metrics as stress_metrics
 from etinfer.bench.stress import stress
 from etinfer.cli import build_parser
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig, block_budget
+from etinfer.control.config import ControlConfig
 from etinfer.control.record import ControlRecord
 from tests.scheduling_helpers import decoding, make_seq
 

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import time
 
-from etinfer.config import ControlConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.switching import SwitchingConfig, SwitchState
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.request_validator import Prompt, RequestValidator

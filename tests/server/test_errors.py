@@ -9,7 +9,7 @@ import httpx2
 import openai
 import pytest
 
-from etinfer.config import ControlConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.scheduling import SchedulingConfig
 from etinfer.engine.observer import StepRecord
 from etinfer.model.loader import LoadedModel

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
 from etinfer.server import create_app

@@ -34,8 +34,8 @@ from etinfer.bench.common import mixed_workload as ablation_workload
 from etinfer.bench.common.driver import CLOCKS
 from etinfer.bench.common.machine import machine
 from etinfer.bench.common.mixed_workload import AblationRequest
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from etinfer.bench.common.driver import EngineRun, drive_engine, warm_up
 from etinfer.bench.common.mixed_workload import AblationRequest
 from etinfer.bench.common.work import attention_work, matmul_params
-from etinfer.config import ControlConfig
+from etinfer.control.config import ControlConfig
 from etinfer.engine.attention_stats import AttentionStats
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.engine.observer import StepRecord

@@ -33,8 +33,8 @@ from etinfer.bench.common.fidelity import (
 from etinfer.bench.common.plots import pyplot
 from etinfer.bench.laws.oracle_selection import OracleSelector
 from etinfer.bench.laws.pruning_speed import speed_rows
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
 

@@ -44,7 +44,8 @@ from etinfer.bench.common.fidelity import (
 )
 from etinfer.bench.common.machine import cpu_flags
 from etinfer.bench.seed_systems.longcontext_report import plot_profile, pressure_table, table
-from etinfer.config import ControlConfig, EngineConfig
+from etinfer.config import EngineConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.kv_compression import KVCompressionConfig
 from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.engine.observer import StepRecord

@@ -34,7 +34,7 @@ from etinfer.bench.common.workload import (
     driver_requests,
     load_workload,
 )
-from etinfer.config import ControlConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.scheduling import SchedulingConfig
 
 

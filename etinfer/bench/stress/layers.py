@@ -21,7 +21,7 @@ import statistics
 from etinfer.bench.common.mixed_workload import Sizes, answers, build
 from etinfer.bench.common.quality import rouge_l, task_quality, words
 from etinfer.bench.seed_systems import switching
-from etinfer.config import ControlConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.record import TARGET_MODEL
 from etinfer.control.stress import StressConfig

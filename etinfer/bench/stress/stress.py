@@ -53,8 +53,8 @@ from etinfer.bench.stress import layers as stress_layers
 from etinfer.bench.stress import metrics as stress_metrics
 from etinfer.bench.stress import report as stress_report
 from etinfer.calibrate import corpus_logits, fit_calibration
-from etinfer.config import ControlConfig
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.control.stress import StressConfig
 from etinfer.llm import LLM
 from etinfer.model.loader import LoadedModel, load_model
