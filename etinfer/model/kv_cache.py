@@ -83,6 +83,11 @@ class KVCache:
         # On the CPU, torch.empty leaves pages untouched until written: unused slots cost nothing.
         self.keys = torch.empty(shape, device=device, dtype=self.dtype)
         self.values = torch.empty(shape, device=device, dtype=self.dtype)
+        # Each layer's views, [kv_heads, slots, dim] and as rows [kv_heads * slots, dim], taken
+        # once: taken per layer and step they were some 300 operator calls a decode step.
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
+        self.key_rows = tuple(k.view(-1, head_dim) for k in self.layer_keys)
+        self.value_rows = tuple(v.view(-1, head_dim) for v in self.layer_values)
         self.key_scales = self.value_scales = None
         if dtype == torch.int8:
             self.key_scales = torch.empty(shape[:3], device=device, dtype=self.compute_dtype)
@@ -163,10 +168,10 @@ class KVCache:
             # Decode reads a kept block whole and gives its slots past the context zero weight;
             # zero times a NaN left in reused memory is NaN, so a block's values start at zero.
             per_block = (self.values.shape[1], self.num_blocks, self.block_size)
-            self.values[layer].view(*per_block, -1).index_fill_(1, fresh_blocks, 0)
+            self.layer_values[layer].view(*per_block, -1).index_fill_(1, fresh_blocks, 0)
             if self.value_scales is not None:
                 self.value_scales[layer].view(per_block).index_fill_(1, fresh_blocks, 0.0)
-        key_cache, value_cache = self.keys[layer], self.values[layer]
+        key_cache, value_cache = self.layer_keys[layer], self.layer_values[layer]
         key_scales = value_scales = None
         if self.key_scales is not None:
             key_scales, value_scales = self.key_scales[layer], self.value_scales[layer]

@@ -168,8 +168,8 @@ class PagedAttention(PrefillAttention):
             )
         rows = q.shape[0] * self.num_heads
         q = q.reshape(rows, self.head_dim)
-        keys = cache.keys[layer].view(-1, self.head_dim)  # row kv_head * num_slots + slot
-        values = cache.values[layer].view(-1, self.head_dim)
+        keys = cache.key_rows[layer]  # row kv_head * num_slots + slot
+        values = cache.value_rows[layer]
         if self.native and q.device.type == "cpu":
             out, row_max, denominators, weights = native_kernels.decode_attention(
                 q,
@@ -220,8 +220,8 @@ class PagedAttention(PrefillAttention):
             visible = visible_blocks(blocks, self.num_kv_heads, selection.mask, window)
         out, row_max, denominators = gpu_decode.paged_decode(
             q,
-            cache.keys[layer],
-            cache.values[layer],
+            cache.layer_keys[layer],
+            cache.layer_values[layer],
             *cache.layer_scales(layer),
             blocks.block_tables,
             blocks.context_lens,

@@ -62,7 +62,7 @@ class PrefillAttention:
         if chunk.context_slots is not None and gpu.serves(q.device):
             # The prefix where the cache holds it, not gathered (a chunk with no prefix keeps
             # SDPA's flash kernel below).
-            keys, values = cache.keys[layer], cache.values[layer]
+            keys, values = cache.layer_keys[layer], cache.layer_values[layer]
             return paged_prefill(
                 q, keys, values, *cache.layer_scales(layer), chunk.context_slots, self.scale,
                 window, self.softcap,
