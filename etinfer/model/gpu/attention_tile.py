@@ -1,10 +1,27 @@
-"""What the decode and prefill attention kernels do to each tile of scores, as Triton functions
+"""What the decode and prefill attention kernels do to each tile of keys, as Triton functions
 they both call (Triton inlines them; its interpreter runs them as they are)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):  # fmt: skip
+    """The keys and values at cache ``slots`` (rows where ``valid``), in float32: [tile, dim
+    padded], zero where not read; an int8 cache's rows times their scales."""
+    where = slots[:, None] * DIM + dims[None, :]
+    readable = valid[:, None] & in_dim[None, :]
+    keys = tl.load(k_ptr + where, mask=readable, other=0.0).to(tl.float32)
+    values = tl.load(v_ptr + where, mask=readable, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        keys = keys * tl.load(k_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+        values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+    return keys, values
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from etinfer.model.gpu.attention_tile import online_softmax_step, soft_cap
+from etinfer.model.gpu.attention_tile import load_kv_tile, online_softmax_step, soft_cap
 
 
 @triton.jit
@@ -91,15 +91,9 @@ def paged_decode_partials(
             )
             valid = valid & (kept != 0)
         slots = cache_base + blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        where = slots[:, None] * DIM + dims[None, :]
-        readable = valid[:, None] & in_dim[None, :]
-        keys = tl.load(k_ptr + where, mask=readable, other=0.0)
-        values = tl.load(v_ptr + where, mask=readable, other=0.0)
-        keys = keys.to(tl.float32)
-        values = values.to(tl.float32)
-        if HAS_SCALES:
-            keys = keys * tl.load(k_scale_ptr + slots, mask=valid, other=0.0)[:, None]
-            values = values * tl.load(v_scale_ptr + slots, mask=valid, other=0.0)[:, None]
+        keys, values = load_kv_tile(
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM, HAS_SCALES
+        )
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [GROUP_PAD, TILE]
         if CAPPED:
             scores = soft_cap(scores, softcap)
