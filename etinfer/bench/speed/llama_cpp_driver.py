@@ -68,12 +68,16 @@ for size in batches:
 print(json.dumps({{"load_s": load_s, "rss_mib": rss / 2**20,
                   "prefill_tok_s": prompt_len / prefill_s, "decode_tok_s": decode}}))
 if len(sys.argv) > 6:  # teacher-forced logits of our windows, for top-1 and KL against ours
-    windows_path, logits_path = sys.argv[6:8]
+    # Twice where asked: each window in one batch (its prefill path), then one token a call
+    # (its decode path), which llama.cpp computes with other kernels.
+    windows_path, *logits_paths = sys.argv[6:]
     del llm
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
-                n_batch=512, logits_all=True, verbose=False)
-    rows = []
-    for window in json.load(open(windows_path)):
-        llm.reset(); llm.eval(window); rows.append(numpy.array(llm.scores[: len(window) - 1]))
-    numpy.save(logits_path, numpy.concatenate(rows).astype(numpy.float32))
+    for logits_path, n_batch in zip(logits_paths, (512, 1)):
+        llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                    n_batch=n_batch, n_ubatch=n_batch, logits_all=True, verbose=False)
+        rows = []
+        for window in json.load(open(windows_path)):
+            llm.reset(); llm.eval(window); rows.append(numpy.array(llm.scores[: len(window) - 1]))
+        numpy.save(logits_path, numpy.concatenate(rows).astype(numpy.float32))
+        del llm
 """

@@ -115,23 +115,30 @@ def against_float(
 
 def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
     """llama.cpp's logits on the same windows against our float path: how far the file's own
-    engine, which multiplies 4-bit weights by 8-bit activations, is from float32."""
+    engine, which multiplies 4-bit weights by 8-bit activations, is from float32. Its logits
+    computed one token a call (its decode path) are compared with its batched ones too: how far
+    llama.cpp is from itself bounds how closely another engine can follow it."""
     import numpy
 
     reference = float_llm(args.model)
     windows = fidelity_windows(reference, args.fidelity_tokens)
     with tempfile.TemporaryDirectory() as folder:
-        windows_path, logits_path = Path(folder, "windows.json"), Path(folder, "logits.npy")
+        windows_path = Path(folder, "windows.json")
+        paths = [Path(folder, "batched.npy"), Path(folder, "one_token_a_call.npy")]
         windows_path.write_text(json.dumps(windows))
         command = [args.llama_cpp_python, "-c", LLAMA_CPP, model_path(args)]
         command += [str(args.prompt_len), str(args.threads), "1", "1", str(windows_path)]
-        done = subprocess.run([*command, str(logits_path)], capture_output=True, text=True)
+        done = subprocess.run([*command, *map(str, paths)], capture_output=True, text=True)
         if done.returncode:
             print(f"llama.cpp's logits failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return {}
-        logits = torch.from_numpy(numpy.load(logits_path))[: args.fidelity_tokens]
-    result = against_float(logits, reference, windows, args.fidelity_tokens)
-    return result | {"top_tokens": logits.argmax(-1)}
+        batched, one_token = (
+            torch.from_numpy(numpy.load(p))[: args.fidelity_tokens] for p in paths
+        )
+    result = against_float(batched, reference, windows, args.fidelity_tokens)
+    itself = logit_agreement(one_token, batched)
+    result |= {"self_top1": itself["top1_agreement"], "self_kl": itself["kl_mean"]}
+    return result | {"top_tokens": batched.argmax(-1)}
 
 
 def measure_transformers(model_file: str | None, batches: list[int], prompt_len: int) -> dict:
@@ -264,6 +271,12 @@ def main(args: argparse.Namespace) -> int:
     held = f", ours held to {args.isa}" if args.isa else ""
     print(f"\n{args.threads} threads, torch {torch.__version__}, CPU flags: {cpu_flags()}{held}")
     print(table(results, args.batches, args.prompt_len))
+    if "self_top1" in results.get("llama.cpp", {}):
+        r = results["llama.cpp"]
+        print(
+            f"llama.cpp one token a call against its batched logits: top-1 {r['self_top1']:.2%}, "
+            f"KL {r['self_kl']:.5f}"
+        )
     return 0
 
 
