@@ -12,6 +12,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from etinfer.model import native_kernels, quant_kernels
+from etinfer.model.linear import BlockLinear
+from etinfer.model.quantized import GGUFBlocks
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
 
@@ -67,6 +69,21 @@ def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activatio
     # Against the float activations: the 8-bit codes' rounding, documented in BENCHMARKS.md.
     full = x.double() @ weights.T
     assert ((got - full).norm() / full.norm()).item() < (0.01 if block == 32 else 0.02)
+
+
+@pytest.mark.parametrize("out", [40, 36])
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_rows_read_back_from_the_prepared_copy_are_the_files_rows(qtype, out):
+    """A tied embedding and the head's candidates read rows from the kernels' copy (rows
+    interleaved by eight or not): the file's bytes, so the same values as gguf's dequantize."""
+    k = 512
+    data = random_blocks(qtype, out, k, seed=3)
+    weight = quant_kernels.BlockWeight.prepare(qtype, data, k)
+    rows = torch.tensor([0, out - 1, 9, 9, 17, 3])
+    assert torch.equal(weight.file_rows(rows), data[rows])
+    expected = torch.from_numpy(dequantize(data[rows].numpy(), qtype).reshape(-1, k))
+    layer = BlockLinear(GGUFBlocks(qtype, data, k))
+    assert torch.equal(layer.dequantize(rows.view(2, 3)), expected.view(2, 3, k))
 
 
 @pytest.mark.parametrize("out", [40, 36])

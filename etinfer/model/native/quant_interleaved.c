@@ -31,28 +31,48 @@ static int64_t interleaved_block_bytes(int type) {
     }
 }
 
+/* One row's block in GGUF's layout (`file`) and its lane's bytes in an interleaved block, copied
+ * one way or the other: repack8 moves whole files in, unpack8_rows reads rows back out. */
+static void move_lane(int type, uint8_t *file, uint8_t *interleaved, int lane, int inward) {
+    const int header = type == Q4_1 ? 4 : 2, vectors = type == Q8_0 ? 8 : 4;
+#define MOVE(at_file, at_interleaved, bytes)                                                   \
+    (inward ? memcpy(interleaved + (at_interleaved), file + (at_file), bytes)                 \
+            : memcpy(file + (at_file), interleaved + (at_interleaved), bytes))
+    MOVE(0, 2 * lane, 2);                                   // scale
+    if (type == Q4_1) MOVE(2, 16 + 2 * lane, 2);            // minimum
+    /* Q4_0 and Q4_1: byte i holds weight i (low nibble) and 16 + i (high), moved as bytes. */
+    for (int j = 0; j < vectors; ++j)
+        MOVE(header + 4 * j, header_bytes(type) + 32 * j + 4 * lane, 4);
+#undef MOVE
+}
+
+static int64_t file_block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+
 /* src [rows, blocks * row block bytes] in GGUF's layout -> dst interleaved; rows a multiple of
  * 8. Returns -1 for a format without this layout. */
 int repack8(int type, const uint8_t *src, int64_t rows, int64_t blocks, uint8_t *dst) {
     const int64_t size = interleaved_block_bytes(type);
     if (size < 0 || rows % 8) return -1;
-    const int64_t block = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34, row_bytes = blocks * block;
+    const int64_t block = file_block_bytes(type), row_bytes = blocks * block;
     for (int64_t g = 0; g < rows / 8; ++g)
-        for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *out = dst + (g * blocks + b) * size;
-            for (int r = 0; r < 8; ++r) {
-                const uint8_t *in = src + (8 * g + r) * row_bytes + b * block;
-                memcpy(out + 2 * r, in, 2);                             // scale
-                if (type == Q4_1) memcpy(out + 16 + 2 * r, in + 2, 2);  // minimum
-                const uint8_t *codes = in + (type == Q4_1 ? 4 : 2);
-                uint8_t *vectors = out + header_bytes(type);
-                if (type == Q8_0) {
-                    for (int j = 0; j < 8; ++j) memcpy(vectors + 32 * j + 4 * r, codes + 4 * j, 4);
-                } else {  // GGUF: byte i holds weight i (low nibble) and 16 + i (high): the same
-                    for (int j = 0; j < 4; ++j) memcpy(vectors + 32 * j + 4 * r, codes + 4 * j, 4);
-                }
-            }
-        }
+        for (int64_t b = 0; b < blocks; ++b)
+            for (int r = 0; r < 8; ++r)
+                move_lane(type, (uint8_t *)src + (8 * g + r) * row_bytes + b * block,
+                          dst + (g * blocks + b) * size, r, 1);
+    return 0;
+}
+
+/* The inverse for the rows listed: dst [n, blocks * row block bytes] in GGUF's layout, from an
+ * interleaved src (a tied embedding's rows, the head's candidates). */
+int unpack8_rows(int type, const uint8_t *src, int64_t blocks, const int64_t *index, int64_t n,
+                 uint8_t *dst) {
+    const int64_t size = interleaved_block_bytes(type);
+    if (size < 0) return -1;
+    const int64_t block = file_block_bytes(type);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < blocks; ++b)
+            move_lane(type, dst + (i * blocks + b) * block,
+                      (uint8_t *)src + (index[i] / 8 * blocks + b) * size, (int)(index[i] % 8), 0);
     return 0;
 }
 
