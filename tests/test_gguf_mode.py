@@ -4,6 +4,7 @@ float model, and each prompt's tokens the same alone or in a batch."""
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from etinfer import LLM
+from etinfer import LLM, SamplingParams
 from etinfer.bench.common.fidelity import logit_agreement
+from etinfer.bench.speed.memory import mapping_resident_mib
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model import native_kernels, quant_kernels
@@ -77,7 +79,21 @@ def test_every_matrix_of_the_default_file_runs_in_its_blocks(gguf_llm):
     assert isinstance(model.lm_head, TopRefinedLinear) and isinstance(
         model.lm_head.layer, BlockLinear
     )
-    assert isinstance(model.embed, GGUFBlocks)
+    # The tied embedding and the candidates read the head's prepared rows: one copy.
+    assert model.embed is model.lm_head.layer is model.lm_head.weight
+
+
+@cpu_only
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc")
+def test_rows_read_at_random_bring_no_page_of_the_file_back(loaded_model, make_llm):
+    """Once the weights are prepared the file's pages are let go; the embedding's rows and the
+    head's candidates are read from the prepared copy, so a long generation brings none of the
+    file back (reading the file's rows, half the embedding came back in 600 tokens)."""
+    llm = make_llm(quantization="gguf")
+    loaded_model.release_file_pages()  # what other engines over this model read before
+    params = SamplingParams(temperature=1.0, max_tokens=256, seed=0, ignore_eos=True)
+    llm.generate(["Write a story about a lighthouse."], params)
+    assert mapping_resident_mib(loaded_model.file_mapping) == 0
 
 
 @cpu_only

@@ -13,7 +13,8 @@ from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.calibrate import collect
 from etinfer.config import EngineConfig
 from etinfer.corpus import corpus_windows
-from etinfer.model.linear import Int4Linear, Int8Linear, make_linear
+from etinfer.model import quant_kernels
+from etinfer.model.linear import BlockLinear, Int4Linear, Int8Linear, make_linear
 from etinfer.model.quantized import GGUFBlocks, Int4Weight, Int8Weight, weight_format
 from tests.conftest import PROMPTS, assert_alone_equals_batched, cpu_only
 
@@ -159,9 +160,14 @@ def test_separately_loaded_engines_give_the_same_logits(loaded_model):
 def test_default_engine_runs_quantized_kernels(llm, float_llm):
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].gate_up, Int4Linear)
-    # The Q8_0 head: its kernel reads a per-row requantization, its candidates the file's blocks.
-    assert isinstance(model.lm_head.layer, Int8Linear) and model.lm_head.weight is model.embed
-    assert isinstance(model.embed, Int8Weight)
+    if quant_kernels.available():
+        # The Q8_0 head on the block kernels; the tied embedding and the head's candidates read
+        # the rows of its prepared copy, so the matrix is held once.
+        assert isinstance(model.lm_head.layer, BlockLinear)
+        assert model.lm_head.weight is model.lm_head.layer is model.embed
+    else:  # torch's int8 kernel on a per-row requantization, the candidates the file's blocks
+        assert isinstance(model.lm_head.layer, Int8Linear) and model.lm_head.weight is model.embed
+        assert isinstance(model.embed, Int8Weight)
     assert isinstance(float_llm.engine.runner.model.embed, torch.Tensor)
 
 

@@ -132,6 +132,14 @@ class BlockLinear:
         y = self.product(x)
         return y if self.bias is None else y + self.bias
 
+    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Output rows ``rows`` as float32 [*rows.shape, in], read from the kernels' own copy
+        (a tied embedding, the head's candidates): the same bytes as the file's blocks."""
+        (part,) = self.product.parts  # a head or an embedding is one matrix
+        flat = rows.reshape(-1)
+        blocks = GGUFBlocks(part.qtype, part.file_rows(flat), part.in_features)
+        return blocks.dequantize(torch.arange(flat.shape[0])).view(*rows.shape, -1)
+
 
 Layer = Linear | Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear
 
@@ -169,7 +177,7 @@ class TopRefinedLinear:
     def __init__(
         self,
         layer: Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear,
-        weight: Int4Weight | Int8Weight | GGUFBlocks | WeightOnlyLinear,
+        weight: Int4Weight | Int8Weight | GGUFBlocks | BlockLinear | WeightOnlyLinear,
     ) -> None:
         self.layer, self.weight = layer, weight
         self.candidates = min(_REFINED_CANDIDATES, layer.out_features)
@@ -207,5 +215,7 @@ def make_head(weight: Format) -> Linear | TopRefinedLinear:
     layer = make_linear(kernel_weight)
     if isinstance(layer, Linear):
         return layer
-    # The GPU's layer reads its rows back from its own codes (two to a byte in int4).
-    return TopRefinedLinear(layer, layer if isinstance(layer, WeightOnlyLinear) else weight)
+    # The GPU's layer reads its rows back from its own codes (two to a byte in int4), and a
+    # block layer from its prepared blocks: one copy of the matrix, not the file's pages too.
+    reads_itself = isinstance(layer, WeightOnlyLinear | BlockLinear)
+    return TopRefinedLinear(layer, layer if reads_itself else weight)

@@ -20,7 +20,7 @@ from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
 from etinfer.model.gpu.weight_only import WeightOnlyLinear
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.linear import kernel_input_dtype, make_head, make_linear
+from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
 from etinfer.model.norm import RMSNorm
 from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
@@ -73,6 +73,13 @@ class WeightReader:
                 "(they need x86-64-v3, a C compiler and ETINFER_NATIVE not 0); the weights run "
                 "as in 'auto'"
             )
+        # The output head (and an embedding tied to it) in ``auto`` on the CPU takes the block
+        # kernels where they run: on the default Q8_0 head a product 1.8x (AVX-512) to 2.4x
+        # (AVX2) faster than torch's int8 kernel, and one copy of the matrix where torch's
+        # per-row codes needed a second one beside the rows the embedding and the candidates
+        # read (BENCHMARKS.md, issue 35's memory).
+        head_blocks = self.quantization == "auto" and device.type == "cpu"
+        self.head_quantization = "gguf" if head_blocks else self.quantization
         self.used: set[str] = set()
         self.dequantized: list[str] = []
 
@@ -91,10 +98,12 @@ class WeightReader:
         1 + weight, computed so in float32), then in the engine's dtype."""
         return (as_float(self.raw(name)).float() + self.norm_offset).to(self.device, self.dtype)
 
-    def matrix(self, *names: str) -> Format:
-        """The weights of ``names`` stacked by output rows, in their format."""
+    def matrix(self, *names: str, head: bool = False) -> Format:
+        """The weights of ``names`` stacked by output rows, in their format (the output head's,
+        ``head``, where it differs)."""
+        mode = self.head_quantization if head else self.quantization
         weight, dequantized = weight_format(
-            stack_rows([self.raw(n) for n in names]), self.quantization, "+".join(names)
+            stack_rows([self.raw(n) for n in names]), mode, "+".join(names)
         )
         if dequantized:
             self.dequantized.append(dequantized)
@@ -195,15 +204,16 @@ class LlamaWeights:
         dtype: torch.dtype,
     ) -> None:
         read = WeightReader(weights, quantization, device, dtype, family.norm_offset)
-        self.embed = read.matrix("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.embed = read.matrix("model.embed_tokens.weight", head=tied)
         self.layers = [
             family.layer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
         self.norm = read.norm("model.norm.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
-        if tied and isinstance(getattr(self.lm_head, "weight", None), WeightOnlyLinear):
-            self.embed = self.lm_head.weight  # the tied rows read from the head's packed codes
+        self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight", head=True))
+        head_weight = getattr(self.lm_head, "weight", None)
+        if tied and isinstance(head_weight, WeightOnlyLinear | BlockLinear):
+            self.embed = head_weight  # the tied rows read from the head's own copy
         unexpected = sorted(set(weights) - read.used - {"lm_head.weight"})
         if unexpected:
             raise ValueError(f"unexpected weights in the model: {', '.join(unexpected[:5])}")
