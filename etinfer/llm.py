@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from etinfer.calibrate import build_engine
 from etinfer.config import EngineConfig
 from etinfer.engine.request_validator import Prompt
+from etinfer.memory import release_freed_memory
 from etinfer.model.loader import LoadedModel
 from etinfer.model.tokenizer import Message, Tokenizer
 from etinfer.outputs import RequestOutput
@@ -36,6 +37,7 @@ class LLM:
         # Outputs of this LLM's requests, routed here by whichever call steps the engine, so
         # interleaved streams and generate() calls never consume each other's outputs.
         self._outputs: dict[str, deque[RequestOutput]] = {}
+        release_freed_memory()  # what reading the model left behind
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -90,6 +92,8 @@ class LLM:
                     done = {r for r in pending if self._outputs[r]}
                     pending -= done
                     bar.update(len(done))
+            if not self.engine.has_unfinished_requests():
+                release_freed_memory()  # the requests' buffers, which glibc would keep
             return [self._outputs[r].pop() for r in request_ids]
         finally:
             # An interrupt (or any error) must not leave requests holding KV blocks.

@@ -13,11 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from etinfer.engine.llm_engine import LLMEngine
+from etinfer.memory import release_freed_memory
 from etinfer.model.catalog import default_model_path
 from etinfer.server.engine_loop import EngineLoop
 from etinfer.server.errors import APIError, install_handlers
 from etinfer.server.limits import BodySizeLimit, default_max_request_bytes
-from etinfer.server.memory import release_freed_memory
 from etinfer.server.metrics import ServerMetrics
 from etinfer.server.playground import add_playground
 from etinfer.server.prompts import PromptEncoder

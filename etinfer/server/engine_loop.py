@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from etinfer.engine.llm_engine import LLMEngine
+from etinfer.memory import release_freed_memory
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.server.metrics import EngineStats, ServerMetrics
@@ -233,7 +234,8 @@ class EngineLoop:
                 else:
                     for request_id in payload:
                         engine.abort_request(request_id)
-            if engine.has_unfinished_requests():
+            stepped = engine.has_unfinished_requests()
+            if stepped:
                 try:
                     outputs += [(out.request_id, out) for out in engine.step()]
                 except Exception as e:
@@ -243,6 +245,8 @@ class EngineLoop:
                     error = EngineError(f"the engine failed a step: {e}")
                     outputs += [(rid, error) for rid in self._abort_all()]
             self._publish(outputs)
+            if stepped and not engine.has_unfinished_requests():
+                release_freed_memory()  # run dry: the requests' buffers back to the system
 
     def _add(self, requests: list[EngineRequest]) -> list[tuple[str, EngineError]]:
         failed = []

@@ -19,9 +19,9 @@ from typing import TypeVar
 import jinja2
 
 from etinfer.engine.request_validator import ContextLengthError, RequestValidator
+from etinfer.memory import release_freed_memory
 from etinfer.model.tokenizer import Message, Tokenizer
 from etinfer.server.errors import APIError
-from etinfer.server.memory import release_freed_memory
 
 T = TypeVar("T")
 EncodedPrompt = tuple[str | None, list[int]]
