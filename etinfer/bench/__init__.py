@@ -13,7 +13,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench.laws import pruning, sampling, scheduling_sim
     from etinfer.bench.seed_systems import longcontext, speculative, switching
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
-    from etinfer.bench.speed import kernels, kv_cache, quantization, speed, step_profile
+    from etinfer.bench.speed import kernels, kv_cache, memory, quantization, speed, step_profile
     from etinfer.bench.stress import iss_check, stress
     from etinfer.bench.structured import structured
 
@@ -35,6 +35,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     stress.add_command(kinds)
     quantization.add_command(kinds)
     kv_cache.add_command(kinds)
+    memory.add_command(kinds)
     speculative.add_command(kinds)
     switching.add_command(kinds)
     structured.add_command(kinds)

@@ -110,6 +110,13 @@ class KVCache:
                 (*per_block, head_dim), device=device, dtype=summary_dtype
             )
 
+    @property
+    def nbytes(self) -> int:
+        """The pool's bytes: keys, values, their int8 scales and the block summaries."""
+        tensors = (self.keys, self.values, self.key_scales, self.value_scales)
+        tensors += (self.key_bounds, self.mass, self.value_sums)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., head_dim] (float32) as the cache would store it, in float32."""
         if self.dtype == torch.int8:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from etinfer.bench.common.child import child_figures
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.model.linear import Linear
 
@@ -115,8 +115,10 @@ def main(args: argparse.Namespace) -> int:
         command.remove("--isa")
         command.remove(args.isa)
         env = {**os.environ, **ISA_ENV[args.isa]}
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-        columns[f"held to {args.isa}"] = json.loads(done.stdout.splitlines()[-1])
+        held = child_figures(command, f"held to {args.isa}", env)
+        if held is None:
+            return 1
+        columns[f"held to {args.isa}"] = held
     print(f"ms per decode step's weight matmuls, {args.threads} threads, torch {torch.__version__}")
     print(f"CPU flags: {cpu_flags()}")
     heads = [f"{isa}, {rows} rows" for isa in columns for rows in args.rows]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from etinfer import LLM, SamplingParams
+from etinfer.bench.common.child import child_figures
 from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
@@ -193,11 +194,7 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
         env |= ISA_ENV[args.isa]
     if engine.endswith("+no-native"):
         env["ETINFER_NATIVE"] = "0"
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode:
-        print(f"{engine} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(done.stdout.splitlines()[-1])
+    return child_figures(command, engine, env)
 
 
 def best(rounds: list[dict]) -> dict:
