@@ -8,7 +8,8 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
   ``Int8Weight`` (both group 32, as in the file), for torch's kernels; Q5_0 and the K formats
   (Q4_K, Q5_K, Q6_K) stay in their blocks for etinfer's own kernels (``quant_kernels``); float
   tensors stay float. A block type no kernel takes is dequantized to float and the loader says
-  so (a warning naming each tensor and its type).
+  so (a warning naming each tensor and its type). The output head (and a tied embedding) is
+  read as in ``gguf`` where the block kernels run (``llama.WeightReader``).
 - ``gguf``: every block type ``quant_kernels`` takes stays in its blocks and runs on those
   kernels (8-bit activations, as llama.cpp computes); the rest as ``auto``.
 - ``gguf-a16``: as ``gguf``, each activation block multiplied as two 8-bit blocks, its codes and
