@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +145,24 @@ def test_the_kernel_candidates_compute_the_same_product():
     outputs = {name: fn() for name, fn in candidates(64, 96, 3).items()}
     assert all(out.shape == (3, 64) for out in outputs.values())
     torch.testing.assert_close(outputs["f32 oneDNN packed"], outputs["f32 F.linear"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc")
+def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys):
+    """`etinfer bench memory` end to end on the default file, one mode in its own process: the
+    resident set grows from load to steady state, over at least the file and the written pool,
+    and none of the file's pages stays resident beside the prepared weights."""
+    from etinfer.bench.speed import memory
+    from etinfer.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "memory", "--modes", "gguf", "--steady-tokens", "16"]
+    )
+    assert memory.main(args) == 0
+    out = capsys.readouterr().out
+    figures = json.loads(out.split("gguf: ", 1)[1].splitlines()[0])
+    after, budget = figures["after"], figures["file_mib"] + figures["kv_mib"]
+    assert figures["kv_mib"] > 0 and figures["file_mib"] > 90
+    assert budget < after["loaded"] <= after["steady"] < 2 * budget
+    assert figures["file_pages_mib"] == 0
+    assert "| gguf |" in out
