@@ -4,8 +4,9 @@ glibc keeps what a thread frees in that thread's arena for reuse, so a server th
 large transient (a model being read, a long prompt being tokenized) keeps it resident. Measured
 on the default server: +150 to 220 MiB after a few 600 KB prompts were refused, and nothing
 after each was followed by a trim; a trim after loading the model gives back about 170 MiB.
-The front ends (``LLM``, the server's engine loop) trim after loading and whenever the engine
-runs dry: a request's buffers left 8 MiB behind on the default model (about 0.6 ms a trim).
+``LLM`` trims after loading and at the end of a ``generate`` that leaves the engine idle, the
+server after loading and whenever a step leaves its engine idle: a request's buffers left 8 MiB
+behind on the default model (about 0.6 ms a trim).
 """
 
 from __future__ import annotations

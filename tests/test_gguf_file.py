@@ -1,5 +1,6 @@
 """GGUF files we cannot read faithfully are refused by name, not loaded wrong."""
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -9,6 +10,7 @@ from gguf import GGUFReader, GGUFWriter
 
 from etinfer.model import quant_kernels
 from etinfer.model.catalog import default_model_path
+from etinfer.model.gguf_reader import GGUFFile
 from etinfer.model.linear import make_linear
 from etinfer.model.loader import load_model
 from etinfer.model.quantized import stack_rows
@@ -57,13 +59,21 @@ def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_p
         load_model(path)
 
 
+@functools.cache
+def default_vocabulary() -> dict[str, list]:
+    """The default file's tokens, merges and token types, read once (with etinfer's reader:
+    ``gguf``'s takes seconds over the 98,000 strings, and the tests write a dozen files)."""
+    fields = GGUFFile(default_model_path()).fields
+    names = ("tokens", "merges", "token_type")
+    return {f"tokenizer.ggml.{n}": fields[f"tokenizer.ggml.{n}"] for n in names}
+
+
 def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     """A one-layer GGUF of ``arch`` (llama, qwen2 with q/k/v biases, qwen3 with query/key
     norms, gemma2 with its norms around both halves and soft caps) of random float32 weights,
     with the default model's byte-level vocabulary and merges under the pre-tokenizer name
     ``pre``, written by gguf's writer."""
-    source = GGUFReader(default_model_path())
-    fields = {name: source.fields[name].contents() for name in source.fields}
+    fields = default_vocabulary()
     tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], 49152, 16, 32
     writer = GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.embedding_length", hidden)
@@ -273,8 +283,6 @@ def test_llamas_q_and_k_keep_the_files_bytes_and_read_rows_in_the_models_order(l
 def test_our_reader_reads_what_ggufs_reader_reads():
     """The direct reader (model/gguf_reader.py) against the gguf package's, on the default file:
     every field's value, every tensor's name, type, shape and bytes."""
-    from etinfer.model.gguf_reader import GGUFFile
-
     path = default_model_path()
     ours, reference = GGUFFile(path), GGUFReader(path)
     fields = {n: f.contents() for n, f in reference.fields.items() if not n.startswith("GGUF.")}

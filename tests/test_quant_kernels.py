@@ -84,6 +84,9 @@ def test_rows_read_back_from_the_prepared_copy_are_the_files_rows(qtype, out):
     expected = torch.from_numpy(dequantize(data[rows].numpy(), qtype).reshape(-1, k))
     layer = BlockLinear(GGUFBlocks(qtype, data, k))
     assert torch.equal(layer.dequantize(rows.view(2, 3)), expected.view(2, 3, k))
+    for outside in (out, -1 if weight.interleaved else -out - 1):  # torch's rows wrap from -out
+        with pytest.raises(IndexError):
+            weight.file_rows(torch.tensor([0, outside]))
 
 
 @pytest.mark.parametrize("out", [40, 36])

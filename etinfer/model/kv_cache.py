@@ -111,11 +111,15 @@ class KVCache:
             )
 
     @property
-    def nbytes(self) -> int:
-        """The pool's bytes: keys, values, their int8 scales and the block summaries."""
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything the pool allocates: keys, values, their int8 scales, block summaries."""
         tensors = (self.keys, self.values, self.key_scales, self.value_scales)
         tensors += (self.key_bounds, self.mass, self.value_sums)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return [t for t in tensors if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., head_dim] (float32) as the cache would store it, in float32."""

@@ -138,6 +138,8 @@ class BlockLinear:
         (part,) = self.product.parts  # a head or an embedding is one matrix
         flat = rows.reshape(-1)
         blocks = GGUFBlocks(part.qtype, part.file_rows(flat), part.in_features)
+        # Asked for each of its rows, a GGUFBlocks decodes 4- and 8-bit rows by torch operations
+        # (asked for none, it would call gguf's numpy dequantizer, ten times slower at batch 1).
         return blocks.dequantize(torch.arange(flat.shape[0])).view(*rows.shape, -1)
 
 
@@ -202,12 +204,13 @@ def kernel_input_dtype(layer: Layer) -> torch.dtype | None:
 
 
 def make_head(weight: Format) -> Linear | TopRefinedLinear:
-    """The output head. On the CPU an 8-bit head in groups (Q8_0) runs on the int8 kernel
-    requantized per row, unlike the other layers: its two-plane form reads every weight twice
-    and took twice as long at batch 1 (0.78 against 0.37 ms on the default head). The second
-    rounding reaches only the logits past the refined candidates: entropy moved by 4e-4 nats
-    on average on real text, while bfloat16 output rounding alone moves it by 1.6e-3
-    (BENCHMARKS.md)."""
+    """The output head. A head in GGUF blocks takes the block kernels where they run (the
+    reader gives it to them in ``auto`` too). Without them, an 8-bit head in groups (Q8_0) runs
+    on the int8 kernel requantized per row, unlike the other layers: its two-plane form reads
+    every weight twice and took twice as long at batch 1 (0.78 against 0.37 ms on the default
+    head). The second rounding reaches only the logits past the refined candidates: entropy
+    moved by 4e-4 nats on average on real text, while bfloat16 output rounding alone moves it
+    by 1.6e-3 (BENCHMARKS.md)."""
     kernel_weight = weight
     grouped = isinstance(weight, Int8Weight) and weight.group_size != weight.shape[1]
     if grouped and weight.codes.device.type == "cpu":  # the GPU's kernel takes groups

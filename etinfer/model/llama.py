@@ -74,10 +74,10 @@ class WeightReader:
                 "as in 'auto'"
             )
         # The output head (and an embedding tied to it) in ``auto`` on the CPU takes the block
-        # kernels where they run: on the default Q8_0 head a product 1.8x (AVX-512) to 2.4x
-        # (AVX2) faster than torch's int8 kernel, and one copy of the matrix where torch's
-        # per-row codes needed a second one beside the rows the embedding and the candidates
-        # read (BENCHMARKS.md, issue 35's memory).
+        # kernels where they run and take its format: on the default Q8_0 head a product 1.8x
+        # (AVX-512) to 2.4x (AVX2) faster than torch's int8 kernel (a Q4_0/Q4_1 head 2.5-3.7x
+        # torch's int4 kernel), and one copy of the matrix where torch's per-row codes needed a
+        # second beside the rows the embedding and the candidates read (BENCHMARKS.md).
         head_blocks = self.quantization == "auto" and device.type == "cpu"
         self.head_quantization = "gguf" if head_blocks else self.quantization
         self.used: set[str] = set()

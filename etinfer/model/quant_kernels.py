@@ -102,7 +102,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.block_linear.restype = ctypes.c_int
     library.repack8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer]
     library.repack8.restype = ctypes.c_int
-    library.unpack8_rows.argtypes = [ctypes.c_int, pointer, i64, pointer, i64, pointer]
+    library.unpack8_rows.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer]
     library.unpack8_rows.restype = ctypes.c_int
     return library
 
@@ -153,10 +153,11 @@ class BlockWeight:
         return cls(qtype, repacked, out, in_features, True)
 
     def file_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``index`` [n] in the file's layout [n, bytes a row], read from ``data``: a tied
-        embedding and the head's refined candidates read the prepared copy, not the file's
-        mapping, whose pages would otherwise come back a 64 KB fault at a time until the process
-        held the matrix twice."""
+        """Rows ``index`` [n] in the file's layout [n, bytes a row], read from ``data``. A tied
+        embedding and the head's refined candidates read them here: where the rows were
+        interleaved, ``data`` is a copy and the file's pages were let go, which reading the
+        file's rows would bring back a 64 KB fault at a time until the process held the matrix
+        twice (elsewhere ``data`` is the file's mapping, which the kernel reads anyway)."""
         if not self.interleaved:
             return self.data[index]
         library = _library()
@@ -164,10 +165,12 @@ class BlockWeight:
         index = index.to(torch.int64).contiguous()
         rows = torch.empty(index.shape[0], self.data.shape[1], dtype=torch.uint8)
         blocks = self.in_features // GGML_QUANT_SIZES[self.qtype][0]
-        library.unpack8_rows(
-            int(self.qtype), self.data.data_ptr(), blocks, index.data_ptr(), index.shape[0],
-            rows.data_ptr(),
+        status = library.unpack8_rows(
+            int(self.qtype), self.data.data_ptr(), self.out_features, blocks, index.data_ptr(),
+            index.shape[0], rows.data_ptr(),
         )  # fmt: skip
+        if status != 0:
+            raise IndexError(f"rows outside the {self.out_features} of a {self.qtype.name} weight")
         return rows
 
 

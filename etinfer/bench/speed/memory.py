@@ -3,7 +3,8 @@
     etinfer bench memory --modes auto gguf none
 
 Each mode runs in a fresh process of its own (Linux: the figures are the process's resident set
-from ``/proc/self/status``), measured over what ``import torch, etinfer`` holds, at four points:
+from ``/proc/self/status``, the file's resident pages from ``/proc/self/pagemap``), measured over
+what ``import torch, etinfer`` holds, at four points:
 
 - ``model``: after ``load_model`` (the file's metadata read, the tokenizer built);
 - ``loaded``: after ``LLM(model, quantization=MODE, num_kvcache_blocks=N)``;
@@ -65,13 +66,12 @@ def child(args: argparse.Namespace) -> dict:
     model = load_model(args.model)
     after = {"model": resident_mib() - base}
     llm = LLM(model, quantization=args.child, num_kvcache_blocks=args.kv_blocks)
-    cache = llm.engine.runner.cache
-    for tensor in (cache.keys, cache.values):  # every page of the pool, as once it has filled
+    for tensor in llm.engine.runner.cache.tensors:  # every page, as once the pool has filled
         tensor.zero_()
     after["loaded"] = resident_mib() - base
     llm.chat([{"role": "user", "content": "Hello, how are you?"}], SamplingParams(max_tokens=16))
     after["request"] = resident_mib() - base
-    params = SamplingParams(temperature=1.0, max_tokens=args.steady_tokens, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=args.steady_tokens, seed=0, ignore_eos=True)
     llm.generate(["Write a long story about a lighthouse keeper."], params)
     after["steady"] = resident_mib() - base
     return {
@@ -104,8 +104,10 @@ def main(args: argparse.Namespace) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    if not Path("/proc/self/smaps").exists():
-        print("bench memory reads /proc (Linux)", file=sys.stderr)
+    if not Path("/proc/self/pagemap").exists():
+        print(
+            "bench memory reads Linux's /proc/self/status and /proc/self/pagemap", file=sys.stderr
+        )
         return 1
     results = {}
     for mode in args.modes:
@@ -114,9 +116,10 @@ def main(args: argparse.Namespace) -> int:
         command += ["--steady-tokens", str(args.steady_tokens)]
         command += ["--model", args.model] if args.model else []
         figures = child_figures(command, mode)
-        if figures is not None:
-            results[mode] = figures
-            print(f"{mode}: {json.dumps(figures)}", flush=True)
+        if figures is None:
+            return 1
+        results[mode] = figures
+        print(f"{mode}: {json.dumps(figures)}", flush=True)
     print(f"\nMiB over `import torch, etinfer`, {args.threads} threads, CPU flags: {cpu_flags()}")
     print(table(results))
     return 0

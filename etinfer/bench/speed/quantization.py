@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from etinfer import LLM, SamplingParams
-from etinfer.bench.common.child import child_figures
+from etinfer.bench.common.child import child_figures, run_child
 from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
@@ -129,9 +128,7 @@ def llama_cpp_fidelity(args: argparse.Namespace) -> dict:
         windows_path.write_text(json.dumps(windows))
         command = [args.llama_cpp_python, "-c", LLAMA_CPP, model_path(args)]
         command += [str(args.prompt_len), str(args.threads), "1", "1", str(windows_path)]
-        done = subprocess.run([*command, *map(str, paths)], capture_output=True, text=True)
-        if done.returncode:
-            print(f"llama.cpp's logits failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        if run_child([*command, *map(str, paths)], "llama.cpp's logits") is None:
             return {}
         batched, one_token = (
             torch.from_numpy(numpy.load(p))[: args.fidelity_tokens] for p in paths

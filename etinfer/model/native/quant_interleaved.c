@@ -33,11 +33,12 @@ static int64_t interleaved_block_bytes(int type) {
 
 /* One row's block in GGUF's layout (`file`) and its lane's bytes in an interleaved block, copied
  * one way or the other: repack8 moves whole files in, unpack8_rows reads rows back out. */
-static void move_lane(int type, uint8_t *file, uint8_t *interleaved, int lane, int inward) {
+static void move_lane(int type, uint8_t *file, uint8_t *interleaved, int lane,
+                      int to_interleaved) {
     const int header = type == Q4_1 ? 4 : 2, vectors = type == Q8_0 ? 8 : 4;
 #define MOVE(at_file, at_interleaved, bytes)                                                   \
-    (inward ? memcpy(interleaved + (at_interleaved), file + (at_file), bytes)                 \
-            : memcpy(file + (at_file), interleaved + (at_interleaved), bytes))
+    (to_interleaved ? memcpy(interleaved + (at_interleaved), file + (at_file), bytes)                 \
+                    : memcpy(file + (at_file), interleaved + (at_interleaved), bytes))
     MOVE(0, 2 * lane, 2);                                   // scale
     if (type == Q4_1) MOVE(2, 16 + 2 * lane, 2);            // minimum
     /* Q4_0 and Q4_1: byte i holds weight i (low nibble) and 16 + i (high), moved as bytes. */
@@ -63,11 +64,14 @@ int repack8(int type, const uint8_t *src, int64_t rows, int64_t blocks, uint8_t 
 }
 
 /* The inverse for the rows listed: dst [n, blocks * row block bytes] in GGUF's layout, from an
- * interleaved src (a tied embedding's rows, the head's candidates). */
-int unpack8_rows(int type, const uint8_t *src, int64_t blocks, const int64_t *index, int64_t n,
-                 uint8_t *dst) {
+ * interleaved src of `rows` rows (a tied embedding's rows, the head's candidates). Returns -1 for
+ * a format without this layout, -2 for a row outside [0, rows), before anything is copied. */
+int unpack8_rows(int type, const uint8_t *src, int64_t rows, int64_t blocks, const int64_t *index,
+                 int64_t n, uint8_t *dst) {
     const int64_t size = interleaved_block_bytes(type);
     if (size < 0) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        if (index[i] < 0 || index[i] >= rows) return -2;
     const int64_t block = file_block_bytes(type);
     for (int64_t i = 0; i < n; ++i)
         for (int64_t b = 0; b < blocks; ++b)
