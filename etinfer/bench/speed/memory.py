@@ -8,7 +8,7 @@ what ``import torch, etinfer`` holds, at four points:
 
 - ``model``: after ``load_model`` (the file's metadata read, the tokenizer built);
 - ``loaded``: after ``LLM(model, quantization=MODE, num_kvcache_blocks=N)``;
-- ``request``: after one short chat request;
+- ``request``: after one short request;
 - ``steady``: after ``--steady-tokens`` more generated at temperature 1, where rows read at
   random (the embedding's, the head's candidates) have had time to bring pages back.
 
@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> dict:
     for tensor in llm.engine.runner.cache.tensors:  # every page, as once the pool has filled
         tensor.zero_()
     after["loaded"] = resident_mib() - base
-    llm.chat([{"role": "user", "content": "Hello, how are you?"}], SamplingParams(max_tokens=16))
+    llm.generate(["Hello, how are you?"], SamplingParams(max_tokens=16))  # base models too
     after["request"] = resident_mib() - base
     params = SamplingParams(temperature=1.0, max_tokens=args.steady_tokens, seed=0, ignore_eos=True)
     llm.generate(["Write a long story about a lighthouse keeper."], params)
