@@ -32,12 +32,12 @@ static int64_t interleaved_block_bytes(int type) {
 }
 
 /* One row's block in GGUF's layout (`file`) and its lane's bytes in an interleaved block, copied
- * one way or the other: repack8 moves whole files in, unpack8_rows reads rows back out. */
+ * one way or the other: repack8 moves whole weights in, unpack8_rows reads rows back out. */
 static void move_lane(int type, uint8_t *file, uint8_t *interleaved, int lane,
                       int to_interleaved) {
     const int header = type == Q4_1 ? 4 : 2, vectors = type == Q8_0 ? 8 : 4;
-#define MOVE(at_file, at_interleaved, bytes)                                                   \
-    (to_interleaved ? memcpy(interleaved + (at_interleaved), file + (at_file), bytes)                 \
+#define MOVE(at_file, at_interleaved, bytes)                                            \
+    (to_interleaved ? memcpy(interleaved + (at_interleaved), file + (at_file), bytes) \
                     : memcpy(file + (at_file), interleaved + (at_interleaved), bytes))
     MOVE(0, 2 * lane, 2);                                   // scale
     if (type == Q4_1) MOVE(2, 16 + 2 * lane, 2);            // minimum
