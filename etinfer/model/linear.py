@@ -136,11 +136,8 @@ class BlockLinear:
         """Output rows ``rows`` as float32 [*rows.shape, in], read from the kernels' own copy
         (a tied embedding, the head's candidates): the same bytes as the file's blocks."""
         (part,) = self.product.parts  # a head or an embedding is one matrix
-        flat = rows.reshape(-1)
-        blocks = GGUFBlocks(part.qtype, part.file_rows(flat), part.in_features)
-        # Asked for each of its rows, a GGUFBlocks decodes 4- and 8-bit rows by torch operations
-        # (asked for none, it would call gguf's numpy dequantizer, ten times slower at batch 1).
-        return blocks.dequantize(torch.arange(flat.shape[0])).view(*rows.shape, -1)
+        blocks = GGUFBlocks(part.qtype, part.file_rows(rows.reshape(-1)), part.in_features)
+        return blocks.decoded().view(*rows.shape, -1)
 
 
 Layer = Linear | Int4Linear | Int8Linear | BlockLinear | WeightOnlyLinear

@@ -83,16 +83,20 @@ class GGUFBlocks:
         if rows is None:
             values = dequantize(self.ordered.numpy(), self.qtype).reshape(self.shape)
             return torch.from_numpy(values.astype("float32", copy=False))
-        part = self.rows(rows.reshape(-1))
+        return self.rows(rows.reshape(-1)).decoded().view(*rows.shape, self.in_features)
+
+    def decoded(self) -> torch.Tensor:
+        """Every row as float32 [out, in]: Q4_0, Q4_1 and Q8_0 by torch operations with gguf's
+        formulas, other formats by ``gguf``."""
         if self.qtype not in NATIVE_TYPES:
-            return part.dequantize().view(*rows.shape, self.in_features)
-        fields, codes = part.blocks()
+            return self.dequantize()
+        fields, codes = self.blocks()
         d, codes = fields[..., :1], codes.float()
         if self.qtype == _Q.Q8_0:
             values = d * codes
         else:
             values = d * (codes - 8) if self.qtype == _Q.Q4_0 else d * codes + fields[..., 1:2]
-        return values.view(*rows.shape, self.in_features)
+        return values.view(self.shape)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block headers as float32 [out, blocks, fields] and each weight's code [out,
