@@ -71,6 +71,32 @@ def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activatio
     assert ((got - full).norm() / full.norm()).item() < (0.01 if block == 32 else 0.02)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_float_activations_give_float32s_product_the_same_for_a_row_in_any_batch(qtype):
+    """``auto``'s 4-bit path without AVX-512: the file's weights times the activations as they
+    are (float32's error, no 8-bit rounding), a row's bits the same alone, in any batch and on
+    any thread count, two stacked parts as one call."""
+    k = 512
+    first, second = random_blocks(qtype, 40, k, seed=5), random_blocks(qtype, 16, k, seed=6)
+    parts = [quant_kernels.BlockWeight.prepare(qtype, d, k) for d in (first, second)]
+    product = quant_kernels.BlockProduct(parts, float_activations=True)
+    weights = torch.from_numpy(
+        dequantize(torch.cat([first, second]).numpy(), qtype).reshape(56, k)
+    ).double()
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(2))
+    got = product(x)
+    exact = x.double() @ weights.T
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (slice(3, 4), slice(0, 5), slice(2, 11)):
+                assert torch.equal(product(x[rows]), got[rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("out", [40, 36])
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
 def test_rows_read_back_from_the_prepared_copy_are_the_files_rows(qtype, out):

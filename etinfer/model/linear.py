@@ -117,7 +117,8 @@ class Int8Linear:
 class BlockLinear:
     """A GGUF weight in its own blocks on etinfer's kernels (``quant_kernels``): float32 in and
     out, the activations quantized to 8 bits a block inside the call (twice, the second time
-    what the first left out, where the weight's ``activation_bits`` is 16)."""
+    what the first left out, where the weight's ``activation_bits`` is 16; not at all, float32
+    as they are, where it is 32)."""
 
     def __init__(self, weight: GGUFBlocks | MixedBlocks, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -126,6 +127,7 @@ class BlockLinear:
         self.product = quant_kernels.BlockProduct(
             [quant_kernels.BlockWeight.prepare(p.qtype, p.ordered, p.in_features) for p in parts],
             precise=weight.activation_bits == 16,
+            float_activations=weight.activation_bits == 32,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ _SOURCES = [
     _NATIVE / "quant_activations.c",
     _NATIVE / "quant_matmul.c",
     _NATIVE / "quant_interleaved.c",
+    _NATIVE / "quant_float.c",
     _NATIVE / "pool.c",
 ]
 # Formats whose rows are interleaved by eight at load (native/quant_interleaved.c says why).
@@ -104,11 +105,22 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.repack8.restype = ctypes.c_int
     library.unpack8_rows.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer]
     library.unpack8_rows.restype = ctypes.c_int
+    library.float_linear.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64]
+    library.float_linear.restype = ctypes.c_int
     return library
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def float_activations_pay() -> bool:
+    """Whether 4-bit weights (Q4_0, Q4_1) in ``auto`` take these kernels with float32
+    activations (``native/quant_float.c``) rather than torch's int4 kernel: on hosts without
+    AVX-512, or with ATen held to AVX2, where torch's kernel took twice this one's time at batch
+    1 and no less at 16; with AVX-512 torch's is faster (BENCHMARKS.md)."""
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+    return available() and (held or "avx512f" not in native_kernels.cpu_flags().split())
 
 
 def takes(qtype: GGMLQuantizationType, in_features: int) -> bool:
@@ -179,9 +191,13 @@ class BlockProduct:
     [rows, in] times their transpose, [rows, sum of outs] float32. Fused projections may mix
     formats (Q4_K_M files keep v in Q6_K beside q and k in Q4_K); the activations are quantized
     once for each block size the parts need. ``precise``: each activation block as two 8-bit
-    blocks, its codes and its remainder's, both multiplied in one pass over the weights."""
+    blocks, its codes and its remainder's, both multiplied in one pass over the weights.
+    ``float_activations``: interleaved Q4_0/Q4_1 parts times the float32 activations as they
+    are (``float_activations_pay``)."""
 
-    def __init__(self, parts: list[BlockWeight], precise: bool = False) -> None:
+    def __init__(
+        self, parts: list[BlockWeight], precise: bool = False, float_activations: bool = False
+    ) -> None:
         widths = {part.in_features for part in parts}
         if len(widths) != 1:
             raise ValueError(f"stacked weights of different input widths {sorted(widths)}")
@@ -189,6 +205,7 @@ class BlockProduct:
         self.name = "+".join(part.qtype.name for part in parts)  # for errors: Q4_K+Q6_K
         self.in_features = widths.pop()
         self.precise = precise
+        self.float_activations = float_activations
         self.out_features = sum(part.out_features for part in parts)
         self._table = (_Part * len(parts))(
             *(_Part(p.qtype, p.data.data_ptr(), p.out_features, p.block_bytes, p.interleaved)
@@ -204,10 +221,16 @@ class BlockProduct:
         if k != self.in_features:
             raise ValueError(f"an input of {k} for a {self.name} weight of {self.in_features}")
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        status = library.block_linear(
-            self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
-            torch.get_num_threads(), self.precise,
-        )  # fmt: skip
+        if self.float_activations:
+            status = library.float_linear(
+                self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        else:
+            status = library.block_linear(
+                self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
+                torch.get_num_threads(), self.precise,
+            )  # fmt: skip
         if status == -3:
             raise MemoryError(f"no memory for {rows} rows of quantized activations")
         if status != 0:  # BlockWeight.prepare admits only formats and layouts with a kernel

@@ -5,7 +5,9 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
 
 - ``none``: float, dequantized by the ``gguf`` package exactly as before.
 - ``auto``: a GGUF keeps its own format. Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
-  ``Int8Weight`` (both group 32, as in the file), for torch's kernels; Q5_0 and the K formats
+  ``Int8Weight`` (both group 32, as in the file), for torch's kernels, except that on hosts
+  without AVX-512 Q4_0 and Q4_1 stay in their blocks on etinfer's kernel for float32
+  activations (``quant_kernels.float_activations_pay``); Q5_0 and the K formats
   (Q4_K, Q5_K, Q6_K) stay in their blocks for etinfer's own kernels (``quant_kernels``); float
   tensors stay float. A block type no kernel takes is dequantized to float and the loader says
   so (a warning naming each tensor and its type). The output head (and a tied embedding) is
@@ -52,8 +54,9 @@ class GGUFBlocks:
     qtype: GGMLQuantizationType
     data: torch.Tensor  # uint8 [out, bytes per row], as the file stores them
     in_features: int
-    # Bits of the activations the kernels multiply it by: 8, or 16 as two 8-bit parts
-    # (``gguf-a16``); how the product is computed, set by the mode, not read from the file.
+    # Bits of the activations the kernels multiply it by: 8, 16 as two 8-bit parts
+    # (``gguf-a16``), or 32, float32 as they are (``auto``'s 4-bit weights without AVX-512); how
+    # the product is computed, set by the mode, not read from the file.
     activation_bits: int = 8
     # Output row ``o`` is row ``order[o]`` of ``data`` (None: the file's order). Where the file
     # orders rows otherwise than the model (llama.cpp's rotary layout of q and k), the rows are
@@ -282,6 +285,9 @@ def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | N
     own_kernel = quant_kernels.takes(weight.qtype, weight.in_features)
     if own_kernel and (mode in BLOCK_MODES or not native):
         return replace(weight, activation_bits=bits), None
+    four_bits = weight.qtype in (_Q.Q4_0, _Q.Q4_1) and weight.shape[0] % 8 == 0
+    if own_kernel and four_bits and quant_kernels.float_activations_pay():
+        return replace(weight, activation_bits=32), None  # interleaved, float32 activations
     if weight.qtype == _Q.Q8_0:
         return Int8Weight.from_gguf(weight), None
     if native:
