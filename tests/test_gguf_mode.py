@@ -37,7 +37,7 @@ def test_a_format_torch_has_no_kernel_for_stays_in_its_blocks():
     assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.01  # the 8-bit activations
 
 
-def test_gguf_mode_keeps_q4_1_in_its_blocks_where_auto_maps_it_onto_torchs_kernel():
+def test_gguf_mode_keeps_q4_1_in_its_blocks_and_auto_takes_the_hosts_faster_4_bit_kernel():
     values = np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)
     blocks = GGUFBlocks(Q.Q4_1, torch.from_numpy(quantize(values, Q.Q4_1)), 64)
     assert weight_format(blocks, "gguf", "w")[0] == blocks
@@ -46,6 +46,9 @@ def test_gguf_mode_keeps_q4_1_in_its_blocks_where_auto_maps_it_onto_torchs_kerne
         assert weight_format(blocks, "auto", "w")[0] == replace(blocks, activation_bits=32)
     else:
         assert isinstance(weight_format(blocks, "auto", "w")[0], Int4Weight)
+    # Rows the kernels cannot interleave by eight go to torch's kernel on every host.
+    twelve = GGUFBlocks(Q.Q4_1, blocks.data[:12], 64)
+    assert isinstance(weight_format(twelve, "auto", "w")[0], Int4Weight)
 
 
 @cpu_only

@@ -23,7 +23,7 @@ def blocks_of(values: np.ndarray, qtype: Q) -> GGUFBlocks:
     return GGUFBlocks(qtype, torch.from_numpy(quantize(values, qtype)), values.shape[1])
 
 
-def kernel_weights(weight: Int4Weight | Int8Weight) -> torch.Tensor:
+def kernel_weights(weight: Int4Weight | Int8Weight | GGUFBlocks) -> torch.Tensor:
     """The [out, in] weights a layer multiplies by, read back through the kernel in float32
     (an identity matrix of inputs returns them column by column)."""
     layer = make_linear(weight, dtype=torch.float32)

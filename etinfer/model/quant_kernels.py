@@ -119,8 +119,15 @@ def float_activations_pay() -> bool:
     activations (``native/quant_float.c``) rather than torch's int4 kernel: on hosts without
     AVX-512, or with ATen held to AVX2, where torch's kernel took twice this one's time at batch
     1 and no less at 16; with AVX-512 torch's is faster (BENCHMARKS.md)."""
-    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
-    return available() and (held or "avx512f" not in native_kernels.cpu_flags().split())
+    return available() and _without_avx512()
+
+
+@functools.cache
+def _without_avx512() -> bool:
+    """No AVX-512 for torch's kernels: the CPU lacks it, or ATen is held below it (read once:
+    /proc/cpuinfo is long on large hosts, and a model asks for each of its weights)."""
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
+    return held or "avx512f" not in native_kernels.cpu_flags().split()
 
 
 def takes(qtype: GGMLQuantizationType, in_features: int) -> bool:
@@ -232,7 +239,8 @@ class BlockProduct:
                 torch.get_num_threads(), self.precise,
             )  # fmt: skip
         if status == -3:
-            raise MemoryError(f"no memory for {rows} rows of quantized activations")
+            kept = "block sums" if self.float_activations else "quantized activations"
+            raise MemoryError(f"no memory for {rows} rows of {kept}")
         if status != 0:  # BlockWeight.prepare admits only formats and layouts with a kernel
             raise RuntimeError(f"block kernel refused a {self.name} weight: {status}")
         return out

@@ -7,6 +7,27 @@
  */
 #include "pool.h"
 
+#include <pthread.h>
+#include <stdlib.h>
+
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_bytes;
+static pthread_key_t scratch_owner;  // its destructor frees a thread's buffer when it exits
+static pthread_once_t owner_made = PTHREAD_ONCE_INIT;
+
+static void make_owner(void) { pthread_key_create(&scratch_owner, free); }
+
+void *scratch_of(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        pthread_once(&owner_made, make_owner);
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+        pthread_setspecific(scratch_owner, scratch);
+    }
+    return scratch;
+}
+
 int64_t chunk_size(int64_t total, int64_t threads, int64_t minimum, int64_t multiple) {
     if (threads <= 1) return total;
     const int64_t share = (total + 8 * threads - 1) / (8 * threads);
@@ -16,6 +37,7 @@ int64_t chunk_size(int64_t total, int64_t threads, int64_t minimum, int64_t mult
 
 void run_parallel(void (*fn)(void *, int64_t, int64_t), void *arg, int64_t total, int64_t chunk,
                   int64_t threads) {
+    if (total <= 0) return;
     const int64_t chunks = (total + chunk - 1) / chunk;
     if (threads > chunks) threads = chunks;
     if (threads <= 1) {

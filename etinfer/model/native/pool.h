@@ -1,5 +1,6 @@
 /* How the quantized matmuls share a call's output rows among threads (pool.c). */
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 /* Calls fn(arg, first, end) over [0, total) in chunks of `chunk` on up to `threads` of torch's
@@ -12,3 +13,8 @@ void run_parallel(void (*fn)(void *, int64_t, int64_t), void *arg, int64_t total
  * beside it: chunks of 16 rows made two threads barely faster than one on the default model's
  * 576-row matrices. */
 int64_t chunk_size(int64_t total, int64_t threads, int64_t minimum, int64_t multiple);
+
+/* A buffer of at least `bytes` of the calling thread's own, kept for its next call (a large
+ * prefill's buffers would otherwise be mapped and unmapped on every call); NULL without memory.
+ * Freed when the thread exits. */
+void *scratch_of(size_t bytes);

@@ -10,8 +10,6 @@
  * is one lane through the same operations in the same order whatever the call's other rows, so
  * results are row-invariant; the products are float32's own (no rounding of the activations).
  */
-#include <stdlib.h>
-
 #include "pool.h"
 #include "quant.h"
 
@@ -81,27 +79,46 @@ static void run_float_groups(void *arg, int64_t first, int64_t end) {
     }
 }
 
+typedef struct {
+    const float *x;
+    int64_t k;
+    float *sums;
+} SumTask;
+
+/* Rows [first, end)'s block sums, each by the same tree of vector adds: where a row is summed,
+ * and beside which rows, does not change its bits. */
+static void sum_blocks(void *arg, int64_t first, int64_t end) {
+    const SumTask *t = arg;
+    const int64_t blocks = t->k / 32;
+    for (int64_t r = first; r < end; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float *x = t->x + r * t->k + 32 * b;
+            const __m256 low = _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+            const __m256 high = _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24));
+            t->sums[r * blocks + b] = lanes_sum(_mm256_add_ps(low, high));
+        }
+}
+
 /* y [rows, sum of the parts' outs] = x [rows, k] times the parts' weights stacked by output rows,
  * every part interleaved Q4_0 or Q4_1. Returns 0; -1 for another format or layout, -3 without
- * memory for the activations' block sums. */
+ * memory for the activations' block sums (a buffer of the calling thread's, kept for its next
+ * call). */
 int float_linear(const BlockPart *parts, int64_t count, const float *x, int64_t rows, int64_t k,
                  float *y, int64_t threads) {
     int64_t total = 0;
     for (int64_t p = 0; p < count; ++p) {
         const int type = (int)parts[p].type;
-        if ((type != Q4_0 && type != Q4_1) || !parts[p].interleaved || k % 32) return -1;
+        if ((type != Q4_0 && type != Q4_1) || !parts[p].interleaved || parts[p].out % 8)
+            return -1;
         total += parts[p].out;
     }
+    if (k <= 0 || k % 32) return -1;
     if (rows == 0 || total == 0) return 0;
     const int64_t blocks = k / 32;
-    float *sums = malloc((size_t)(rows * blocks) * sizeof(float));
+    float *sums = scratch_of((size_t)(rows * blocks) * sizeof(float));
     if (sums == NULL) return -3;
-    for (int64_t r = 0; r < rows; ++r)  // each row's block sums in one order, alone
-        for (int64_t b = 0; b < blocks; ++b) {
-            float s = 0.0f;
-            for (int i = 0; i < 32; ++i) s += x[r * k + 32 * b + i];
-            sums[r * blocks + b] = s;
-        }
+    SumTask sum = {x, k, sums};
+    run_parallel(sum_blocks, &sum, rows, chunk_size(rows, threads, 64, 1), threads);
     int64_t column = 0;
     for (int64_t p = 0; p < count; ++p) {
         FloatTask task = {(int)parts[p].type, blocks, k, rows, total, parts[p].w, x, sums,
@@ -110,6 +127,5 @@ int float_linear(const BlockPart *parts, int64_t count, const float *x, int64_t 
         run_parallel(run_float_groups, &task, groups, chunk_size(groups, threads, 2, 1), threads);
         column += parts[p].out;
     }
-    free(sums);
     return 0;
 }

@@ -8,28 +8,8 @@
  * The quantized activations live in a buffer of the calling thread's, grown as needed and kept
  * until the thread ends: engines in different threads never share one.
  */
-#include <pthread.h>
-#include <stdlib.h>
-
+#include "pool.h"
 #include "quant.h"
-
-static _Thread_local void *scratch;
-static _Thread_local size_t scratch_bytes;
-static pthread_key_t scratch_owner;  // its destructor frees a thread's buffer when it exits
-static pthread_once_t owner_made = PTHREAD_ONCE_INIT;
-
-static void make_owner(void) { pthread_key_create(&scratch_owner, free); }
-
-static void *scratch_of(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        pthread_once(&owner_made, make_owner);
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch ? bytes : 0;
-        pthread_setspecific(scratch_owner, scratch);
-    }
-    return scratch;
-}
 
 /* The products of `rows` activation rows (as quantize_act32/256 left them) and every part, into
  * y's columns. Returns 0, or the first part's nonzero status. */
