@@ -88,7 +88,11 @@ def test_a_fixed_seed_reproduces_tokens_and_temperatures(llm, chats, control):
 
 @pytest.mark.parametrize("estimator", ["topk", "tail"])
 def test_top_k_estimators_drive_the_controller_too(llm, chats, fixed, estimator):
-    outs = run(llm, chats, entropy_target=TARGET, entropy_estimator=estimator, entropy_topk=64)
+    # Two seeds' samples: with one, the top-k estimator's ratio ranged 0.51-0.60 over seeds
+    # (its truncated entropy tracks less tightly than the tail-corrected one's 0.31-0.39), so a
+    # last-bit change in the kernels could move it across the bound by chance alone.
+    params = dict(entropy_target=TARGET, entropy_estimator=estimator, entropy_topk=64)
+    outs = [o for seed in (3, 4) for o in run(llm, chats, seed=seed, **params)]
     assert tracking(outs)[0] <= 0.6 * fixed[0]
 
 
