@@ -59,22 +59,41 @@ def test_a_file_whose_block_data_is_cut_short_is_refused_naming_the_tensor(tmp_p
         load_model(path)
 
 
+# The tiny files keep the default vocabulary's first 8,192 tokens (every byte it has is among
+# its first 252) and the merges among them (its first 7,940). Transformers reads a file three
+# times (configuration, tokenizer, model) with ``gguf``'s reader, at about 3.6 s for the whole
+# vocabulary's 98,000 strings; the pre-tokenizers and the merges under test need far fewer.
+TINY_VOCABULARY = 8192
+GEMMA2_LOGIT_CAP = 15.0
+
+
 @functools.cache
 def default_vocabulary() -> dict[str, list]:
-    """The default file's tokens, merges and token types, read once (with etinfer's reader:
-    ``gguf``'s takes seconds over the 98,000 strings, and the tests write a dozen files)."""
+    """The default file's first ``TINY_VOCABULARY`` tokens with their types, and the merges of
+    those tokens, read once (with etinfer's reader: ``gguf``'s takes seconds over the strings,
+    and the tests write a dozen files)."""
     fields = GGUFFile(default_model_path()).fields
-    names = ("tokens", "merges", "token_type")
-    return {f"tokenizer.ggml.{n}": fields[f"tokenizer.ggml.{n}"] for n in names}
+    tokens = fields["tokenizer.ggml.tokens"][:TINY_VOCABULARY]
+    kept = set(tokens)
+
+    def closed(merge: str) -> bool:
+        left, right = merge.split(" ", 1)
+        return left in kept and right in kept and left + right in kept
+
+    return {
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [m for m in fields["tokenizer.ggml.merges"] if closed(m)],
+        "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][:TINY_VOCABULARY],
+    }
 
 
 def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     """A one-layer GGUF of ``arch`` (llama, qwen2 with q/k/v biases, qwen3 with query/key
     norms, gemma2 with its norms around both halves and soft caps) of random float32 weights,
-    with the default model's byte-level vocabulary and merges under the pre-tokenizer name
-    ``pre``, written by gguf's writer."""
+    with the start of the default model's byte-level vocabulary and its merges under the
+    pre-tokenizer name ``pre``, written by gguf's writer."""
     fields = default_vocabulary()
-    tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], 49152, 16, 32
+    tokens, vocab, hidden, ffn = fields["tokenizer.ggml.tokens"], TINY_VOCABULARY, 16, 32
     writer = GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.embedding_length", hidden)
     writer.add_uint32(f"{arch}.feed_forward_length", ffn)
@@ -92,7 +111,9 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
     if arch == "gemma2":  # caps small enough that tanh bends what this model computes
         writer.add_uint32(f"{arch}.attention.sliding_window", 6)
         writer.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
-        writer.add_float32(f"{arch}.final_logit_softcapping", 3.0)
+        # Its largest logits are about 15-19: a cap of 15 bends them; one of 3 would round them
+        # all to 3.0, and greedy would then rest on how ties are broken.
+        writer.add_float32(f"{arch}.final_logit_softcapping", GEMMA2_LOGIT_CAP)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -122,8 +143,12 @@ def write_tiny_model(path, pre: str, arch: str = "llama") -> None:
         shapes |= {f"blk.0.{n}.weight": (hidden,) for n in ("post_attention_norm", "post_ffw_norm")}
     assert len(tokens) == vocab
     for name, shape in shapes.items():
-        scale = 0.2 if name.endswith("norm.weight") else 0.5
-        writer.add_tensor(name, (1.0 + rng.standard_normal(shape) * scale).astype(np.float32))
+        # Norms near one; matrices centred on zero, so that attention mixes positions unlike
+        # each other (centred on one, every key and value looked alike, and a wrong query
+        # scale or attention cap left the outputs within 1e-4).
+        norm = name.endswith("norm.weight")
+        values = 1.0 + rng.standard_normal(shape) * 0.2 if norm else rng.standard_normal(shape)
+        writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -143,21 +168,26 @@ def assert_tokenizes_as_transformers(path, ours, samples: list[str], decodes: bo
             assert ours.tokenizer.decode(ids) == reference.decode(ids), sample
 
 
-def assert_greedy_equals_transformers(path, ours, prompt: list[int]) -> None:
-    """Our float32 engine's greedy tokens for ``prompt`` are transformers' argmax, its model
-    read by its own GGUF reader from the same file."""
+def assert_greedy_equals_transformers(path, ours, prompt: list[int], **overrides) -> None:
+    """Our float32 engine's greedy tokens for ``prompt`` are transformers' argmax, and their
+    log-probabilities transformers', its model read by its own GGUF reader from the same file
+    (``overrides``: configuration fields its reader leaves out)."""
     import transformers
 
     from etinfer import LLM, SamplingParams
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=torch.float32, **overrides
     )
     llm = LLM(ours, quantization="none", dtype="float32", kv_cache_dtype="float32")
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params)[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     assert out.token_ids == logits.argmax(-1).tolist()
+    expected = logits.log_softmax(-1)[torch.arange(len(out.token_ids)), out.token_ids]
+    got = [step[token].logprob for step, token in zip(out.logprobs, out.token_ids, strict=True)]
+    assert got == pytest.approx(expected.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -302,9 +332,16 @@ def test_a_gemma2_file_runs_as_transformers_reads_it(tmp_path):
     write_tiny_model(path, "smollm", "gemma2")
     ours = load_model(path)
     config = ours.config
-    assert (config.attention_softcap, config.logit_softcap) == (2.0, 3.0)
+    assert (config.attention_softcap, config.logit_softcap) == (2.0, GEMMA2_LOGIT_CAP)
     assert config.layer_windows == (6,)
     prompt = ours.tokenizer.encode(
         "The sky over the harbour was grey, and", add_special_tokens=False
     )
-    assert_greedy_equals_transformers(path, ours, prompt)
+    # Transformers' GGUF reader maps neither soft cap nor the query scale for Gemma 2 (it keeps
+    # its defaults of 50, 30 and 256): given the file's values, the comparison checks ours.
+    file_values = dict(
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=GEMMA2_LOGIT_CAP,
+        query_pre_attn_scalar=config.head_dim,
+    )
+    assert_greedy_equals_transformers(path, ours, prompt, **file_values)
