@@ -1,9 +1,6 @@
 """The native decode-attention kernel against the torch operations it replaces, and the
 properties the engine rests on: each row computed independently of the others, bit for bit."""
 
-import platform
-import subprocess
-
 import pytest
 import torch
 
@@ -18,6 +15,7 @@ from etinfer.model.decode_pattern import (
 )
 from etinfer.model.kv_cache import quantize_rows
 from etinfer.model.paged_attention import PagedAttention
+from tests.builds import BUILDS, built_for
 
 pytestmark = pytest.mark.skipif(
     native_kernels.compiler() is None or not native_kernels.enabled(), reason="no C compiler"
@@ -120,32 +118,10 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
         assert torch.equal(out.view(HEADS, -1), batched[i]), f"sequence {i} ({length} tokens)"
 
 
-# Builds whose code must keep a row's result independent of the call: this CPU's, an AVX2 host's
-# (x86-64-v3, AVX2 and FMA: what the engine builds when ATen is held to AVX2) and an AMD Zen 2/3
-# host's (its -march=native tunes for it, and GCC then forms fewer FMAs in accumulation loops, so
-# the kernel's two paths for an entry, eight at a time and the remainder, compile differently).
-BUILDS = {
-    "native": ["-march=native"],
-    "x86-64-v3": ["-march=x86-64-v3"],
-    "x86-64-v3, Zen 3 tuning": ["-march=x86-64-v3", "-mtune=znver3"],
-    # Without F16C: float16 caches through the portable conversions.
-    "x86-64": ["-march=x86-64"],
-}
-
-
 @pytest.fixture(params=list(BUILDS))
 def build(request, monkeypatch):
     """The kernels as compiled for ``BUILDS[param]``, in place of the engine's build."""
-    target = BUILDS[request.param]
-    cpu = native_kernels.cpu_flags().split()
-    if "x86-64" in target[0] and "x86_64" not in platform.machine():
-        pytest.skip("not an x86-64 host")
-    if "x86-64-v3" in target[0] and not {"avx2", "fma"} <= set(cpu):
-        pytest.skip("this CPU cannot run code built for x86-64-v3")
-    try:
-        library = native_kernels.compiled(target)
-    except subprocess.CalledProcessError as error:  # a compiler that does not know the target
-        pytest.skip(f"{' '.join(target)} not built: {error.stderr.strip()[:200]}")
+    library = built_for(request.param, native_kernels.compiled)
     monkeypatch.setattr(native_kernels, "library", lambda: library)
     return request.param
 

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.linear import BlockLinear
 from etinfer.model.quantized import GGUFBlocks
+from tests.builds import built_for
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no AVX2 kernels here")
 
@@ -29,6 +30,15 @@ HALF_FIELDS = {
     Q.Q5_K: [0, 2],
     Q.Q6_K: [208],
 }
+
+
+@pytest.fixture(params=["native", "x86-64-v3", "x86-64-v3, Zen 3 tuning"])
+def build(request, monkeypatch):
+    """The quantized kernels as an AVX2 host would build them (and this host), in place of the
+    engine's build: a row's bits must not depend on the call in any of them."""
+    library = built_for(request.param, quant_kernels.compiled)
+    monkeypatch.setattr(quant_kernels, "_library", lambda: library)
+    return request.param
 
 
 def random_blocks(qtype, out: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -72,7 +82,7 @@ def test_each_format_computes_gguf_dequantized_weights_times_its_8_bit_activatio
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
-def test_float_activations_give_float32s_product_the_same_for_a_row_in_any_batch(qtype):
+def test_float_activations_give_float32s_product_the_same_for_a_row_in_any_batch(qtype, build):
     """``auto``'s 4-bit path without AVX-512: the file's weights times the activations as they
     are (float32's error, no 8-bit rounding), a row's bits the same alone, in any batch and on
     any thread count, two stacked parts as one call."""
@@ -134,7 +144,7 @@ def test_precise_activations_follow_the_float_activations_to_about_15_bits(qtype
 
 @pytest.mark.parametrize("precise", [False, True], ids=["a8", "a16"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtype, precise):
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count(qtype, precise, build):
     out, k = 200, 768 if quant_kernels.ACTIVATION_BLOCK[qtype] == 256 else 576
     data = random_blocks(qtype, out, k, seed=3)
     weight = quant_kernels.BlockWeight.prepare(qtype, data, k)
