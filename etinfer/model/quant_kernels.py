@@ -130,6 +130,18 @@ def _without_avx512() -> bool:
     return held or "avx512f" not in native_kernels.cpu_flags().split()
 
 
+def interleaves(qtype: GGMLQuantizationType, out_features: int) -> bool:
+    """Whether a weight's rows are interleaved by eight when prepared for these kernels."""
+    return qtype in _INTERLEAVED and out_features % 8 == 0
+
+
+def takes_float_activations(qtype: GGMLQuantizationType, out_features: int) -> bool:
+    """Whether a weight runs on ``native/quant_float.c`` in ``auto``: interleaved Q4_0/Q4_1
+    where that kernel pays (``float_activations_pay``)."""
+    four_bits = qtype in (_Q.Q4_0, _Q.Q4_1) and interleaves(qtype, out_features)
+    return four_bits and float_activations_pay()
+
+
 def takes(qtype: GGMLQuantizationType, in_features: int) -> bool:
     """Whether a weight of this format and input width runs on these kernels."""
     block = ACTIVATION_BLOCK.get(qtype)
@@ -163,7 +175,7 @@ class BlockWeight:
             )
         out = data.shape[0]
         data = data.contiguous()
-        if qtype not in _INTERLEAVED or out % 8:
+        if not interleaves(qtype, out):
             return cls(qtype, data, out, in_features, False)
         library = _library()
         assert library is not None, "check available() first"
@@ -228,16 +240,12 @@ class BlockProduct:
         if k != self.in_features:
             raise ValueError(f"an input of {k} for a {self.name} weight of {self.in_features}")
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        common = (self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
+                  torch.get_num_threads())  # fmt: skip
         if self.float_activations:
-            status = library.float_linear(
-                self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
-                torch.get_num_threads(),
-            )  # fmt: skip
+            status = library.float_linear(*common)
         else:
-            status = library.block_linear(
-                self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
-                torch.get_num_threads(), self.precise,
-            )  # fmt: skip
+            status = library.block_linear(*common, self.precise)
         if status == -3:
             kept = "block sums" if self.float_activations else "quantized activations"
             raise MemoryError(f"no memory for {rows} rows of {kept}")

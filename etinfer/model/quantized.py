@@ -285,9 +285,8 @@ def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | N
     own_kernel = quant_kernels.takes(weight.qtype, weight.in_features)
     if own_kernel and (mode in BLOCK_MODES or not native):
         return replace(weight, activation_bits=bits), None
-    four_bits = weight.qtype in (_Q.Q4_0, _Q.Q4_1) and weight.shape[0] % 8 == 0
-    if own_kernel and four_bits and quant_kernels.float_activations_pay():
-        return replace(weight, activation_bits=32), None  # interleaved, float32 activations
+    if own_kernel and quant_kernels.takes_float_activations(weight.qtype, weight.shape[0]):
+        return replace(weight, activation_bits=32), None
     if weight.qtype == _Q.Q8_0:
         return Int8Weight.from_gguf(weight), None
     if native:
