@@ -9,6 +9,10 @@ from etinfer.control.record import TARGET_MODEL
 from etinfer.control.sparse_prefill import AttentionProfile
 from etinfer.structured.masks import ConstraintTrace
 
+# "stop", "length" or "abort"; "grammar_dead_end" when a structured output's grammar left no
+# token to emit, "error" when it could not be compiled.
+FINISH_REASONS = ("stop", "length", "abort", "grammar_dead_end", "error")
+
 
 @dataclass
 class RequestMetrics:
@@ -64,8 +68,7 @@ class RequestOutput:
     temperatures: list[float]
     # Per generated token: the sampled token and the top-N, by token id (None unless requested).
     logprobs: list[dict[int, Logprob]] | None
-    # "stop", "length" or "abort"; "grammar_dead_end" when a structured output's grammar left
-    # no token to emit, "error" when it could not be compiled; None while running.
+    # One of FINISH_REASONS; None while running.
     finish_reason: str | None
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from etinfer.engine.observer import StepRecord
-from etinfer.outputs import RequestOutput
+from etinfer.outputs import FINISH_REASONS, RequestOutput
 
 # vLLM's buckets, so percentiles computed from either line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -122,6 +122,10 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         )
+        # Every finish reason's series from the start, at zero: a labelled counter has no sample
+        # until its first increment, and a scraper's rate() needs the zero before it.
+        for reason in FINISH_REASONS:
+            self._request_success.labels(model_name, reason)
         self._model_name = model_name
         self._last = EngineStats()
 
