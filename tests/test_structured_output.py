@@ -317,6 +317,24 @@ def test_jump_forward_verifies_forced_text_in_fewer_steps_with_the_same_output(m
     assert len(steps[True]) < 0.9 * len(steps[False]), {k: len(v) for k, v in steps.items()}
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_date_times_fraction_of_a_second_stops_at_nine_digits(loaded_model, backend):
+    """RFC 3339 bounds no fraction; the grammar does (a sampled one ran to max_tokens): a forced
+    tenth digit is a dead end, nine digits close the object."""
+    config = EngineConfig(model=str(loaded_model.path), structured_backend=backend)
+    engine = LLMEngine(config, loaded_model)
+    schema = {"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}}
+    finished = {}
+    for digits in (9, 10):
+        text = json.dumps({"at": f"2020-07-12T15:50:22.{'1' * digits}Z"})
+        forced = engine.tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams(max_tokens=len(forced) + 1, structured={"json": schema})
+        engine.add_request("Time:", params, forced_token_ids=forced)
+        while engine.has_unfinished_requests():
+            finished.update((digits, o.finish_reason) for o in engine.step() if o.finished)
+    assert finished == {9: "stop", 10: "grammar_dead_end"}
+
+
 @pytest.fixture(scope="module")
 def guidance_llm(make_llm) -> LLM:
     return make_llm(structured_backend="llguidance", max_num_seqs=16)

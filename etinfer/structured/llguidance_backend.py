@@ -21,7 +21,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.structured.backend import CompiledGrammar, GrammarBackend, Matcher
 from etinfer.structured.params import StructuredOutputsParams
-from etinfer.structured.schema_support import closed_objects
+from etinfer.structured.schema_support import bounded_fractions, closed_objects
 
 _WHITESPACE = r"[\x20\x0A\x0D\x09]"
 
@@ -84,7 +84,8 @@ class LLGuidanceBackend(GrammarBackend):
                 raise ValueError("the schema false allows no value")
             cap = "+" if params.max_whitespace is None else f"{{0,{params.max_whitespace}}}"
             return from_schema(
-                closed_objects(schema), overrides={"whitespace_pattern": _WHITESPACE + cap}
+                closed_objects(bounded_fractions(schema)),
+                overrides={"whitespace_pattern": _WHITESPACE + cap},
             )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)

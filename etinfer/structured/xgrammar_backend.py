@@ -18,7 +18,7 @@ import xgrammar
 from etinfer.model.tokenizer import Tokenizer, components
 from etinfer.structured.backend import CompiledGrammar, GrammarBackend, Matcher
 from etinfer.structured.params import StructuredOutputsParams
-from etinfer.structured.schema_support import unenforced_feature
+from etinfer.structured.schema_support import bounded_fractions, unenforced_feature
 
 
 class XGrammarMatcher(Matcher):
@@ -77,7 +77,9 @@ class XGrammarBackend(GrammarBackend):
                 if unenforced is not None:
                     raise ValueError(f"uses {unenforced}, which this backend cannot enforce")
                 compiled = compiler.compile_json_schema(
-                    schema, any_whitespace=True, max_whitespace_cnt=params.max_whitespace
+                    bounded_fractions(schema),
+                    any_whitespace=True,
+                    max_whitespace_cnt=params.max_whitespace,
                 )
             elif kind == "regex":
                 compiled = compiler.compile_regex(params.regex)
