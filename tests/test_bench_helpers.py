@@ -15,6 +15,7 @@ from etinfer import LLM, ControlConfig, SamplingParams, options
 from etinfer.bench.common.driver import Request, RequestRecord, drive_engine
 from etinfer.bench.common.stats import percentile, summary
 from etinfer.config import EngineConfig
+from tests.conftest import cpu_only
 
 
 def parse(argv: list[str], **choices) -> argparse.Namespace:
@@ -148,6 +149,7 @@ def test_the_kernel_candidates_compute_the_same_product():
 
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc")
+@cpu_only  # the resident memory of the CPU's weight formats
 def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys):
     """`etinfer bench memory` end to end on the default file, one mode in its own process: the
     resident set grows from load to steady state, over at least the file and the written pool,

@@ -86,14 +86,15 @@ def test_a_fixed_seed_reproduces_tokens_and_temperatures(llm, chats, control):
     assert [o.temperatures for o in a] == [o.temperatures for o in b]
 
 
-@pytest.mark.parametrize("estimator", ["topk", "tail"])
-def test_top_k_estimators_drive_the_controller_too(llm, chats, fixed, estimator):
-    # Two seeds' samples: with one, the top-k estimator's ratio ranged 0.51-0.60 over seeds
-    # (its truncated entropy tracks less tightly than the tail-corrected one's 0.31-0.39), so a
-    # last-bit change in the kernels could move it across the bound by chance alone.
+@pytest.mark.parametrize(("estimator", "bound"), [("topk", 0.7), ("tail", 0.6)])
+def test_top_k_estimators_drive_the_controller_too(llm, chats, fixed, estimator, bound):
+    # Two seeds' samples: with one, the top-k estimator's ratio ranged 0.51-0.60 over seeds on
+    # the CPU (its truncated entropy tracks less tightly than the tail-corrected one's
+    # 0.31-0.39), and the two seeds gave 0.64 on an H200, whose other roundings sample other
+    # tokens: each bound sits above its estimator's spread, below the fixed temperature's 1.
     params = dict(entropy_target=TARGET, entropy_estimator=estimator, entropy_topk=64)
     outs = [o for seed in (3, 4) for o in run(llm, chats, seed=seed, **params)]
-    assert tracking(outs)[0] <= 0.6 * fixed[0]
+    assert tracking(outs)[0] <= bound * fixed[0]
 
 
 def test_edt_follows_its_formula_within_the_temperature_bounds(llm, chats):

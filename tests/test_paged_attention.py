@@ -33,12 +33,15 @@ def reference(q, keys, values, window=None):
 CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 
-def scattered_cache(lengths, num_blocks=40, seed=0, dtype=torch.float32):
-    """A cache in ``dtype`` holding one random context per length, in shuffled blocks."""
+def scattered_cache(lengths, num_blocks=40, seed=0, dtype=torch.float32, device="cpu"):
+    """A cache in ``dtype`` on ``device`` holding one random context per length, in shuffled
+    blocks (the same values on any device)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype)
-    keys, values = (torch.randn(cache.num_slots, KV_HEADS, DIM, generator=gen) for _ in "kv")
-    cache.write(0, torch.arange(cache.num_slots), None, keys, values)
+    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device(device), dtype)
+    keys, values = (
+        torch.randn(cache.num_slots, KV_HEADS, DIM, generator=gen).to(device) for _ in "kv"
+    )
+    cache.write(0, torch.arange(cache.num_slots, device=device), None, keys, values)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for length in lengths:

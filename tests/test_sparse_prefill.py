@@ -157,23 +157,26 @@ def reference(q, keys, values, query_pos, visible):
 def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
     dtype, on_gpu_kernel, monkeypatch
 ):
-    """On the torch path, and through the GPU's prefill kernel (in Triton's interpreter without
-    a GPU), which reads the listed positions where the cache holds them."""
+    """On the torch path, and through the GPU's prefill kernel (compiled on a GPU, in Triton's
+    interpreter without one), which reads the listed positions where the cache holds them."""
+    device = "cpu"
     if on_gpu_kernel:
         pytest.importorskip("triton")
         monkeypatch.setattr(gpu, "serves", lambda device: True)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
-    cache, (table,) = scattered_cache([length], dtype=dtype)
+    cache, (table,) = scattered_cache([length], dtype=dtype, device=device)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
-    keys, values = (c.transpose(0, 1) for c in cache.read(0, slots))
+    keys, values = (c.transpose(0, 1).cpu() for c in cache.read(0, slots.to(device)))
     q = torch.randn(length - start, HEADS, DIM)
     attention = PagedAttention(HEADS, KV_HEADS, DIM, selector=None)
-    chunk = PrefillChunk(0, length - start, slots, None)
+    chunk = PrefillChunk(0, length - start, slots.to(device), None)
     # Two pieces: the first reads blocks {0, 3} (head 0) and {1} (head 1), then positions 24..;
     # the second attends densely.
-    kept = [torch.tensor([0, 3]), torch.tensor([1])]
+    kept = [torch.tensor([0, 3], device=device), torch.tensor([1], device=device)]
     pieces = [PrefillPiece(slice(0, 8), 32, kept, 24), PrefillPiece(slice(8, 16), 40)]
-    out = attention._sparse_prefill(0, q, cache, chunk, pieces)
+    out = attention._sparse_prefill(0, q.to(device), cache, chunk, pieces).cpu()
+    kept = [k.cpu() for k in kept]
 
     query_pos, key_pos = torch.arange(start, length), torch.arange(length)
     causal = key_pos[None] <= query_pos[:, None]

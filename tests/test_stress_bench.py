@@ -14,6 +14,7 @@ from etinfer.cli import build_parser
 from etinfer.control.block_selection import PruningConfig, block_budget
 from etinfer.control.config import ControlConfig
 from etinfer.control.record import ControlRecord
+from tests.conftest import ON_CUDA
 from tests.scheduling_helpers import decoding, make_seq
 
 
@@ -32,8 +33,9 @@ def report(loaded_model, tmp_path_factory):
     argv = ["bench", "stress", "--quick", "--scales", "2", "--biases", "0", "--repeats", "1"]
     argv += ["--skip-layers", "--calibration-tokens", "256", "--output", str(out)]
     # The claims are the laws', not the weights': the block kernels run the grid's eleven engines
-    # faster than torch's int4 kernel where that is slow (held to AVX2 32 against 51 s).
-    argv += ["--quantization", "gguf"]
+    # faster than torch's int4 kernel where that is slow (held to AVX2 32 against 51 s). They are
+    # CPU kernels; on CUDA the default weights serve.
+    argv += ["--quantization", "auto" if ON_CUDA else "gguf"]
     return stress.run(build_parser().parse_args(argv), loaded_model), out
 
 

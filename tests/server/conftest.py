@@ -20,6 +20,7 @@ from etinfer.config import EngineConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
 from etinfer.server import create_app
+from tests.conftest import ENGINE_DEFAULTS
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -95,7 +96,15 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 
 def make_engine(loaded: LoadedModel, **kwargs) -> LLMEngine:
-    kwargs = {"max_model_len": MAX_MODEL_LEN, "num_kvcache_blocks": 1024, **kwargs}
+    """An engine for a test server, with the suite's defaults (float32 weights on CUDA: a
+    prompt met again from the prefix cache takes another attention path, whose last bits
+    moved bfloat16's tokens between a streamed and a plain reply)."""
+    kwargs = {
+        "max_model_len": MAX_MODEL_LEN,
+        "num_kvcache_blocks": 1024,
+        **ENGINE_DEFAULTS,
+        **kwargs,
+    }
     return LLMEngine(EngineConfig(model=str(loaded.path), **kwargs), loaded)
 
 
