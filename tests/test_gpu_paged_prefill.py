@@ -102,8 +102,9 @@ def test_listed_positions_are_read_alone_and_causally(window):
 
 def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(tiny_model, monkeypatch):
     """The kernels wired into the engine, on the CPU in the interpreter: a prompt prefilled in
-    chunks (each after the last one's prefix, so through the prefill kernel) and decoded
-    through the decode kernel gives the CPU paths' greedy tokens, with logprobs to rounding."""
+    chunks (each after the last one's prefix: SDPA over the gathered prefix, which beat the
+    prefill kernel on an H200; the kernel serves sparse prefill's pieces) and decoded through
+    the decode kernel gives the CPU paths' greedy tokens, with logprobs to rounding."""
     from etinfer import LLM, SamplingParams
     from etinfer.model import gpu, prefill_attention
     from etinfer.model.gpu import paged_decode
@@ -127,8 +128,8 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(tiny_model, m
     )
     monkeypatch.setattr(paged_decode, "paged_decode", counted("decode", paged_decode.paged_decode))
     kernels = LLM(tiny_model, cuda_graphs=False, **settings).generate([prompt], params)[0]
-    # Two layers: the chunks after the first (32 + 16 positions) and the five decode steps.
-    assert calls == {"prefill": 2 * 2, "decode": 2 * 5}
+    # Two layers: the five decode steps; dense chunks never reach the prefill kernel.
+    assert calls == {"prefill": 0, "decode": 2 * 5}
     assert kernels.token_ids == plain.token_ids
     for ours, theirs, token in zip(kernels.logprobs, plain.logprobs, plain.token_ids, strict=True):
         assert ours[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)

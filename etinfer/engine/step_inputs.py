@@ -139,15 +139,6 @@ class StepInputBuilder:
             return visible
         return visible_blocks(blocks, self.config.num_kv_heads, sliding_window=window)
 
-    def _prefill_mask(
-        self, start: int, chunk: PrefillChunk, window: int | None
-    ) -> torch.Tensor | None:
-        """The chunk's SDPA mask; none where the GPU's prefill kernel reads the prefix, which
-        masks as it goes (a 2K chunk after 32K positions would build 70 MB a step for nothing)."""
-        if self.kernel_reads_tables and chunk.context_slots is not None:
-            return None
-        return prefill_mask(start, chunk.length, window, self.device)
-
     def _local_view(
         self,
         meta: AttentionMetadata,
@@ -167,7 +158,7 @@ class StepInputBuilder:
         elif meta.decode_blocks is not None:
             _, pattern = self._dense_pattern(meta.decode_blocks, window)
         prefills = [
-            dataclasses.replace(chunk, mask=self._prefill_mask(start, chunk, window))
+            dataclasses.replace(chunk, mask=prefill_mask(start, chunk.length, window, self.device))
             for chunk, start in zip(meta.prefills, starts, strict=True)
         ]
         return dataclasses.replace(meta, dense_pattern=pattern, prefills=prefills)
@@ -225,7 +216,7 @@ class StepInputBuilder:
                 context = torch.arange(start + n)
                 context_slots = to_device(tables[i, context // bs] * bs + context % bs, self.device)
             chunk = PrefillChunk(int(chunk_start[i]), n, context_slots, None, sparse)
-            chunk.mask = self._prefill_mask(start, chunk, self.sliding_window)
+            chunk.mask = prefill_mask(start, n, self.sliding_window, self.device)
             prefills.append(chunk)
 
         fresh = to_device(slot_mapping[slot_mapping % bs == 0] // bs, self.device)

@@ -59,14 +59,10 @@ class PrefillAttention:
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         window = self.local_window if layer in self.local_layers else self.sliding_window
-        if chunk.context_slots is not None and gpu.serves(q.device):
-            # The prefix where the cache holds it, not gathered (a chunk with no prefix keeps
-            # SDPA's flash kernel below).
-            keys, values = cache.layer_keys[layer], cache.layer_values[layer]
-            return paged_prefill(
-                q, keys, values, *cache.layer_scales(layer), chunk.context_slots, self.scale,
-                window, self.softcap,
-            )  # fmt: skip
+        # On CUDA too the prefix is gathered for SDPA: its memory-efficient kernel took 2.2 ms
+        # for 2,048 queries after 6,144 positions on an H200, where the paged-prefill kernel,
+        # whose float32 IEEE dots use no tensor cores, took 3.9 at its best tiles (BENCHMARKS.md,
+        # "The CUDA path on an H200 again"). The kernel serves sparse prefill's pieces below.
         if chunk.context_slots is None:  # the chunk's own keys, as the cache holds them
             k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
         else:

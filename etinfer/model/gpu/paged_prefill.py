@@ -49,7 +49,9 @@ def paged_prefill(
         first = slots.shape[0] - queries
     group = heads // keys.shape[0]
     dim_pad = dot_width(dim)
-    block_m = 64 if dim_pad <= 128 else 32  # a [block_m, dim] float32 tile a program
+    # 16 queries a program: on an H200 (head dim 64, 2,048 queries after 6,144 positions) 64 in
+    # 4 warps spilled registers (51.6 ms), 64 in 8 warps took 4.6, 32 4.1, 16 3.9.
+    block_m = 16
     out = torch.empty(queries, heads, dim, device=q.device, dtype=torch.float32)
     has_scales = key_scales is not None
     _kernel().paged_prefill[(-(-queries // block_m), heads)](
