@@ -113,8 +113,10 @@ def test_block_modes_are_refused_on_a_gpu_naming_what_runs_there(loaded_model):
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_integer_weights_on_cuda_follow_float32_on_real_text(loaded_model, mode):
     """Teacher-forced as the bfloat16 test of test_device_defaults.py: the GPU's kernels over the
-    file's 4-bit weights (int4) or 8-bit per row (int8) keep float32's top token nearly
-    everywhere."""
+    file's weights in 4 bits (int4: the Q4_1 matrices as they are, the Q8_0 head and embedding
+    requantized) or 8 bits per row (int8) follow float32 as the CPU's int4 and int8 do. On an
+    H200: int8 top-1 97.6 %, KL 0.0048; int4 86.9 %, KL 0.059, with float32 activations too,
+    as the CPU's int4 mode gives (85.4 %, 0.058: BENCHMARKS.md): the 4-bit head is the cost."""
     passes = {}
     for name, settings in (("float32", {"dtype": "float32"}), (mode, {"quantization": mode})):
         llm = LLM(loaded_model, **settings)
@@ -125,5 +127,6 @@ def test_integer_weights_on_cuda_follow_float32_on_real_text(loaded_model, mode)
             assert isinstance(layer, WeightOnlyLinear) and layer.int4 == (mode == "int4")
             assert isinstance(model.embed, WeightOnlyLinear)  # tied: the head's codes, once
     kl, agree = divergences(passes["float32"], passes[mode])
-    assert statistics.fmean(agree) >= 0.9, statistics.fmean(agree)
-    assert statistics.fmean(kl) < 0.05, statistics.fmean(kl)
+    top1, mean_kl = (0.8, 0.08) if mode == "int4" else (0.9, 0.05)
+    assert statistics.fmean(agree) >= top1, statistics.fmean(agree)
+    assert statistics.fmean(kl) < mean_kl, statistics.fmean(kl)

@@ -39,7 +39,7 @@ def test_each_cache_type_follows_a_float32_cache_on_real_text(forced, name):
 
 
 def test_the_default_cache_is_16_bit_and_holds_twice_the_blocks(make_llm):
-    default = make_llm(kv_cache_gib=0.05)
+    default = make_llm(kv_cache_gib=0.05, kv_cache_dtype="auto")
     # float16 on the CPU (F16C widens it as the kernel loads), bfloat16 on CUDA.
     assert default.engine.runner.cache.dtype == (torch.bfloat16 if ON_CUDA else torch.float16)
     wide = make_llm(kv_cache_gib=0.05, kv_cache_dtype="float32")

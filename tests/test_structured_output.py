@@ -152,18 +152,18 @@ def test_entropy_control_reads_the_models_entropy_under_a_mask(llm: LLM):
 
 
 def test_constrained_outputs_are_the_same_alone_batched_preempted_and_speculative(
-    loaded_model: LoadedModel, llm: LLM
+    make_llm, llm: LLM
 ):
     ids = chat_ids(llm)
     params = [greedy(), greedy(stop=["}"]), greedy(SCHEMAS[3][2])]
     alone = [llm.generate(ids, p)[0].token_ids for p in params]
     assert [o.token_ids for o in llm.generate([ids] * 3, params)] == alone
     # A pool so small that the three preempt one another (recompute keeps their matchers).
-    small = LLM(loaded_model, num_kvcache_blocks=10, block_size=16, max_num_seqs=3)
+    small = make_llm(num_kvcache_blocks=10, block_size=16, max_num_seqs=3)
     outs = small.generate([ids] * 3, params)
     assert [o.token_ids for o in outs] == alone
     assert sum(o.num_preemptions for o in outs) > 0
-    speculative = LLM(loaded_model, speculative=SpeculativeConfig(method="ngram"))
+    speculative = make_llm(speculative=SpeculativeConfig(method="ngram"))
     outs = speculative.generate([ids] * 3, params)
     assert [o.token_ids for o in outs] == alone
 

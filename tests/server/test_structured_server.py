@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS, schema_format
+from tests.conftest import ON_CUDA
 from tests.server.conftest import CHAT, post
 
 WEATHER_TOOL = {
@@ -96,8 +97,12 @@ def test_twenty_schemas_validate_mixed_with_free_requests(client, model_name):
     for (i, stream), (text, finish) in zip(jobs, results, strict=True):
         assert finish == "stop", (SCHEMAS[i][0], stream, text)
         jsonschema.validate(json.loads(text), SCHEMAS[i][2])
-    for i in range(len(SCHEMAS)):  # the same seed streamed and not: the same JSON
-        assert results[2 * i][0] == results[2 * i + 1][0]
+    # The same seed streamed and not: the same JSON, where a row's logits do not depend on its
+    # batch (the CPU's kernels; on CUDA cuBLAS picks kernels by the row count, and once an
+    # H200 sampled another colour at the last bits' turn).
+    if not ON_CUDA:
+        for i in range(len(SCHEMAS)):
+            assert results[2 * i][0] == results[2 * i + 1][0]
     assert all(f.result() for f in frees)
 
 
