@@ -2,11 +2,11 @@
 several query rows of one sequence.
 
 Chunks go through ``scaled_dot_product_attention``, one sequence at a time: there the work is
-quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it on the
-CPU. On CUDA a chunk after a cached prefix reads it in place, in the GPU's prefill kernel
-(``gpu/paged_prefill.py``). A sliding layer's long chunk goes by blocks of queries, each over
-the keys its window reaches; sparse prefill's pieces read the kept blocks per KV head
-(``control/sparse_prefill.py``), on CUDA in the same kernel.
+quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it (on
+CUDA too, measured: see ``_prefill``). A sliding layer's long chunk goes by blocks of queries,
+each over the keys its window reaches; sparse prefill's pieces read the kept blocks per KV head
+(``control/sparse_prefill.py``), on CUDA in the GPU's prefill kernel (``gpu/paged_prefill.py``),
+which reads them where the cache holds them.
 """
 
 from __future__ import annotations
