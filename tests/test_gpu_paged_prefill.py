@@ -133,3 +133,16 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(tiny_model, m
     assert kernels.token_ids == plain.token_ids
     for ours, theirs, token in zip(kernels.logprobs, plain.logprobs, plain.token_ids, strict=True):
         assert ours[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "int8"])
+def test_the_prefill_attention_bench_times_both_paths_and_they_agree(cache):
+    """`etinfer bench prefill-attention` at a toy size on the suite's device: both arms timed,
+    the kernel within float32's rounding of SDPA over the gathered prefix."""
+    from etinfer.bench.speed import prefill_attention
+    from etinfer.cli import build_parser
+
+    argv = ["bench", "prefill-attention", "--prefix", "96", "--queries", "32", "--repeats", "1"]
+    figures = prefill_attention.run(build_parser().parse_args([*argv, "--cache-dtype", cache]))
+    assert all(f["ms"] > 0 for f in figures.values())
+    assert figures["paged-prefill kernel"]["max_difference"] < 1e-5

@@ -13,7 +13,15 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from etinfer.bench.laws import pruning, sampling, scheduling_sim
     from etinfer.bench.seed_systems import longcontext, speculative, switching
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
-    from etinfer.bench.speed import kernels, kv_cache, memory, quantization, speed, step_profile
+    from etinfer.bench.speed import (
+        kernels,
+        kv_cache,
+        memory,
+        prefill_attention,
+        quantization,
+        speed,
+        step_profile,
+    )
     from etinfer.bench.stress import iss_check, stress
     from etinfer.bench.structured import structured
 
@@ -30,6 +38,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ablation.add_command(kinds)
     abuse.add_command(kinds)
     kernels.add_command(kinds)
+    prefill_attention.add_command(kinds)
     longcontext.add_command(kinds)
     iss_check.add_command(kinds)
     stress.add_command(kinds)

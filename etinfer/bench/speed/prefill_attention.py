@@ -1,0 +1,117 @@
+"""Prefill attention over the paged cache, one layer, side by side: SDPA over the gathered prefix
+(what the engine runs for a dense chunk) against the GPU's paged-prefill kernel at its launcher's
+tiles (what sparse prefill's pieces run), on random keys and values in shuffled blocks: a chunk
+of ``--queries`` after ``--prefix`` cached positions. Each arm's time a call, the median of
+``--repeats`` after two warm-ups, and its largest difference from SDPA.
+
+    ETINFER_DEVICE=cuda etinfer bench prefill-attention --prefix 6144 --queries 2048
+
+Without a GPU it runs in Triton's interpreter at a toy size only (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from etinfer.config import KV_CACHE_DTYPES, EngineConfig
+from etinfer.model import gpu
+from etinfer.model.gpu.paged_prefill import paged_prefill
+from etinfer.model.kv_cache import KVCache
+from etinfer.model.prefill_attention import grouped_attention, prefill_mask
+
+
+def milliseconds(call: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``call`` in ms, the device's queue drained around each."""
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    if not gpu.available():
+        raise SystemExit("bench prefill-attention needs Triton (the GPU's kernel)")
+    device = EngineConfig(device=args.device).torch_device()
+    generator = torch.Generator().manual_seed(0)
+    context = args.prefix + args.queries
+    blocks = -(-context // args.block_size)
+    cache = KVCache(1, blocks + 8, args.block_size, args.kv_heads, args.dim, device,
+                    KV_CACHE_DTYPES[args.cache_dtype])  # fmt: skip
+    rows = cache.num_slots
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
+
+    cache.write(
+        0,
+        torch.arange(rows, device=device),
+        None,
+        *(random(rows, args.kv_heads, args.dim) for _ in "kv"),
+    )
+    order = torch.randperm(blocks + 8, generator=generator)[:blocks].to(device)
+    slots = order[:, None] * args.block_size + torch.arange(args.block_size, device=device)
+    slots = slots.flatten()[:context]
+    q = random(args.queries, args.heads, args.dim)
+    scale = args.dim**-0.5
+    mask = prefill_mask(args.prefix, args.queries, None, device)
+
+    def sdpa() -> torch.Tensor:
+        k, v = cache.read(0, slots)
+        out = grouped_attention(q.transpose(0, 1)[None], k[None], v[None], mask, False, scale)
+        return out[0].transpose(0, 1)
+
+    def kernel() -> torch.Tensor:
+        keys, values = cache.layer_keys[0], cache.layer_values[0]
+        return paged_prefill(q, keys, values, *cache.layer_scales(0), slots, scale)
+
+    reference = sdpa()
+    figures = {}
+    for name, call in (("sdpa over the gathered prefix", sdpa), ("paged-prefill kernel", kernel)):
+        figures[name] = {
+            "ms": milliseconds(call, device, args.repeats),
+            "max_difference": (call() - reference).abs().max().item(),
+        }
+        print(f"{name}: {figures[name]['ms']:.3f} ms a call, "
+              f"largest difference from SDPA {figures[name]['max_difference']:.1e}")  # fmt: skip
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(
+                vars(args) | {"device": str(device), "figures": figures}, f, indent=1, default=str
+            )
+    return figures
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser(
+        "prefill-attention", help="one layer's prefill attention: SDPA against the GPU kernel"
+    )
+    parser.add_argument("--device", default="auto", help="auto (ETINFER_DEVICE), cuda, cpu")
+    parser.add_argument("--prefix", type=int, default=6144, help="cached positions before")
+    parser.add_argument("--queries", type=int, default=2048, help="the chunk's queries")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--cache-dtype", default="bfloat16", choices=sorted(KV_CACHE_DTYPES))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--output", help="write the figures as JSON here")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
