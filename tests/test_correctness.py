@@ -98,9 +98,10 @@ def invariant(values: list[float], expected: list[float]) -> bool:
 
 
 def test_batch_invariant_rows_are_bit_exact_however_computed(make_llm):
-    """On the default (4-bit) weights: the same logprobs, bit for bit, from a whole prefill, from
-    chunks of 5 tokens in a mixed batch, from a prefill of the prompt with the tokens that
-    decode generated (recompute after preemption) and from scoring them, against decode's own."""
+    """On the default (4-bit) weights: the same logprobs, bit for bit (on CUDA to float32's
+    rounding: ``invariant``), from a whole prefill, from chunks of 5 tokens in a mixed batch,
+    from a prefill of the prompt with the tokens that decode generated (recompute after
+    preemption) and from scoring them, against decode's own."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     whole = make_llm(batch_invariant=True)
     chunked = make_llm(batch_invariant=True, max_num_batched_tokens=5)

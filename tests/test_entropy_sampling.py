@@ -10,7 +10,7 @@ import torch
 from etinfer import SamplingParams
 from etinfer.calibrate import calibrate
 from etinfer.control.calibration import Calibration
-from tests.conftest import PROMPTS, assert_pool_free
+from tests.conftest import ON_CUDA, PROMPTS, assert_pool_free
 
 TARGET = 2.0
 TOKENS = 96
@@ -86,12 +86,12 @@ def test_a_fixed_seed_reproduces_tokens_and_temperatures(llm, chats, control):
     assert [o.temperatures for o in a] == [o.temperatures for o in b]
 
 
-@pytest.mark.parametrize(("estimator", "bound"), [("topk", 0.7), ("tail", 0.6)])
+@pytest.mark.parametrize(("estimator", "bound"), [("topk", 0.7 if ON_CUDA else 0.6), ("tail", 0.6)])
 def test_top_k_estimators_drive_the_controller_too(llm, chats, fixed, estimator, bound):
     # Two seeds' samples: with one, the top-k estimator's ratio ranged 0.51-0.60 over seeds on
     # the CPU (its truncated entropy tracks less tightly than the tail-corrected one's
     # 0.31-0.39), and the two seeds gave 0.64 on an H200, whose other roundings sample other
-    # tokens: each bound sits above its estimator's spread, below the fixed temperature's 1.
+    # tokens: each bound sits above its estimator's spread there, below the fixed temperature's 1.
     params = dict(entropy_target=TARGET, entropy_estimator=estimator, entropy_topk=64)
     outs = [o for seed in (3, 4) for o in run(llm, chats, seed=seed, **params)]
     assert tracking(outs)[0] <= bound * fixed[0]

@@ -4,6 +4,7 @@ the entropy signal kept the model's own."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -17,6 +18,7 @@ from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
+from etinfer.structured.schema_support import bounded_fractions
 
 PERSON = SCHEMAS[0][2]
 ASK = [{"role": "user", "content": SCHEMAS[0][1]}]
@@ -315,6 +317,25 @@ def test_jump_forward_verifies_forced_text_in_fewer_steps_with_the_same_output(m
     entropies = {jump: [h for o in outs for h in o.entropies] for jump, outs in outputs.items()}
     assert entropies[True] == pytest.approx(entropies[False], abs=1e-4)
     assert len(steps[True]) < 0.9 * len(steps[False]), {k: len(v) for k, v in steps.items()}
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"),
+    [
+        ("2020-07-12T15:50:22Z", True),
+        ("2020-07-12t15:50:22.123456789+01:00", True),  # either case (RFC 3339, 5.6)
+        ("2016-12-31T23:59:60z", True),  # a leap second
+        ("2024-02-29T10:00:00-05:30", True),
+        ("2020-07-12T15:50:22.1234567890Z", False),  # the bound
+        ("2021-04-31T00:00:00Z", False),  # April has 30 days
+        ("2021-02-30T00:00:00Z", False),
+        ("2020-07-12T24:00:00Z", False),
+        ("2020-07-12T15:50:22", False),  # no offset
+    ],
+)
+def test_the_bounded_date_time_takes_rfc_3339s_values(value, valid):
+    pattern = bounded_fractions({"format": "date-time"})["pattern"]
+    assert bool(re.search(pattern, value)) == valid
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])

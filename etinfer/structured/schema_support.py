@@ -34,10 +34,14 @@ ENFORCED_FORMATS = frozenset(
         "relative-json-pointer",
     }
 )
-_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-_OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 3339's full-date with each month's days (February's 29 in any year: leap years would
+# make the pattern far longer), and its full-time, "T" and "Z" in either case (section 5.6).
+_LONG, _SHORT = r"(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])", r"(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+_DAYS = f"({_LONG}|{_SHORT}|02-(0[1-9]|[12][0-9]))"
+_DATE = r"[0-9]{4}-" + _DAYS
+_OFFSET = r"([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,9})?" + _OFFSET
-BOUNDED_FORMATS = {"date-time": f"^{_DATE}T{_TIME}$", "time": f"^{_TIME}$"}
+BOUNDED_FORMATS = {"date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$"}
 _ONE_SCHEMA = (
     "items",
     "additionalProperties",
@@ -87,8 +91,9 @@ def bounded_fractions(schema: object) -> object:
     of a second (nanoseconds: what Go, Java and PostgreSQL keep), as patterns, for the grammar
     alone: RFC 3339 bounds none, and a model that starts a fraction can write digits until
     ``max_tokens`` (the default model did, sampling at 0.7 on an H200: "22.00000000039..." for
-    256 tokens). A string in that pattern is a valid date-time or time, so the schema the
-    output is checked against stays the caller's."""
+    256 tokens). A string in that pattern is a valid date-time or time (but for February 29 of
+    a year that is not a leap year), so the schema the output is checked against stays the
+    caller's. A node with a pattern of its own keeps its format: its pattern bounds it."""
     bounded = json.loads(json.dumps(schema))
     for _, node in subschemas(bounded):
         if node.get("format") in BOUNDED_FORMATS and "pattern" not in node:

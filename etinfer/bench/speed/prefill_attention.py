@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
     def sdpa() -> torch.Tensor:
         k, v = cache.read(0, slots)
-        out = grouped_attention(q.transpose(0, 1)[None], k[None], v[None], mask, False, scale)
+        # No prefix (``--prefix 0``): no mask, causal over the chunk itself.
+        causal = mask is None
+        out = grouped_attention(q.transpose(0, 1)[None], k[None], v[None], mask, causal, scale)
         return out[0].transpose(0, 1)
 
     def kernel() -> torch.Tensor:

@@ -113,8 +113,8 @@ def ours_prefill_tok_s(llm: LLM, context: int) -> float:
     """One prompt of ``context`` tokens to its first token (the engine's chunked prefill)."""
     prompt, other = context_prompts(llm, 2, context)
     params = SamplingParams(temperature=0, max_tokens=1)
-    # A warm-up on other text (no prefix to reuse) through both of prefill's paths: a first
-    # chunk, and one after a cached prefix (on CUDA a kernel compiled at its first call).
+    # A warm-up on other text, a chunk longer where the context allows, so that the timed
+    # prefill's second kind of chunk (one after a prefix) is not the first of its kind either.
     llm.generate([other[: llm.engine.config.max_num_batched_tokens + 64]], params)
     start = time.perf_counter()
     llm.generate([prompt], params)
