@@ -65,12 +65,13 @@ def _or_nan(values: list[float] | None, rows: int) -> list[float]:
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``: a view where the rows follow on (every plain step), which needs no
-    index copied to the device, a copy the host waits for (an H200's profile counted it as one
-    of a decode step's two waits). Nothing downstream writes to its logits in place."""
-    first = rows[0]
-    if rows == list(range(first, first + len(rows))):
-        return logits[first : first + len(rows)]
+    """``logits[rows]`` for strictly increasing ``rows``: a view where they follow on (every
+    plain step; then the last is the first plus their count less one), which needs no index
+    copied to the device, a copy the host waits for (an H200's profile counted it as one of a
+    decode step's two waits). Nothing downstream writes to its logits in place."""
+    first, count = rows[0], len(rows)
+    if rows[-1] == first + count - 1:
+        return logits[first : first + count]
     return logits[rows]
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from etinfer.bench.speed.speed import synchronized_clock
 from etinfer.config import KV_CACHE_DTYPES, EngineConfig
 from etinfer.model import gpu
 from etinfer.model.gpu.paged_prefill import paged_prefill
@@ -32,13 +32,9 @@ def milliseconds(call: Callable[[], torch.Tensor], device: torch.device, repeats
         call()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = synchronized_clock(device)
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1000)
+        times.append((synchronized_clock(device) - start) * 1000)
     return statistics.median(times)
 
 
