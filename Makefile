@@ -33,8 +33,12 @@ $(VENV)/.test: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(VENV)/bin/etinfer generate --chat "$(PROMPT)"
 
+# Two workers, a test module each at a time (its module fixtures, a server or an engine, built
+# once): the suite alone keeps about 1.5 of 2 cores busy, as much of it is Python (servers,
+# tokenizers, transformers reading GGUF files). Each worker reads the real model once; passive
+# waiting keeps one worker's idle OpenMP threads from spinning on the other's core.
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadscope
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
