@@ -85,8 +85,8 @@ def test_greedy_output_equals_transformers_in_float32(gemma, gemma_path, gemma_f
         # The head over the positions that predict the output only (a 262K-token vocabulary:
         # the whole sequence's logits are 1 GB at 900 tokens).
         with torch.no_grad():
-            full = torch.tensor([ids + out.token_ids])
-            logits = reference(full, logits_to_keep=len(out.token_ids) + 1).logits[0, :-1]
+            sequence = torch.tensor([ids + out.token_ids])
+            logits = reference(sequence, logits_to_keep=len(out.token_ids) + 1).logits[0, :-1]
         expected = logits.log_softmax(-1)
         assert out.token_ids == expected.argmax(-1).tolist()
         ours = torch.tensor(
