@@ -168,3 +168,23 @@ def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys):
     assert budget < after["loaded"] <= after["steady"] < 2 * budget
     assert figures["file_pages_mib"] == 0
     assert "| gguf |" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "limit"),
+    [
+        (["--steps", "2"], "--steps", "at least 18"),
+        (["--lengths", "512", "1024"], "--lengths", "min_context of 1024"),
+    ],
+)
+def test_the_longcontext_bench_refuses_what_it_cannot_measure(argv, field, limit):
+    """Before any model is read: too few forced steps to read fidelity after compression, and
+    prompts too short for sparse prefill's attention profile, the head types' input (they
+    crashed the run at its end)."""
+    from etinfer.bench.seed_systems import longcontext
+    from etinfer.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "longcontext", "--output-dir", "unused", *argv])
+    with pytest.raises(SystemExit) as refused:
+        longcontext.main(args)
+    assert field in str(refused.value) and limit in str(refused.value)

@@ -237,11 +237,18 @@ def main(args: argparse.Namespace) -> int:
     least = COMPRESSION.decode_queries + 2
     if args.steps < least:
         raise SystemExit(f"error: --steps must be at least {least} (got {args.steps})")
+    sparse = SparsePrefillConfig()
+    if max(args.lengths) <= sparse.min_context:
+        # The head types are read from the longest prompt's attention profile, which a prompt
+        # that sparse prefill attends densely throughout does not have.
+        raise SystemExit(
+            f"error: --lengths must reach past sparse prefill's min_context of "
+            f"{sparse.min_context} tokens (the longest given is {max(args.lengths)})"
+        )
     options.set_threads(args)
     loaded = load_model(args.model)
     corpus = corpus_tokens(loaded.tokenizer)
     texts = {n: corpus[args.offset : args.offset + n + args.steps] for n in args.lengths}
-    sparse = SparsePrefillConfig()
     arms = {name: ARMS[name] for name in ("dense", *args.arms)}  # dense first: the reference
     results = run_arms(loaded, arms, texts, args, passkeys=True, repeats=args.repeats)
     longest = max(texts)
