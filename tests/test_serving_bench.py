@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,6 +66,24 @@ def test_long_and_mixed_workloads_and_length_controls():
     assert set(lengths(capped, "output_tokens")) <= set(range(1, 9))
     with pytest.raises(ValueError, match="workload must be one of"):
         workload.generate("chat", 5, 1.0, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rate": 0.0}, r"request_rate must be in \(0, inf\], got 0"),  # was a ZeroDivisionError
+        ({"rate": -math.inf}, "request_rate must be a finite number"),
+        ({"rate": math.nan}, "request_rate must be a finite number"),
+        ({"num_requests": 0}, r"num_requests must be in \[1, inf\], got 0"),
+        ({"burstiness": 0.0}, r"burstiness must be in \(0, inf\]"),
+        ({"length_scale": -1.0}, r"length_scale must be in \(0, inf\]"),
+        ({"max_output_tokens": 0}, r"max_output_tokens must be in \[1, inf\]"),
+    ],
+)
+def test_a_workload_out_of_range_is_refused_naming_the_field(change, message):
+    arguments = {"kind": "sharegpt", "num_requests": 5, "rate": 1.0, "seed": 0} | change
+    with pytest.raises(ValueError, match=message):
+        workload.generate(**arguments)
 
 
 def test_trace_round_trips_and_is_sorted_on_read(tmp_path):

@@ -30,6 +30,7 @@ from etinfer.bench.common.driver import Request
 from etinfer.corpus import CORPUS, corpus_text
 from etinfer.model.tokenizer import Tokenizer
 from etinfer.sampling_params import SamplingParams
+from etinfer.validation import check_float, check_int
 
 Knots = tuple[tuple[float, float], ...]  # (cumulative probability, tokens), both increasing
 
@@ -78,6 +79,17 @@ def generate(
     ``length_scale`` (which keeps the shape of the distribution, unlike a cap) and then capped."""
     if kind not in WORKLOADS:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {kind!r}")
+    check_int("num_requests", num_requests, low=1)
+    if rate != math.inf:  # an infinite rate sends every request at once
+        check_float("request_rate", rate, low=0, low_open=True)
+    check_float("burstiness", burstiness, low=0, low_open=True)
+    check_float("length_scale", length_scale, low=0, low_open=True)
+    for name, cap in (
+        ("max_prompt_tokens", max_prompt_tokens),
+        ("max_output_tokens", max_output_tokens),
+    ):
+        if cap is not None:
+            check_int(name, cap, low=1)
     rng = np.random.default_rng(seed)
     arrivals = arrival_times(num_requests, rate, burstiness, rng)
     prompt_u, output_u, kind_u = rng.random((3, num_requests))
