@@ -232,3 +232,22 @@ def test_under_kv_pressure_the_admission_reserve_cuts_preemptions_and_recompute(
         assert entropy["completed"] == 80
         assert entropy["preemptions"] < 0.6 * fcfs["preemptions"]
         assert entropy["recomputed"] < fcfs["recomputed"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        # A request the whole pool cannot hold waited forever: the run never ended.
+        ({"num_blocks": 2}, r"request 0 needs \d+ KV blocks .* num_kvcache_blocks is 2"),
+        ({"max_num_seqs": 0}, r"max_num_seqs must be in \[1, inf\]"),
+        ({"block_size": 0}, r"block_size must be in \[1, 1024\]"),
+    ],
+)
+def test_the_simulator_refuses_what_the_engine_would(settings, message):
+    with pytest.raises(ValueError, match=message):
+        simulate([workload.WorkloadRequest(0.0, 40, 8)], "fcfs", **settings)
+
+
+def test_a_step_cost_needs_a_positive_speed():
+    with pytest.raises(ValueError, match=r"speed must be in \(0, inf\], got 0"):
+        StepCost(speed=0.0)  # it divides every step's time

@@ -26,11 +26,13 @@ from etinfer import options
 from etinfer.bench.common.driver import RequestRecord
 from etinfer.bench.common.serving_metrics import format_table, summarize
 from etinfer.bench.common.workload import WorkloadRequest, add_workload_args, load_workload
+from etinfer.config import EngineConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence
 from etinfer.sampling_params import SamplingParams
+from etinfer.validation import check_float
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class StepCost:
     per_context_token: float = 3e-6
     per_prefill_token: float = 3e-4
     speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_float("speed", self.speed, low=0, low_open=True)
 
     def __call__(self, batch: ScheduledBatch) -> float:
         rows = batch.num_decode
@@ -78,14 +83,33 @@ def simulate(
     cost: StepCost | None = None,
     seed: int = 0,
 ) -> tuple[list[RequestRecord], float, Scheduler]:
-    """Run ``requests`` to completion; the records, the makespan and the scheduler (counters)."""
+    """Run ``requests`` to completion; the records, the makespan and the scheduler (counters).
+
+    The engine's own checks refuse what it would refuse: its settings' ranges, and a request
+    the whole pool cannot hold, which would wait forever (a simulated step costs time even
+    when it schedules nothing, so the run would never end)."""
+    EngineConfig(
+        max_num_seqs=max_num_seqs,
+        num_kvcache_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    kv = KVCacheManager(num_blocks, block_size)
+    for i, request in enumerate(requests):
+        needed = kv.blocks_needed(request.prompt_tokens + request.output_tokens - 1)
+        if needed > num_blocks:
+            raise ValueError(
+                f"request {i} needs {needed} KV blocks ({request.prompt_tokens} prompt tokens + "
+                f"{request.output_tokens} output tokens - 1, {block_size} tokens per block) but "
+                f"num_kvcache_blocks is {num_blocks}"
+            )
     cost = cost or StepCost()
     clock = SimClock()
     policy_ = SCHEDULING_POLICIES.create(
         policy, config=config, chunk_tokens=max_num_batched_tokens, clock=clock
     )
     scheduler = Scheduler(
-        KVCacheManager(num_blocks, block_size),
+        kv,
         policy_,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
