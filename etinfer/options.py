@@ -84,11 +84,21 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def positive_int(text: str) -> int:
+    """The argparse type of counts and sizes (steps, repeats, batches, lengths, tokens): an
+    integer of at least 1, refused with the flag's name before anything is loaded. A zero there
+    ran a benchmark to a division by zero or an empty median at its end."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_threads_option(parser: argparse.ArgumentParser, default: int | None = None) -> None:
     """``--threads``, the benchmarks' torch thread count (``set_threads`` applies it)."""
     shown = "torch's choice" if default is None else default
     parser.add_argument(
-        "--threads", type=int, default=default, help=f"torch threads (default: {shown})"
+        "--threads", type=positive_int, default=default, help=f"torch threads (default: {shown})"
     )
 
 

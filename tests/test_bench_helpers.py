@@ -188,3 +188,24 @@ def test_the_longcontext_bench_refuses_what_it_cannot_measure(argv, field, limit
     with pytest.raises(SystemExit) as refused:
         longcontext.main(args)
     assert field in str(refused.value) and limit in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("speed", "--steps"),  # an empty median at the end of the run
+        ("step-profile", "--steps"),  # a division by zero
+        ("kv-cache", "--fidelity-texts"),  # an empty median
+        ("pruning", "--batches"),
+        ("ablation", "--repeats"),
+        ("longcontext", "--lengths"),
+    ],
+)
+def test_a_zero_count_is_refused_naming_its_flag(command, flag, capsys):
+    from etinfer.cli import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["bench", command, flag, "0"])
+    assert refused.value.code == 2
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+    assert options.positive_int("3") == 3

@@ -38,6 +38,7 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
+from etinfer.options import positive_int
 
 CONFIGS = ("baseline", "sampling", "scheduling", "attention", "full", "etinfer")
 # Quick mode's contexts (512-768 tokens) are below the default PruningConfig.min_context (1,024),
@@ -161,7 +162,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--workload", choices=tuple(ablation_workload.MIXES), default="mixed")
     parser.add_argument("--quick", action="store_true", help="a small run (about a minute)")
     parser.add_argument("--output", required=True, help="directory for the report and plots")
-    parser.add_argument("--repeats", type=int, help="default: 2, or 1 with --quick")
+    parser.add_argument("--repeats", type=positive_int, help="default: 2, or 1 with --quick")
     parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")
     parser.add_argument("--seed", type=int, default=0)
     # Each configuration sets the control layers; the scheduling layer replaces the baseline's

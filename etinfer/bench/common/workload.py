@@ -29,6 +29,7 @@ import numpy as np
 from etinfer.bench.common.driver import Request
 from etinfer.corpus import CORPUS, corpus_text
 from etinfer.model.tokenizer import Tokenizer
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 from etinfer.validation import check_float, check_int
 
@@ -194,7 +195,7 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     parser.add_argument("--trace", help="replay a CSV of arrival_s,prompt_tokens,output_tokens")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
     parser.add_argument("--seed", type=int, default=0)

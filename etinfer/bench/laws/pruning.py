@@ -36,6 +36,7 @@ from etinfer.bench.laws.pruning_speed import speed_rows
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
@@ -269,11 +270,11 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             exclude=("control", "max_num_seqs", "num_kvcache_blocks", "kv_cache_gib"),
             defaults={"max_num_batched_tokens": 2048},
         )
-        parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+        parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
         parser.add_argument(
-            "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
+            "--contexts", type=positive_int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
         )
-        parser.add_argument("--steps", type=int, default=8)
+        parser.add_argument("--steps", type=positive_int, default=8)
         parser.add_argument(
             "--clock",
             choices=["wall", "cpu"],
@@ -282,11 +283,14 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             "less than wall time (use with --threads 1)",
         )
         options.add_threads_option(parser)
-        parser.add_argument("--fidelity-batches", type=int, nargs="+", default=[1, 8])
-        parser.add_argument("--fidelity-context", type=int, default=6144)
-        parser.add_argument("--fidelity-steps", type=int, default=128)
+        parser.add_argument("--fidelity-batches", type=positive_int, nargs="+", default=[1, 8])
+        parser.add_argument("--fidelity-context", type=positive_int, default=6144)
+        parser.add_argument("--fidelity-steps", type=positive_int, default=128)
         parser.add_argument(
-            "--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
+            "--passkey-lengths",
+            type=positive_int,
+            nargs="+",
+            default=[1024, 2048, 4096, 6144, 8000],
         )
         for part, default in (
             ("speed", ["bound", "mass"]),

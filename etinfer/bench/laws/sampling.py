@@ -35,6 +35,7 @@ from etinfer.bench.common.quality import summarize
 from etinfer.control.entropy import TemperedEntropy, entropy, softmax_entropy, topk_bounds
 from etinfer.control.temperature import feedback_step, solve_log_temperature
 from etinfer.llm import LLM
+from etinfer.options import positive_int
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import DEFAULT_ENTROPY_GAIN, SamplingParams
 
@@ -330,11 +331,11 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     options.add_engine_options(
         parser, exclude=("control", "seed"), defaults={"max_num_batched_tokens": 2048}
     )
-    parser.add_argument("--num-prompts", type=int, default=224)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-prompts", type=positive_int, default=224)
+    parser.add_argument("--max-tokens", type=positive_int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fidelity-positions", type=int, default=2048)
-    parser.add_argument("--overhead-batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--fidelity-positions", type=positive_int, default=2048)
+    parser.add_argument("--overhead-batches", type=positive_int, nargs="+", default=[1, 32])
     parser.add_argument("--trace-prompt", type=int, default=0)
     parser.add_argument("--output-dir", default="results/sampling")
     parser.set_defaults(func=main)

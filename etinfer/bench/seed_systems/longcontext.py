@@ -51,6 +51,7 @@ from etinfer.control.sparse_prefill import SparsePrefillConfig
 from etinfer.engine.observer import StepRecord
 from etinfer.llm import LLM
 from etinfer.model.loader import load_model
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 DEPTHS = (0.25, 0.5, 0.75)
@@ -300,14 +301,18 @@ def main(args: argparse.Namespace) -> int:
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("longcontext", help="EntropyInfer's layers against dense, 2K-8K")
     parser.add_argument("--model", help="a .gguf file, a folder or an installed model's name")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 6144, 7168, 8064])
+    parser.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=[2048, 4096, 6144, 7168, 8064]
+    )
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    parser.add_argument("--steps", type=int, default=48, help="forced decode steps per prompt")
+    parser.add_argument(
+        "--steps", type=positive_int, default=48, help="forced decode steps per prompt"
+    )
     parser.add_argument("--passkey-min", type=int, default=7168, help="shortest passkey prompt")
     parser.add_argument("--no-pressure", dest="pressure", action="store_false")
-    parser.add_argument("--pressure-requests", type=int, default=6)
-    parser.add_argument("--pressure-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pressure-requests", type=positive_int, default=6)
+    parser.add_argument("--pressure-tokens", type=positive_int, default=256)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--offset", type=int, default=20000, help="where the text starts")
     parser.add_argument("--no-passkeys", dest="passkeys", action="store_false")
     parser.add_argument("--seed", type=int, default=0)

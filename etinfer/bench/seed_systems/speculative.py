@@ -21,6 +21,7 @@ from etinfer.bench.common.machine import cpu_flags
 from etinfer.bench.common.prompts import instructions
 from etinfer.corpus import topics
 from etinfer.model.loader import load_model
+from etinfer.options import positive_int
 
 DRAFT = SpeculativeConfig(method="draft")
 # Engine settings by name; "paper's layers" rows compare with the plain engine with those layers.
@@ -128,7 +129,7 @@ def table(results: dict, workloads: list[str], names: list[str], batches: list[i
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("speculative", help="speculative decoding against plain decoding")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16])
     parser.add_argument(
         "--workloads", nargs="+", choices=["chat", "copy"], default=["copy", "chat"]
     )
@@ -138,7 +139,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         choices=list(SETTINGS),
         default=[name for name in SETTINGS if not name.startswith("self:")],
     )
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     options.add_threads_option(parser, default=2)
     parser.set_defaults(func=main)

@@ -29,6 +29,7 @@ from etinfer.bench.common.quality import task_quality
 from etinfer.bench.common.work import matmul_params
 from etinfer.control.switching import EXIT_MODEL, SwitchingConfig
 from etinfer.model.loader import load_model
+from etinfer.options import positive_int
 
 SIZES = Sizes(
     document_tokens=(512, 768),
@@ -171,7 +172,7 @@ def plot(rows: dict[str, dict], path: str, exit_layers: int) -> None:
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("switching", help="Entropy Adaptive Decoding's curve")
-    parser.add_argument("--exit-layers", type=int, default=22)
+    parser.add_argument("--exit-layers", type=positive_int, default=22)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-exit-adapter", action="store_true", help="the bare exit")

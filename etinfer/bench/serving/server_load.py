@@ -31,6 +31,7 @@ from etinfer.bench.common.driver import Request, drive_server
 from etinfer.bench.common.local_server import local_server
 from etinfer.bench.common.prompts import instructions
 from etinfer.bench.common.stats import summary
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 
@@ -118,8 +119,10 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     # For the server started here; --seed seeds the arrivals.
     options.add_engine_options(parser, exclude=("seed",))
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0], help="req/s")
-    parser.add_argument("--num-requests", type=int, default=48, help="per rate")
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--num-requests", type=positive_int, default=48, help="per rate")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="output tokens per request"
+    )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the figures as JSON here")

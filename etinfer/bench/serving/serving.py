@@ -36,6 +36,7 @@ from etinfer.bench.common.workload import (
 )
 from etinfer.control.config import ControlConfig
 from etinfer.control.scheduling import SchedulingConfig
+from etinfer.options import positive_int
 
 
 def add_engine_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -149,5 +150,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         default=0,
         help="with --replicas: every prompt opens with one of --num-prefixes texts this long",
     )
-    parser.add_argument("--num-prefixes", type=int, default=4)
+    parser.add_argument("--num-prefixes", type=positive_int, default=4)
     parser.set_defaults(func=main)

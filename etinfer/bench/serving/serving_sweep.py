@@ -42,6 +42,7 @@ from etinfer.bench.common.serving_metrics import METRICS, format_table
 from etinfer.bench.common.workload import TextPrompts
 from etinfer.bench.serving.serving import add_engine_options
 from etinfer.control.scheduling import SchedulingConfig
+from etinfer.options import positive_int
 
 READY_TIMEOUT_S = 600.0  # loading the model on a loaded machine
 KV_PRESSURE = "KV pressure"  # the setting with a pool of --kv-blocks
@@ -240,13 +241,15 @@ def main(args: argparse.Namespace) -> int:
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("serving-sweep", help="FCFS against the entropy policy, side by side")
     add_engine_options(parser)  # --num-kvcache-blocks: the pool of all but the KV-pressure run
-    parser.add_argument("--num-requests", type=int, default=80)
+    parser.add_argument("--num-requests", type=positive_int, default=80)
     parser.add_argument(
         "--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="times the capacity"
     )
     parser.add_argument("--capacity", type=float, help="req/s; skips measuring it")
-    parser.add_argument("--kv-blocks", type=int, default=80, help="pool of the KV-pressure run")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--kv-blocks", type=positive_int, default=80, help="pool of the KV-pressure run"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--length-scale", type=float, default=0.35)
     parser.add_argument("--max-prompt-tokens", type=int)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from etinfer.bench.common.child import child_figures
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.model.linear import Linear
+from etinfer.options import positive_int
 
 GROUP = 32  # weights per scale: GGUF's Q4_0, Q4_1 and Q8_0 blocks
 # Kernels that cost a second per call at 16 rows are timed less.
@@ -95,9 +96,9 @@ def measure(model: str | None, rows_list: list[int], repeats: int) -> dict[str, 
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("kernels", help="weight-matmul kernels of one decode step")
     parser.add_argument("--model", help="GGUF file or folder (default: the embedded model)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=positive_int, default=30)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--isa", choices=sorted(ISA_ENV), help="also run held to this ISA")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(func=main)

@@ -43,6 +43,7 @@ from etinfer.bench.common.machine import cpu_flags
 from etinfer.config import KV_CACHE_DTYPES
 from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model
+from etinfer.options import positive_int
 
 
 def fidelity_texts(llm: LLM, count: int, length: int) -> list[list[int]]:
@@ -148,19 +149,23 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quantization", default="auto", help="weights (passkeys, steps)")
     parser.add_argument("--fidelity-quantization", default="none", help="weights (fidelity)")
-    parser.add_argument("--context", type=int, default=8000, help="passkeys' and steps' tokens")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--context", type=positive_int, default=8000, help="passkeys' and steps' tokens"
+    )
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
     parser.add_argument(
         "--haystack",
         choices=["repeated", "corpus"],
         default="repeated",
         help="the passkeys' filler (the default model finds corpus ones at 8K with no cache)",
     )
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
-    parser.add_argument("--fidelity-texts", type=int, default=4)
-    parser.add_argument("--fidelity-context", type=int, default=2048)
-    parser.add_argument("--fidelity-steps", type=int, default=256)
+    parser.add_argument(
+        "--steps", type=positive_int, default=16, help="decode steps timed per batch"
+    )
+    parser.add_argument("--fidelity-texts", type=positive_int, default=4)
+    parser.add_argument("--fidelity-context", type=positive_int, default=2048)
+    parser.add_argument("--fidelity-steps", type=positive_int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.set_defaults(func=main)

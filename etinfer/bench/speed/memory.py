@@ -30,6 +30,7 @@ import numpy as np
 
 from etinfer.bench.common.child import child_figures
 from etinfer.bench.common.machine import cpu_flags
+from etinfer.options import positive_int
 
 MiB = 2**20
 
@@ -129,8 +130,8 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("memory", help="resident memory against the file and KV cache")
     parser.add_argument("--model", help="a .gguf file, a folder or an installed model's name")
     parser.add_argument("--modes", nargs="+", default=["auto", "gguf", "none"])
-    parser.add_argument("--kv-blocks", type=int, default=64, help="the KV pool's blocks")
-    parser.add_argument("--steady-tokens", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-blocks", type=positive_int, default=64, help="the KV pool's blocks")
+    parser.add_argument("--steady-tokens", type=positive_int, default=512)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.set_defaults(func=main)

@@ -24,6 +24,7 @@ from etinfer.model import gpu
 from etinfer.model.gpu.paged_prefill import paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.prefill_attention import grouped_attention, prefill_mask
+from etinfer.options import positive_int
 
 
 def milliseconds(call: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
@@ -99,13 +100,13 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (ETINFER_DEVICE), cuda, cpu")
     parser.add_argument("--prefix", type=int, default=6144, help="cached positions before")
-    parser.add_argument("--queries", type=int, default=2048, help="the chunk's queries")
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--queries", type=positive_int, default=2048, help="the chunk's queries")
+    parser.add_argument("--heads", type=positive_int, default=9)
+    parser.add_argument("--kv-heads", type=positive_int, default=3)
+    parser.add_argument("--dim", type=positive_int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--cache-dtype", default="bfloat16", choices=sorted(KV_CACHE_DTYPES))
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--output", help="write the figures as JSON here")
     parser.set_defaults(func=main)
 

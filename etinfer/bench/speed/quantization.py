@@ -36,6 +36,7 @@ from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model.catalog import resolve
 from etinfer.model.quantized import QUANTIZATION_MODES
+from etinfer.options import positive_int
 
 STEPS = 24
 
@@ -285,11 +286,11 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help=f"quantization modes, each optionally with a variant: {', '.join(VARIANTS)}",
     )
     parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--fidelity-tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt-len", type=positive_int, default=2048)
+    parser.add_argument("--fidelity-tokens", type=positive_int, default=2048)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--isa", choices=sorted(ISA_ENV), help="hold our engines to this ISA")
     parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed")

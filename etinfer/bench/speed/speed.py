@@ -32,6 +32,7 @@ from etinfer import options
 from etinfer.bench.common.decode_steps import context_prompts, decode_budget, ours_decode_step_ms
 from etinfer.bench.common.prompts import TOPICS
 from etinfer.llm import LLM
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 
@@ -274,11 +275,13 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         # The same prompts run repeatedly: measure compute, not the prefix cache.
         defaults={"max_num_batched_tokens": 2048, "enable_prefix_caching": False},
     )
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8000])
-    parser.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--output-len", type=positive_int, default=128)
+    parser.add_argument(
+        "--contexts", type=positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8000]
+    )
+    parser.add_argument("--context-batches", type=positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output", help="write the figures as JSON here")

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from etinfer import options
 from etinfer.bench.common.prompts import TOPICS
 from etinfer.llm import LLM
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 # Host-side events that move data or wait for the device, as the profiler names them (a
@@ -90,10 +91,12 @@ def synchronizing_calls(on_cuda: bool) -> Iterator[Counter[str]]:
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("step-profile", help="where a decode step goes (torch's profiler)")
     options.add_engine_options(parser, exclude=("max_num_seqs",))
-    parser.add_argument("--batch", type=int, default=16, help="sequences decoding together")
+    parser.add_argument(
+        "--batch", type=positive_int, default=16, help="sequences decoding together"
+    )
     parser.add_argument("--warmup", type=int, default=8, help="steps run before profiling")
-    parser.add_argument("--steps", type=int, default=10, help="decode steps profiled")
-    parser.add_argument("--rows", type=int, default=25, help="operators listed")
+    parser.add_argument("--steps", type=positive_int, default=10, help="decode steps profiled")
+    parser.add_argument("--rows", type=positive_int, default=25, help="operators listed")
     parser.set_defaults(func=main)
 
 

@@ -31,6 +31,7 @@ from etinfer.bench.common.fidelity import corpus_tokens, forced_log_probs
 from etinfer.bench.common.plots import pyplot
 from etinfer.control.entropy import TemperedEntropy, estimate_entropy
 from etinfer.control.temperature import feedback_step, solve_log_temperature
+from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
 FLAT = 0.1  # varentropy below which the local slope says little over the error
@@ -159,12 +160,12 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("iss", help="the feedback law's error bound under estimation error")
     options.add_engine_options(parser, only=("model", "quantization", "max_model_len"))
     options.add_threads_option(parser)
-    parser.add_argument("--texts", type=int, default=3)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=128, help="frozen steps per text")
+    parser.add_argument("--texts", type=positive_int, default=3)
+    parser.add_argument("--context", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=128, help="frozen steps per text")
     parser.add_argument("--target", type=float, default=2.0, help="entropy target, nats")
-    parser.add_argument("--iterations", type=int, default=400)
-    parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--iterations", type=positive_int, default=400)
+    parser.add_argument("--topk", type=positive_int, default=64)
     parser.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.2, 0.5])
     parser.add_argument("--output-dir", default="results/iss")
     parser.set_defaults(func=main)

@@ -58,6 +58,7 @@ from etinfer.control.config import ControlConfig
 from etinfer.control.stress import StressConfig
 from etinfer.llm import LLM
 from etinfer.model.loader import LoadedModel, load_model
+from etinfer.options import positive_int
 
 # Long prompts above the pruning threshold, every request queued at once. Four passkeys and
 # four documents (a greedy continuation and a sampled one each) per repeat.
@@ -274,10 +275,13 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--cap", type=int, help="requests of each kind (default: 4)")
     parser.add_argument("--scales", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5, 2.0])
     parser.add_argument("--biases", type=float, nargs="+", default=[-1.0, 1.0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--calibration-tokens", type=int, default=4096, help="to refit on, as many held out"
+        "--calibration-tokens",
+        type=positive_int,
+        default=4096,
+        help="to refit on, as many held out",
     )
     parser.add_argument(
         "--skip-layers", action="store_true", help="leave out speculative drafting and EAD"

@@ -27,6 +27,7 @@ from etinfer import LLM, SamplingParams
 from etinfer.bench.common.machine import machine
 from etinfer.bench.structured.schemas import SCHEMAS, schema_format
 from etinfer.model.loader import load_model
+from etinfer.options import positive_int
 from etinfer.structured.compiler import GrammarCompiler
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
@@ -190,10 +191,10 @@ def main(args: argparse.Namespace) -> None:
 def add_command(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("structured", help="grammar-constrained decoding: cost, validity")
     parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    parser.add_argument("--max-tokens", type=positive_int, default=256)
     parser.add_argument("--requests", type=int, default=200, help="through the server (0: skip)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--concurrency", type=positive_int, default=16)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--output", help="write the figures as JSON here")
     parser.set_defaults(func=main)
