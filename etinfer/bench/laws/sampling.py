@@ -32,6 +32,7 @@ from etinfer.bench.common.decode_steps import ours_decode_step_ms
 from etinfer.bench.common.plots import pyplot
 from etinfer.bench.common.prompts import instructions
 from etinfer.bench.common.quality import summarize
+from etinfer.bench.common.timing import median_ms
 from etinfer.control.entropy import TemperedEntropy, entropy, softmax_entropy, topk_bounds
 from etinfer.control.temperature import feedback_step, solve_log_temperature
 from etinfer.llm import LLM
@@ -107,16 +108,6 @@ def generated_logits(llm: LLM, outs: list[RequestOutput], positions: int) -> tor
         rows.append(logits[len(out.prompt_token_ids) - 1 : -1])
         have += rows[-1].shape[0]
     return torch.cat(rows)[:positions]
-
-
-def median_ms(fn, repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def estimator_overhead(llm: LLM, logits: torch.Tensor, batches: tuple[int, ...]) -> list[dict]:

@@ -13,30 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
 
 import torch
 
-from etinfer.bench.speed.speed import synchronized_clock
+from etinfer.bench.common.timing import median_ms
 from etinfer.config import KV_CACHE_DTYPES, EngineConfig
 from etinfer.model import gpu
 from etinfer.model.gpu.paged_prefill import paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.prefill_attention import grouped_attention, prefill_mask
 from etinfer.options import positive_int
-
-
-def milliseconds(call: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``call`` in ms, the device's queue drained around each."""
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = synchronized_clock(device)
-        call()
-        times.append((synchronized_clock(device) - start) * 1000)
-    return statistics.median(times)
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -81,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     figures = {}
     for name, call in (("sdpa over the gathered prefix", sdpa), ("paged-prefill kernel", kernel)):
         figures[name] = {
-            "ms": milliseconds(call, device, args.repeats),
+            "ms": median_ms(call, args.repeats, device=device, warmups=2),
             "max_difference": (call() - reference).abs().max().item(),
         }
         print(f"{name}: {figures[name]['ms']:.3f} ms a call, "

@@ -31,6 +31,7 @@ import torch
 from etinfer import options
 from etinfer.bench.common.decode_steps import context_prompts, decode_budget, ours_decode_step_ms
 from etinfer.bench.common.prompts import TOPICS
+from etinfer.bench.common.timing import synchronized_clock
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
@@ -77,13 +78,6 @@ class PrefillRow:
         if self.transformers_tok_s is None:
             return None
         return self.ours_tok_s / self.transformers_tok_s
-
-
-def synchronized_clock(device: torch.device) -> float:
-    """``perf_counter`` once the device's queued work is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def ours_throughput(llm: LLM, batch: int, output_len: int) -> float:
