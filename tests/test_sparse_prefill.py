@@ -23,6 +23,7 @@ from etinfer.control.sparse_prefill import (
 )
 from etinfer.model import gpu
 from etinfer.model.block_layout import PrefillPiece
+from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT
 from etinfer.model.paged_attention import PagedAttention
 from etinfer.model.prefill_attention import PrefillChunk
 from tests.test_paged_attention import (
@@ -158,12 +159,18 @@ def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
     dtype, on_gpu_kernel, monkeypatch
 ):
     """On the torch path, and through the GPU's prefill kernel (compiled on a GPU, in Triton's
-    interpreter without one), which reads the listed positions where the cache holds them."""
+    interpreter without one), which reads the listed positions where the cache holds them: over
+    a 16-bit cache on tensor cores, its queries and weights rounded to the cache's type."""
     device = "cpu"
+    tolerance = 1e-5
     if on_gpu_kernel:
         pytest.importorskip("triton")
         monkeypatch.setattr(gpu, "serves", lambda device: True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype in SIXTEEN_BIT:
+            if dtype == torch.bfloat16 and device == "cpu":
+                pytest.skip("Triton's interpreter gets bfloat16 dots wrong")
+            tolerance = 4 * torch.finfo(dtype).eps
     length, start = 48, 32  # a chunk of 16 queries after 32 cached positions: 12 blocks of 4
     cache, (table,) = scattered_cache([length], dtype=dtype, device=device)
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
@@ -188,7 +195,7 @@ def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
     first[:, 24:] = True
     visible[:, :8] &= first[:, None, :]
     torch.testing.assert_close(
-        out, reference(q, keys, values, query_pos, visible), rtol=1e-5, atol=1e-5
+        out, reference(q, keys, values, query_pos, visible), rtol=tolerance, atol=tolerance
     )
 
 

@@ -2,11 +2,12 @@
 several query rows of one sequence.
 
 Chunks go through ``scaled_dot_product_attention``, one sequence at a time: there the work is
-quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it (on
-CUDA too, measured: see ``_prefill``). A sliding layer's long chunk goes by blocks of queries,
+quadratic in the chunk, and gathering the chunk's cached prefix once is cheap beside it. On CUDA
+with a 16-bit cache, a chunk after a cached prefix goes through the GPU's prefill kernel
+(``gpu/paged_prefill.py``) instead, which reads the prefix in place and multiplies on tensor
+cores (see ``_kernel_reads_prefix``). A sliding layer's long chunk goes by blocks of queries,
 each over the keys its window reaches; sparse prefill's pieces read the kept blocks per KV head
-(``control/sparse_prefill.py``), on CUDA in the GPU's prefill kernel (``gpu/paged_prefill.py``),
-which reads them where the cache holds them.
+(``control/sparse_prefill.py``), on CUDA in the same kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from etinfer.model import gpu
 from etinfer.model.block_layout import PrefillContext, PrefillPiece, PrefillSelector
-from etinfer.model.gpu.paged_prefill import paged_prefill
+from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT, paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.softcap import capped_attention
 
@@ -59,10 +60,11 @@ class PrefillAttention:
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         window = self.local_window if layer in self.local_layers else self.sliding_window
-        # On CUDA too the prefix is gathered for SDPA: its memory-efficient kernel took 2.2 ms
-        # for 2,048 queries after 6,144 positions on an H200, where the paged-prefill kernel,
-        # whose float32 IEEE dots use no tensor cores, took 3.9 at its best tiles (BENCHMARKS.md,
-        # "The CUDA path on an H200 again"). The kernel serves sparse prefill's pieces below.
+        if chunk.context_slots is not None and self._kernel_reads_prefix(q.device, cache):
+            return paged_prefill(
+                q, cache.layer_keys[layer], cache.layer_values[layer], None, None,
+                chunk.context_slots, self.scale, window, self.softcap,
+            )  # fmt: skip
         if chunk.context_slots is None:  # the chunk's own keys, as the cache holds them
             k, v = cache.as_stored(k).transpose(0, 1), cache.as_stored(v).transpose(0, 1)
         else:
@@ -71,6 +73,15 @@ class PrefillAttention:
         if window is not None and chunk.length > window:
             return self._windowed(q, k, v, window)[0].transpose(0, 1)
         return self._dense(q, k, v, chunk.mask, chunk.mask is None)[0].transpose(0, 1)
+
+    @staticmethod
+    def _kernel_reads_prefix(device: torch.device, cache: KVCache) -> bool:
+        """Whether a chunk after a cached prefix goes through the GPU's prefill kernel, which
+        reads the prefix in place, instead of SDPA over a gathered copy: with a 16-bit cache,
+        whose dots run on tensor cores (on an H200, 0.40 ms a layer against SDPA's 2.2 for 2,048
+        queries after 6,144 positions; BENCHMARKS.md, "The CUDA path on an H200, fifth
+        session"). A float32 or int8 cache keeps SDPA: the kernel's IEEE float32 dots took 3.9."""
+        return gpu.serves(device) and cache.dtype in SIXTEEN_BIT
 
     def _windowed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int

@@ -1,8 +1,11 @@
 """Prefill attention over the paged cache, one layer, side by side: SDPA over the gathered prefix
-(what the engine runs for a dense chunk) against the GPU's paged-prefill kernel at its launcher's
-tiles (what sparse prefill's pieces run), on random keys and values in shuffled blocks: a chunk
-of ``--queries`` after ``--prefix`` cached positions. Each arm's time a call, the median of
-``--repeats`` after two warm-ups, and its largest difference from SDPA.
+(what the engine runs for a dense chunk over a float32 or int8 cache) against the GPU's
+paged-prefill kernel with IEEE float32 dots (what sparse prefill's pieces run over such caches)
+and, over a 16-bit cache, with dots in the cache's type on tensor cores (what the engine runs for
+both there), on random keys and values in shuffled blocks: a chunk of ``--queries`` after
+``--prefix`` cached positions. Each arm's time a call, the median of ``--repeats`` after two
+warm-ups, and its largest difference from SDPA; ``--tiles`` adds each kernel arm at other launch
+shapes.
 
     ETINFER_DEVICE=cuda etinfer bench prefill-attention --prefix 6144 --queries 2048
 
@@ -13,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
 from etinfer.bench.common.timing import median_ms
 from etinfer.config import KV_CACHE_DTYPES, EngineConfig
 from etinfer.model import gpu
-from etinfer.model.gpu.paged_prefill import paged_prefill
+from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT, PrefillTiles, paged_prefill
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.prefill_attention import grouped_attention, prefill_mask
 from etinfer.options import positive_int
@@ -59,13 +63,22 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         out = grouped_attention(q.transpose(0, 1)[None], k[None], v[None], mask, causal, scale)
         return out[0].transpose(0, 1)
 
-    def kernel() -> torch.Tensor:
+    def kernel(tensor_cores: bool, tiles: PrefillTiles | None) -> Callable[[], torch.Tensor]:
         keys, values = cache.layer_keys[0], cache.layer_values[0]
-        return paged_prefill(q, keys, values, *cache.layer_scales(0), slots, scale)
+        scales = cache.layer_scales(0)
+        return lambda: paged_prefill(
+            q, keys, values, *scales, slots, scale, tensor_cores=tensor_cores, tiles=tiles
+        )
 
+    arms: dict[str, Callable[[], torch.Tensor]] = {"sdpa over the gathered prefix": sdpa}
+    dots = ["float32"] + (["16-bit"] if cache.dtype in SIXTEEN_BIT else [])
+    for tiles in [None, *args.tiles]:
+        shape = "" if tiles is None else f", tiles {tiles.queries}x{tiles.keys}x{tiles.warps}"
+        for kind in dots:
+            arms[f"paged-prefill kernel, {kind} dots{shape}"] = kernel(kind == "16-bit", tiles)
     reference = sdpa()
     figures = {}
-    for name, call in (("sdpa over the gathered prefix", sdpa), ("paged-prefill kernel", kernel)):
+    for name, call in arms.items():
         figures[name] = {
             "ms": median_ms(call, args.repeats, device=device, warmups=2),
             "max_difference": (call() - reference).abs().max().item(),
@@ -78,6 +91,17 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 vars(args) | {"device": str(device), "figures": figures}, f, indent=1, default=str
             )
     return figures
+
+
+def tiles_option(text: str) -> PrefillTiles:
+    """``--tiles`` values: ``64x64x4`` (powers of two, queries and keys 16 or more)."""
+    try:
+        tiles = PrefillTiles(*(int(part) for part in text.split("x")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not QUERIESxKEYSxWARPS") from None
+    if any(n < 1 or n & (n - 1) for n in tiles) or min(tiles.queries, tiles.keys) < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: powers of two, queries and keys >= 16")
+    return tiles
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -93,6 +117,10 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--cache-dtype", default="bfloat16", choices=sorted(KV_CACHE_DTYPES))
     parser.add_argument("--repeats", type=positive_int, default=10)
+    parser.add_argument(
+        "--tiles", nargs="*", type=tiles_option, default=[], metavar="QxKxW",
+        help="more launch shapes of the kernel: queries a program, keys an iteration, warps",
+    )  # fmt: skip
     parser.add_argument("--output", help="write the figures as JSON here")
     parser.set_defaults(func=main)
 

@@ -92,13 +92,14 @@ def paged_decode_partials(
             valid = valid & (kept != 0)
         slots = cache_base + blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
         keys, values = load_kv_tile(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM, HAS_SCALES
-        )
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM, HAS_SCALES,
+            False,
+        )  # fmt: skip
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [GROUP_PAD, TILE]
         if CAPPED:
             scores = soft_cap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
+        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc, False)
         tile_start += TILE
 
     out = (row * HEADS + heads) * SPLITS + split

@@ -8,13 +8,46 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from etinfer.model.gpu import dot_width
 
-# Keys a program reads per loop iteration.
-TILE = 64
+# Caches whose rows the kernel multiplies on tensor cores in their own type.
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+class PrefillTiles(NamedTuple):
+    """A launch's shape: queries a program, keys a loop iteration, warps a program."""
+
+    queries: int
+    keys: int
+    warps: int
+
+
+# The fastest launch shape measured on an H200 per kind of dot and head dimension (one layer,
+# 2,048 queries after 6,144 positions in shuffled blocks of a bfloat16 cache; BENCHMARKS.md, "The
+# CUDA path on an H200, fifth session"). Tensor-core dots took 0.40 ms at head dim 64 (SDPA over
+# the gathered prefix 2.2), 1.8 at 128 (7.9), 0.83 at 256 (2.3); float32 dots lost to SDPA at
+# every shape (3.9, 40, 15). Register spills did not predict the times: float32 dots of 16
+# queries in 4 warps spill 372 bytes a thread (ptxas, sm_90) and took 3.9 ms, in 8 warps they
+# spill none and took 6.4.
+TILES = {
+    True: {64: PrefillTiles(64, 64, 4), 128: PrefillTiles(64, 32, 4), 256: PrefillTiles(64, 16, 8)},
+    False: {
+        64: PrefillTiles(16, 64, 4),
+        128: PrefillTiles(16, 64, 8),
+        256: PrefillTiles(32, 16, 8),
+    },
+}
+
+
+def prefill_tiles(dim_pad: int, tensor_cores: bool) -> PrefillTiles:
+    """The launch shape for a head dimension padded to ``dim_pad``: that of the least measured
+    dimension not below it (the widest's beyond)."""
+    shapes = TILES[tensor_cores]
+    return shapes[min((d for d in shapes if d >= dim_pad), default=max(shapes))]
 
 
 @functools.cache
@@ -36,25 +69,31 @@ def paged_prefill(
     softcap: float | None = None,
     key_positions: torch.Tensor | None = None,
     first: int | None = None,
+    tensor_cores: bool | None = None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunk's queries over positions [0, context) (the last
     ``sliding_window`` of them for each query, where set), in float32: [queries, heads, dim].
     ``key_positions``: read those positions only (causally still), the queries' positions then
-    starting at ``first``, which must be given."""
+    starting at ``first``, which must be given. ``tensor_cores``: dots in a 16-bit cache's own
+    type (default: wherever the cache is 16-bit), else IEEE float32. ``tiles``: the launch's
+    shape (default ``prefill_tiles``; the benchmark sweeps them)."""
     queries, heads, dim = q.shape
     keyed = key_positions is not None
     if keyed and first is None:
         raise ValueError("paged_prefill: key_positions needs the queries' first position")
     if first is None:
         first = slots.shape[0] - queries
+    if tensor_cores is None:
+        tensor_cores = keys.dtype in SIXTEEN_BIT
+    elif tensor_cores and keys.dtype not in SIXTEEN_BIT:
+        raise ValueError(f"paged_prefill: tensor_cores needs a 16-bit cache, not {keys.dtype}")
     group = heads // keys.shape[0]
     dim_pad = dot_width(dim)
-    # 16 queries a program: on an H200 (head dim 64, 2,048 queries after 6,144 positions) 64 in
-    # 4 warps spilled registers (51.6 ms), 64 in 8 warps took 4.6, 32 4.1, 16 3.9.
-    block_m = 16
+    tiles = tiles or prefill_tiles(dim_pad, tensor_cores)
     out = torch.empty(queries, heads, dim, device=q.device, dtype=torch.float32)
     has_scales = key_scales is not None
-    _kernel().paged_prefill[(-(-queries // block_m), heads)](
+    _kernel().paged_prefill[(-(-queries // tiles.queries), heads)](
         q.contiguous(),
         keys,
         values,
@@ -74,12 +113,12 @@ def paged_prefill(
         GROUP=group,
         DIM=dim,
         DIM_PAD=dim_pad,
-        BLOCK_M=block_m,
-        TILE=TILE,
+        BLOCK_M=tiles.queries,
+        TILE=tiles.keys,
         HAS_SCALES=has_scales,
         CAPPED=softcap is not None,
         KEYED=keyed,
-        # Wide heads in 4 warps spilled tens of KB of registers a program (ptxas, sm_90).
-        num_warps=8 if dim_pad >= 128 else 4,
+        TENSOR_CORES=tensor_cores,
+        num_warps=tiles.warps,
     )
     return out

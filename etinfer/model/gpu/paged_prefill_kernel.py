@@ -43,6 +43,7 @@ def paged_prefill(
     HAS_SCALES: tl.constexpr,
     CAPPED: tl.constexpr,
     KEYED: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,6 +59,8 @@ def paged_prefill(
         other=0.0,
     )
     q = q * scale
+    if TENSOR_CORES:
+        q = q.to(k_ptr.dtype.element_ty)
     if KEYED:  # the listed positions, each masked by its position
         end = num_keys
         lowest = 0
@@ -79,15 +82,21 @@ def paged_prefill(
             keys_at = tl.load(key_pos_ptr + keys_at, mask=valid, other=0)
         slots = cache_base + tl.load(slot_ptr + keys_at, mask=valid, other=0).to(tl.int64)
         keys, values = load_kv_tile(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM, HAS_SCALES
-        )
-        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_M, TILE]
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, slots, valid, dims, in_dim, DIM, HAS_SCALES,
+            TENSOR_CORES,
+        )  # fmt: skip
+        if TENSOR_CORES:  # float32 sums of 16-bit products
+            scores = tl.dot(q, tl.trans(keys))  # [BLOCK_M, TILE]
+        else:
+            scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
         if CAPPED:
             scores = soft_cap(scores, softcap)
         visible = valid[None, :] & (keys_at[None, :] <= positions[:, None])
         visible = visible & (keys_at[None, :] > oldest[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
+        row_max, row_sum, acc = online_softmax_step(
+            scores, values, row_max, row_sum, acc, TENSOR_CORES
+        )
         key_start += TILE
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(
