@@ -209,8 +209,9 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(
 
 @pytest.mark.parametrize("cache", ["float16", "int8"])
 def test_the_prefill_attention_bench_times_both_paths_and_they_agree(cache):
-    """`etinfer bench prefill-attention` at a toy size on the suite's device: both arms timed,
-    the kernel within float32's rounding of SDPA over the gathered prefix."""
+    """`etinfer bench prefill-attention` at a toy size on the suite's device: every arm timed,
+    at the launcher's tiles and at those ``--tiles`` adds; the kernel's float32 dots within
+    float32's rounding of SDPA over the gathered prefix, its 16-bit dots within theirs."""
     from etinfer.bench.speed import prefill_attention
     from etinfer.cli import build_parser
 
