@@ -284,7 +284,7 @@ def test_the_exit_adapter_makes_the_exit_agree_with_the_model(make_llm):
     assert (fitted == top).float().mean() > (bare == top).float().mean() + 0.1
 
 
-def test_engines_with_the_same_exit_share_one_fit_and_it_is_a_fresh_fits(make_llm):
+def test_engines_with_the_same_exit_share_one_fit_equal_to_a_fresh_one(make_llm):
     """The adapter is fitted once per prepared weights and fit settings in a process: a second
     engine takes the first's, an engine whose cache stores another type fits its own, and a
     fit made again gives the shared adapter bit for bit (so sharing changes no draft)."""
@@ -298,7 +298,7 @@ def test_engines_with_the_same_exit_share_one_fit_and_it_is_a_fresh_fits(make_ll
     other = make_llm(**settings, kv_cache_dtype="bfloat16").engine.speculator.proposer.adapter
     assert other is not adapter
     runner, pool = first.runner, first.kv.pool
-    window = min(512, pool.num_free_blocks * runner.block_size)
+    window = early_exit.fit_window(runner, pool)
     again = early_exit._fit(runner, pool, first.tokenizer, 26, window)
     assert torch.equal(again.weight, adapter.weight) and torch.equal(again.bias, adapter.bias)
 

@@ -76,8 +76,9 @@ class PrefillAttention:
 
     @staticmethod
     def _kernel_reads_prefix(device: torch.device, cache: KVCache) -> bool:
-        """Whether a chunk after a cached prefix goes through the GPU's prefill kernel, which
-        reads the prefix in place, instead of SDPA over a gathered copy: with a 16-bit cache,
+        """Whether a chunk whose context slots are listed (after a cached prefix, or sparse
+        prefill's chunk left dense) goes through the GPU's prefill kernel, which reads the
+        context in place, instead of SDPA over a gathered copy: with a 16-bit cache,
         whose dots run on tensor cores (on an H200, 0.40 ms a layer against SDPA's 2.2 for 2,048
         queries after 6,144 positions; BENCHMARKS.md, "The CUDA path on an H200, fifth
         session"). A float32 or int8 cache keeps SDPA: the kernel's IEEE float32 dots took 3.9."""

@@ -26,6 +26,7 @@ from etinfer.engine.kv_cache.block_pool import BlockPool
 from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.model.llama import LlamaWeights
 from etinfer.model.tokenizer import Tokenizer
 
 ADAPTER_TOKENS = 2048  # positions the adapter is fitted on: 577 unknowns per output, 3.5x over
@@ -54,18 +55,24 @@ class ExitAdapter:
 # benchmarks and tests build many engines with the same exit, and each fit is a 2,048-token
 # prefill (2.4 s on two CPU cores). The fit is deterministic, so a second one would give the
 # same adapter bit for bit.
-_FITTED: weakref.WeakKeyDictionary[object, dict[tuple, ExitAdapter]] = weakref.WeakKeyDictionary()
+_FITTED: weakref.WeakKeyDictionary[LlamaWeights, dict[tuple, ExitAdapter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def fit_window(runner: ModelRunner, pool: BlockPool) -> int:
+    """Tokens a fitting prefill takes at once: 512, or what the pool holds (empty at load)."""
+    return min(512, pool.num_free_blocks * runner.block_size)
 
 
 def fit_exit_adapter(
     runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer, layer: int
 ) -> ExitAdapter:
-    # Windows of 512 tokens, or what the pool holds (the cache is empty at load).
-    window = min(512, pool.num_free_blocks * runner.block_size)
-    attention = runner.attention
-    # Sparse prefill narrows the fit's prefill where its min_context is under the window.
-    sparse = getattr(attention.prefill_selector, "config", None)
-    key = (layer, window, runner.block_size, runner.cache.dtype, attention.batch_invariant, sparse)
+    window, attention = fit_window(runner, pool), runner.attention
+    key = (layer, window, runner.block_size, runner.cache.dtype, attention.batch_invariant)
+    if attention.batch_invariant:
+        # The fit's rows are then decode rows, which the pruning selector may narrow.
+        key += (getattr(attention.selector, "config", None),)
     fitted = _FITTED.setdefault(runner.model.weights, {})
     if key not in fitted:
         fitted[key] = _fit(runner, pool, tokenizer, layer, window)

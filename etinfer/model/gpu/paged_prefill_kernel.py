@@ -6,7 +6,9 @@ position from the chunk's slot list and the keys and values from the cache where
 no prefix is gathered or copied, and computes the causal online softmax of its queries (each
 sees the positions up to its own, and only the last ``window`` of them where set) a tile of
 keys at a time. Given a list of positions (KEYED: sparse prefill's kept blocks and local
-window), it reads those alone. Dots are IEEE float32 (never tf32), as in the decode kernel.
+window), it reads those alone. Dots are IEEE float32 (never tf32), as in the decode kernel, or
+(TENSOR_CORES, a 16-bit cache) in the cache's own type on tensor cores with float32 sums: the
+queries and each tile's softmax weights rounded to that type, as FlashAttention does.
 """
 
 from __future__ import annotations
