@@ -75,20 +75,11 @@ class RequestValidator:
         whole KV pool cannot hold (it would be preempted forever)."""
         n = len(prompt_token_ids)
         self.check_length(n)
-        needed = self.blocks_needed(n, params.max_tokens)
-        if needed > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks ({n} prompt tokens + max_tokens "
-                f"{params.max_tokens} - 1, {self.kv.block_size} tokens per block) but "
-                f"num_kvcache_blocks is {self.kv.pool.num_blocks}; lower max_tokens or enlarge "
-                "the pool"
-            )
+        self.kv.check_holds(n, params.max_tokens, self.max_model_len)
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """KV blocks of one sequence at its longest (the last generated token is never
-        computed, so it needs no slot)."""
-        longest = min(num_prompt_tokens + max_tokens, self.max_model_len) - 1
-        return self.kv.blocks_needed(longest)
+        """KV blocks of one sequence at its longest, within this engine's context."""
+        return self.kv.blocks_at_longest(num_prompt_tokens, max_tokens, self.max_model_len)
 
     def check_length(self, num_tokens: int, max_prompt_tokens: int | None = None) -> None:
         """Refuse a prompt of more than ``max_prompt_tokens`` tokens (by default: what leaves

@@ -96,13 +96,7 @@ def simulate(
     )
     kv = KVCacheManager(num_blocks, block_size)
     for i, request in enumerate(requests):
-        needed = kv.blocks_needed(request.prompt_tokens + request.output_tokens - 1)
-        if needed > num_blocks:
-            raise ValueError(
-                f"request {i} needs {needed} KV blocks ({request.prompt_tokens} prompt tokens + "
-                f"{request.output_tokens} output tokens - 1, {block_size} tokens per block) but "
-                f"num_kvcache_blocks is {num_blocks}"
-            )
+        kv.check_holds(request.prompt_tokens, request.output_tokens, name=f"request {i}")
     cost = cost or StepCost()
     clock = SimClock()
     policy_ = SCHEDULING_POLICIES.create(

@@ -19,6 +19,34 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_at_longest(
+        self, num_prompt_tokens: int, max_tokens: int, max_model_len: int | None = None
+    ) -> int:
+        """KV blocks of one sequence at its longest (the last generated token is never
+        computed, so it needs no slot)."""
+        longest = num_prompt_tokens + max_tokens
+        if max_model_len is not None:
+            longest = min(longest, max_model_len)
+        return self.blocks_needed(longest - 1)
+
+    def check_holds(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int | None = None,
+        *,
+        name: str = "request",
+    ) -> None:
+        """Refuse a sequence the whole pool cannot hold at its longest: it would wait or be
+        preempted forever."""
+        needed = self.blocks_at_longest(num_prompt_tokens, max_tokens, max_model_len)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"{name} needs {needed} KV blocks ({num_prompt_tokens} prompt tokens + max_tokens "
+                f"{max_tokens} - 1, {self.block_size} tokens per block) but num_kvcache_blocks "
+                f"is {self.pool.num_blocks}; lower max_tokens or enlarge the pool"
+            )
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of ``seq``'s tokens, in order.
 
