@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     for place, count in waits.most_common():
         print(f"  a synchronizing operation at {place}: {count / args.steps:.1f} a step")
+    # By kind: a wait once a profile (the profiler's own, as it stops) reads as 1/steps a step,
+    # where a wait in some steps only is an event's (the graphs' input copy) or a stream's.
+    for e in events:
+        if e.key.startswith(SYNC_EVENTS):
+            print(f"  {e.key}: {e.count} in {args.steps} steps")
 
     def per_step(names: tuple[str, ...]) -> float:
         return sum(e.count for e in events if e.key.startswith(names)) / args.steps

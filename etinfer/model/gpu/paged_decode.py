@@ -48,7 +48,7 @@ def num_splits(
     rows: int, kv_heads: int, max_context: int, programs: int = PROGRAMS_PER_SM * DEFAULT_SMS
 ) -> int:
     """How many parts each row's context is cut into: enough to launch ``programs`` programs,
-    none shorter than a tile, a power of two (each count is a kernel variant compiled once)."""
+    none shorter than a tile, up to a power of two."""
     wanted = math.ceil(programs / max(1, rows * kv_heads))
     return next_power_of_2(min(wanted, math.ceil(max_context / TILE), MAX_SPLITS))
 
@@ -115,7 +115,6 @@ def paged_decode(
         DIM_PAD=dot_width(dim),
         BLOCK_SIZE=block_size,
         TILE=TILE,
-        SPLITS=splits,
         HAS_SCALES=has_scales,
         HAS_KEEP=has_keep,
         CAPPED=softcap is not None,

@@ -18,7 +18,10 @@ import triton.language as tl
 from etinfer.model.gpu.attention_tile import load_kv_tile, online_softmax_step, soft_cap
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16; these change from
+# step to step (the table's width with the batch's longest context), and a compile in the middle
+# of a served step costs more than any step (the mixed workload's eager arms paid it).
+@triton.jit(do_not_specialize=["num_slots", "table_stride", "keep_width", "window"])
 def paged_decode_partials(
     q_ptr,  # [rows, heads, dim] float32
     k_ptr,  # [kv_heads, slots, dim] the layer's cache, any stored type
@@ -45,7 +48,6 @@ def paged_decode_partials(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
-    SPLITS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     CAPPED: tl.constexpr,
@@ -53,12 +55,13 @@ def paged_decode_partials(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)  # a launch's, not a compiled constant: no variant per count
     context = tl.load(context_ptr + row).to(tl.int32)
     first = 0
     if window > 0:
         first = tl.maximum(context - window, 0)
     tiles = tl.cdiv(context - first, TILE)
-    per_split = tl.cdiv(tiles, SPLITS) * TILE
+    per_split = tl.cdiv(tiles, splits) * TILE
     start = first + split * per_split
     end = tl.minimum(start + per_split, context)
 
@@ -102,7 +105,7 @@ def paged_decode_partials(
         row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc, False)
         tile_start += TILE
 
-    out = (row * HEADS + heads) * SPLITS + split
+    out = (row * HEADS + heads) * splits + split
     tl.store(
         acc_ptr + out[:, None] * DIM + dims[None, :], acc, mask=in_group[:, None] & in_dim[None, :]
     )

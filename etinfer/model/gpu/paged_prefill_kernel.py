@@ -19,7 +19,9 @@ import triton.language as tl
 from etinfer.model.gpu.attention_tile import load_kv_tile, online_softmax_step, soft_cap
 
 
-@triton.jit
+# No compiled variant per chunk: Triton would compile one for each pattern of these integers
+# being 1 or a multiple of 16, and every chunk's length and start differ (``paged_decode_kernel``).
+@triton.jit(do_not_specialize=["queries", "first", "num_keys", "num_slots", "window"])
 def paged_prefill(
     q_ptr,  # [queries, heads, dim] float32: the chunk's queries
     k_ptr,  # [kv_heads, slots, dim] the layer's cache, any stored type

@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The batch's row count changes every step; Triton would compile a variant for 1 and for
+# multiples of 16 (``paged_decode_kernel``).
+@triton.jit(do_not_specialize=["rows"])
 def weight_only_matmul(
     x_ptr,  # [rows, in] activations, the dot's input type
     codes_ptr,  # int4: uint8 [out, in / 2], input k's code in byte k // 2 (low nibble first);
