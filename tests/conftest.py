@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -131,14 +134,30 @@ def make_llm(loaded_model: LoadedModel):
     return make
 
 
+@contextlib.contextmanager
+def gguf_files_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's header with gguf's reader at each read: twice for a
+    model (its config, then its weights) and once more for a tokenizer, 16 s each for Gemma 3's
+    262K-token vocabulary on a slow host. The reader only reads (a read-only memory map), so in
+    this block one reader a file serves every read, and transformers builds the same model."""
+    import gguf
+
+    read = functools.cache(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", read)
+        yield
+    read.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def hf_reference(loaded_model: LoadedModel):
     """transformers' own model, read by transformers' own GGUF loader from the same file."""
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    with gguf_files_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     model.eval()
     return model
 

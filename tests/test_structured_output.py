@@ -200,6 +200,19 @@ def test_a_token_the_grammar_forbids_ends_the_request_at_a_dead_end(loaded_model
     assert outputs[-1].token_ids == []
 
 
+def test_engines_over_one_tokenizer_read_its_vocabulary_once(make_llm, llm: LLM):
+    """A grammar backend holds what it read from the vocabulary, so engines over one tokenizer
+    share it; each engine still compiles and caches its own grammars."""
+    other = make_llm()
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    compilers = [llm.engine.grammars.compiler, other.engine.grammars.compiler]
+    grammars = [compiler.compile(params) for compiler in compilers]
+    assert compilers[0]._get_backend() is compilers[1]._get_backend()
+    assert grammars[0] is not grammars[1]
+    ask = SamplingParams(temperature=0, max_tokens=4, structured=params)
+    assert other.generate(["Is water wet?"], ask)[0].text in ("yes", "no")
+
+
 def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
     bad = StructuredOutputsParams(regex="[a-")
     with pytest.raises(ValueError, match=r"structured\.regex"):
