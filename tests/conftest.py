@@ -145,8 +145,10 @@ def gguf_files_parsed_once() -> Iterator[None]:
     read = functools.cache(gguf.GGUFReader)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", read)
-        yield
-    read.cache_clear()
+        try:
+            yield
+        finally:
+            read.cache_clear()
 
 
 @pytest.fixture(scope="session")

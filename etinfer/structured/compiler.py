@@ -24,7 +24,8 @@ DEFAULT_COMPILE_TIMEOUT = 10.0
 CACHE_SIZE = 256
 # Backends by tokenizer, shared by every engine over it: a backend holds only what it read from
 # the vocabulary (0.3 s for SmolLM2's 49K tokens), which each engine of a benchmark or a test
-# read again. An engine already compiles on two threads through one backend.
+# read again. An engine already compiles on two threads through one backend. A backend lives as
+# long as its tokenizer (the loaded model), not the engine.
 _BACKENDS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[str, int], GrammarBackend]] = (
     weakref.WeakKeyDictionary()
 )

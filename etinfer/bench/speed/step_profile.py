@@ -28,9 +28,9 @@ from etinfer.sampling_params import SamplingParams
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 SCALAR_READ_EVENTS = ("aten::item",)
 # torch's profiler synchronizes the device as it stops, inside its own window
-# (``torch.autograd.profiler.profile.__exit__``): an H200 counted that one cudaDeviceSynchronize
-# in 10 steps and in 40 alike. It is no step's, and not counted as one.
-PROFILER_OWN_SYNCS = 1
+# (``torch.autograd.profiler.profile.__exit__``): an H200 counted one cudaDeviceSynchronize
+# whether 10 or 40 steps were profiled. It is no step's, and not counted as one.
+PROFILER_OWN_SYNC = "cudaDeviceSynchronize"
 COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         print(f"  a synchronizing operation at {place}: {count / args.steps:.1f} a step")
     for e in events:
         if e.key.startswith(SYNC_EVENTS):
-            print(f"  {e.key}: {e.count} in {args.steps} steps")
+            own = " (one is the profiler's own)" if e.key == PROFILER_OWN_SYNC else ""
+            print(f"  {e.key}: {e.count} in {args.steps} steps{own}")
+    profiler_syncs = sum(e.count for e in events if e.key == PROFILER_OWN_SYNC)
 
     def per_step(names: tuple[str, ...], not_the_steps: int = 0) -> float:
         return (
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "device ms a step": sum(e.self_device_time_total for e in events) / 1000 / args.steps,
         "kernel launches a step": per_step(LAUNCH_EVENTS),
         "host-device copies a step": per_step(COPY_EVENTS),
-        "host syncs a step": per_step(SYNC_EVENTS, PROFILER_OWN_SYNCS if on_cuda else 0),
+        "host syncs a step": per_step(SYNC_EVENTS, min(1, profiler_syncs)),
         "scalar reads a step": per_step(SCALAR_READ_EVENTS),
     }
     print(f"{engine.config.torch_device()}, batch {args.batch}, {args.steps} decode steps:")

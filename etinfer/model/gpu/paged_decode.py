@@ -48,7 +48,8 @@ def num_splits(
     rows: int, kv_heads: int, max_context: int, programs: int = PROGRAMS_PER_SM * DEFAULT_SMS
 ) -> int:
     """How many parts each row's context is cut into: enough to launch ``programs`` programs,
-    none shorter than a tile, up to a power of two."""
+    about a tile or more each, rounded up to a power of two (a split left empty merges as
+    nothing)."""
     wanted = math.ceil(programs / max(1, rows * kv_heads))
     return next_power_of_2(min(wanted, math.ceil(max_context / TILE), MAX_SPLITS))
 

@@ -18,9 +18,10 @@ import triton.language as tl
 from etinfer.model.gpu.attention_tile import load_kv_tile, online_softmax_step, soft_cap
 
 
-# Triton compiles a variant per integer argument that is 1 or a multiple of 16; these change from
-# step to step (the table's width with the batch's longest context), and a compile in the middle
-# of a served step costs more than any step (the mixed workload's eager arms paid it).
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16. The table's stride
+# and the mask's width change from step to step with the batch's longest context (the pool's size
+# and the window, with the engine and the layer), and a compile in the middle of a served step
+# costs more than any step (the mixed workload's eager arms paid it).
 @triton.jit(do_not_specialize=["num_slots", "table_stride", "keep_width", "window"])
 def paged_decode_partials(
     q_ptr,  # [rows, heads, dim] float32

@@ -20,7 +20,8 @@ from etinfer.model.gpu.attention_tile import load_kv_tile, online_softmax_step, 
 
 
 # No compiled variant per chunk: Triton would compile one for each pattern of these integers
-# being 1 or a multiple of 16, and every chunk's length and start differ (``paged_decode_kernel``).
+# being 1 or a multiple of 16, and every chunk's length, start and keys differ (the pool's size
+# and the window differ only between engines and layers; ``paged_decode_kernel``).
 @triton.jit(do_not_specialize=["queries", "first", "num_keys", "num_slots", "window"])
 def paged_prefill(
     q_ptr,  # [queries, heads, dim] float32: the chunk's queries
