@@ -126,10 +126,13 @@ class Setting:
     engine: dict
 
 
-def settings(pruning: PruningConfig, points: dict, calibrations: dict[float, str]) -> list[Setting]:
+def settings(
+    pruning: PruningConfig, points: dict, calibrations: dict[float, str], arms: list[str]
+) -> list[Setting]:
     full = {"sampling": True, "scheduling": True}
     runs = [Setting("layers off", "none", ControlConfig.baseline(), "exact", {})]
-    for name, arm in ARMS.items():
+    for name in arms:
+        arm = ARMS[name]
         control = ControlConfig(pruning=pruning if arm.guards else unguarded(pruning), **full)
         for point, stress in points.items():
             scale = 1.0 if stress is None else stress.logit_scale
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     engine_kwargs = options.engine_kwargs(args)
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or 1024
     records = run_grid(
-        loaded, requests, settings(pruning, points, paths), args.repeats, engine_kwargs
+        loaded, requests, settings(pruning, points, paths, args.arms), args.repeats, engine_kwargs
     )
     stress_metrics.compare(records)
     layers = None if args.skip_layers else stress_layers.run(loaded, points, paths, args)
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
             {"task": r.task, "prompt_tokens": len(r.prompt), "output_tokens": r.params.max_tokens}
             for r in requests
         ],
-        "arms": list(ARMS),
+        "arms": args.arms,
         "calibrations": calibrations,
         "runs": records,
         "summary": stress_metrics.summarize(records),
@@ -250,6 +253,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
 def command_line(args: argparse.Namespace) -> str:
     parts = ["etinfer bench stress", f"--workload {args.workload}", "--quick" if args.quick else ""]
     parts += [] if args.cap is None else [f"--cap {args.cap}"]
+    parts += [] if args.arms == list(ARMS) else ["--arms " + " ".join(f"'{a}'" for a in args.arms)]
     parts += [f"--scales {' '.join(f'{s:g}' for s in args.scales)}"]
     parts += [f"--biases {' '.join(f'{b:g}' for b in args.biases)}"]
     parts += [f"--repeats {args.repeats}", f"--seed {args.seed}", f"--threads {args.threads}"]
@@ -273,6 +277,13 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help="the ablation's mix: passkeys and documents, or passkeys only",
     )
     parser.add_argument("--cap", type=int, help="requests of each kind (default: 4)")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=list(ARMS),
+        default=list(ARMS),
+        help="the pruning arms stressed, with or without guards and calibration (default: all)",
+    )
     parser.add_argument("--scales", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5, 2.0])
     parser.add_argument("--biases", type=float, nargs="+", default=[-1.0, 1.0])
     parser.add_argument("--repeats", type=positive_int, default=2)
