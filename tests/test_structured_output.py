@@ -218,9 +218,12 @@ def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
     with pytest.raises(ValueError, match=r"structured\.regex"):
         llm.generate("x", SamplingParams(structured=bad))
     assert not llm.engine.has_unfinished_requests()
-    # Straight to a fresh engine: the request waits for its compile, then ends with "error".
+    # A request accepted while its grammar compiles waits for it, then ends with "error". The
+    # compile is held back until the request is in (engines share a backend already built, so
+    # a bad regex would otherwise fail at once, and be refused as above).
     engine = LLMEngine(EngineConfig(model=str(loaded_model.path)), loaded_model)
-    engine.add_request("x", SamplingParams(structured=StructuredOutputsParams(regex="(a")))
+    with engine.grammars.compiler._backend_lock:  # the compile needs the backend, behind it
+        engine.add_request("x", SamplingParams(structured=StructuredOutputsParams(regex="(a")))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
