@@ -16,6 +16,7 @@ from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS
 from etinfer.config import EngineConfig, SpeculativeConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
+from etinfer.structured import compiler as compiler_module
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
 from etinfer.structured.schema_support import bounded_fractions
@@ -222,7 +223,7 @@ def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
     # compile is held back until the request is in (engines share a backend already built, so
     # a bad regex would otherwise fail at once, and be refused as above).
     engine = LLMEngine(EngineConfig(model=str(loaded_model.path)), loaded_model)
-    with engine.grammars.compiler._backend_lock:  # the compile needs the backend, behind it
+    with compiler_module._BACKENDS_LOCK:  # the compile needs the backend, behind it
         engine.add_request("x", SamplingParams(structured=StructuredOutputsParams(regex="(a")))
     outputs = []
     while engine.has_unfinished_requests():

@@ -25,7 +25,8 @@ CACHE_SIZE = 256
 # Backends by tokenizer, shared by every engine over it: a backend holds only what it read from
 # the vocabulary (0.3 s for SmolLM2's 49K tokens), which each engine of a benchmark or a test
 # read again. An engine already compiles on two threads through one backend. A backend lives as
-# long as its tokenizer (the loaded model), not the engine.
+# long as its tokenizer (the loaded model), not the engine. Built on first use, on a compile
+# thread under a lock of its own: submitting from the event loop never waits on it.
 _BACKENDS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[str, int], GrammarBackend]] = (
     weakref.WeakKeyDictionary()
 )
@@ -41,11 +42,7 @@ class GrammarCompiler:
                 f"structured output backend must be one of {BACKENDS}, got {backend!r}"
             )
         self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
-        self._backend: GrammarBackend | None = None  # built on first use: it reads the vocab
         self._lock = threading.Lock()  # the cache's
-        # Building the backend reads the whole vocabulary (a second for a large one): under a
-        # lock of its own, so that submitting from the event loop never waits on it.
-        self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="etinfer-grammar")
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
 
@@ -76,12 +73,7 @@ class GrammarCompiler:
         return self._get_backend().compile(params)
 
     def _get_backend(self) -> GrammarBackend:
-        with self._backend_lock:
-            if self._backend is None:
-                self._backend = shared_backend(
-                    self._backend_name, self._tokenizer, self._vocab_size
-                )
-            return self._backend
+        return shared_backend(self._backend_name, self._tokenizer, self._vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
