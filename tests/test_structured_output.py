@@ -16,7 +16,6 @@ from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS
 from etinfer.config import EngineConfig, SpeculativeConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
-from etinfer.structured import compiler as compiler_module
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
 from etinfer.structured.schema_support import bounded_fractions
@@ -202,14 +201,16 @@ def test_a_token_the_grammar_forbids_ends_the_request_at_a_dead_end(loaded_model
 
 
 def test_engines_over_one_tokenizer_read_its_vocabulary_once(make_llm, llm: LLM):
-    """A grammar backend holds what it read from the vocabulary, so engines over one tokenizer
-    share it; each engine still compiles and caches its own grammars."""
+    """A grammar backend holds what it read from the vocabulary, and compiled grammars are
+    immutable, so engines over one tokenizer share both; a grammar one engine compiled is ready
+    at once in another."""
     other = make_llm()
     params = StructuredOutputsParams(choice=["yes", "no"])
     compilers = [llm.engine.grammars.compiler, other.engine.grammars.compiler]
     grammars = [compiler.compile(params) for compiler in compilers]
-    assert compilers[0]._get_backend() is compilers[1]._get_backend()
-    assert grammars[0] is not grammars[1]
+    assert compilers[0].shared is compilers[1].shared
+    assert grammars[0] is grammars[1]
+    assert make_llm().engine.grammars.compiler.submit(params).done()
     ask = SamplingParams(temperature=0, max_tokens=4, structured=params)
     assert other.generate(["Is water wet?"], ask)[0].text in ("yes", "no")
 
@@ -223,7 +224,7 @@ def test_a_grammar_that_fails_to_compile_is_refused(loaded_model, llm: LLM):
     # compile is held back until the request is in (engines share a backend already built, so
     # a bad regex would otherwise fail at once, and be refused as above).
     engine = LLMEngine(EngineConfig(model=str(loaded_model.path)), loaded_model)
-    with compiler_module._BACKENDS_LOCK:  # the compile needs the backend, behind it
+    with engine.grammars.compiler.shared.building:  # the compile needs the backend, behind it
         engine.add_request("x", SamplingParams(structured=StructuredOutputsParams(regex="(a")))
     outputs = []
     while engine.has_unfinished_requests():

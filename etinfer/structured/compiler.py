@@ -3,7 +3,7 @@
 A request's grammar compiles on a worker thread while the engine keeps stepping the others;
 the request joins the scheduler when its grammar is ready (``LLMEngine`` holds it until then),
 so a slow schema delays only its own request. Requests that ask for the same constraint share
-one compiled grammar (each gets its own matcher).
+one compiled grammar (each gets its own matcher), and so do engines over the same tokenizer.
 """
 
 from __future__ import annotations
@@ -19,21 +19,76 @@ from etinfer.structured.backend import CompiledGrammar, GrammarBackend
 from etinfer.structured.params import BACKENDS, StructuredOutputsParams
 
 # A schema that takes longer than this to compile is refused (its compilation runs on; a
-# later request for it finds the result cached). Real schemas compile in milliseconds.
+# later request for it finds the result cached). The benchmark's twenty JSON schemas take 20 ms
+# to 1.2 s each with xgrammar on a 2-core host.
 DEFAULT_COMPILE_TIMEOUT = 10.0
 CACHE_SIZE = 256
-# Backends by tokenizer, shared by every engine over it: a backend holds only what it read from
-# the vocabulary (0.3 s for SmolLM2's 49K tokens), which each engine of a benchmark or a test
-# read again. An engine already compiles on two threads through one backend. A backend lives as
-# long as its tokenizer (the loaded model), not the engine. Built on first use, on a compile
-# thread under a lock of its own: submitting from the event loop never waits on it.
-_BACKENDS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[str, int], GrammarBackend]] = (
+
+
+class SharedGrammars:
+    """What every engine over one tokenizer shares for one backend: the backend, which holds
+    only what it read from the vocabulary (0.3-1.3 s for SmolLM2's 49K tokens), and the grammars
+    it compiled, which are immutable (each request matches with a matcher of its own). Engines
+    of a benchmark or a test would otherwise read the vocabulary and compile each schema again.
+
+    The backend is built on first use, on a compile thread: looking up a compiled grammar, as
+    submitting from the event loop does, never waits on it."""
+
+    def __init__(self, name: str, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._name, self._tokenizer, self._vocab_size = name, tokenizer, vocab_size
+        self._backend: GrammarBackend | None = None
+        self.building = threading.Lock()  # held while the backend is built or fetched
+        self._lock = threading.Lock()  # the compiled grammars'
+        self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self.building:
+            if self._backend is None:
+                self._backend = backend_class(self._name)(self._tokenizer, self._vocab_size)
+            return self._backend
+
+    def cached(self, key: str) -> CompiledGrammar | None:
+        with self._lock:
+            grammar = self._compiled.get(key)
+            if grammar is not None:
+                self._compiled.move_to_end(key)
+            return grammar
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """``params``' grammar, compiled unless an engine already did (a constraint that fails
+        is not kept: each engine keeps its own failures)."""
+        grammar = self.cached(params.key)
+        if grammar is None:
+            grammar = self.backend.compile(params)
+            with self._lock:
+                self._compiled[params.key] = grammar
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return grammar
+
+
+# By tokenizer: shared as long as the tokenizer (the loaded model) lives, not the engine.
+_SHARED: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[str, int], SharedGrammars]] = (
     weakref.WeakKeyDictionary()
 )
-_BACKENDS_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_grammars(name: str, tokenizer: Tokenizer, vocab_size: int) -> SharedGrammars:
+    """The grammars of backend ``name`` over ``tokenizer``'s first ``vocab_size`` ids."""
+    with _SHARED_LOCK:
+        by_backend = _SHARED.setdefault(tokenizer, {})
+        key = (name, vocab_size)
+        if key not in by_backend:
+            by_backend[key] = SharedGrammars(name, tokenizer, vocab_size)
+        return by_backend[key]
 
 
 class GrammarCompiler:
+    """An engine's compiler: its own threads, and the compilations it started or saw fail, over
+    the grammars shared by every engine over its tokenizer."""
+
     def __init__(
         self, tokenizer: Tokenizer, vocab_size: int, backend: str = "xgrammar", workers: int = 2
     ) -> None:
@@ -41,17 +96,22 @@ class GrammarCompiler:
             raise ValueError(
                 f"structured output backend must be one of {BACKENDS}, got {backend!r}"
             )
-        self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
+        self.shared = shared_grammars(backend, tokenizer, vocab_size)
         self._lock = threading.Lock()  # the cache's
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="etinfer-grammar")
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
 
     def submit(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
-        """The compiled grammar for ``params``, cached or compiling."""
+        """The compiled grammar for ``params``: done when any engine compiled it, else compiling."""
+        grammar = self.shared.cached(params.key)
+        if grammar is not None:
+            done: Future[CompiledGrammar] = Future()
+            done.set_result(grammar)
+            return done
         with self._lock:
             future = self._cache.get(params.key)
             if future is None:
-                future = self._cache[params.key] = self._pool.submit(self._compile, params)
+                future = self._cache[params.key] = self._pool.submit(self.shared.compile, params)
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(params.key)
@@ -69,27 +129,11 @@ class GrammarCompiler:
                 "simplify the constraint"
             ) from None
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return self._get_backend().compile(params)
-
-    def _get_backend(self) -> GrammarBackend:
-        return shared_backend(self._backend_name, self._tokenizer, self._vocab_size)
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def shared_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> GrammarBackend:
-    """The backend ``name`` over ``tokenizer``'s first ``vocab_size`` ids, built once."""
-    with _BACKENDS_LOCK:
-        built = _BACKENDS.setdefault(tokenizer, {})
-        key = (name, vocab_size)
-        if key not in built:
-            built[key] = _load_backend(name)(tokenizer, vocab_size)
-        return built[key]
-
-
-def _load_backend(name: str) -> type[GrammarBackend]:
+def backend_class(name: str) -> type[GrammarBackend]:
     """The backend class, imported on first use: neither library is needed until a request
     asks for structured output."""
     try:

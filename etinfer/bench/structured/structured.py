@@ -28,21 +28,23 @@ from etinfer.bench.common.machine import machine
 from etinfer.bench.structured.schemas import SCHEMAS, schema_format
 from etinfer.model.loader import load_model
 from etinfer.options import positive_int
-from etinfer.structured.compiler import GrammarCompiler
+from etinfer.structured.compiler import backend_class
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
 
 
 def compile_times(llm: LLM) -> list[float]:
+    """Each schema compiled once by a backend of its own: engines share compiled grammars, so
+    the engine's compiler would time a cache for any schema an engine compiled before."""
     engine = llm.engine
-    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)
-    compiler.compile(StructuredOutputsParams(json_object=True))  # builds the vocabulary once
+    backend = backend_class(engine.config.structured_backend)(
+        engine.tokenizer, engine.model_config.vocab_size
+    )
     times = []
     for _, _, schema in SCHEMAS:
         started = time.perf_counter()
-        compiler.compile(StructuredOutputsParams(json=schema))
+        backend.compile(StructuredOutputsParams(json=schema))
         times.append(time.perf_counter() - started)
-    compiler.close()
     return times
 
 
