@@ -49,13 +49,13 @@ def test_the_default_engine_on_cuda_is_bfloat16(loaded_model):
 
 
 @pytest.mark.slow
-def test_bfloat16_weights_and_cache_follow_float32_on_real_text(loaded_model):
+def test_bfloat16_weights_and_cache_follow_float32_on_real_text(make_llm):
     """Teacher-forced over four windows of real text (256 tokens of context, 64 forced), on the
     suite's device: bfloat16 weights and cache give float32's top token nearly everywhere, at a
     small divergence."""
     passes = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(loaded_model, quantization="none", dtype=dtype, kv_cache_dtype=dtype)
+        llm = make_llm(quantization="none", dtype=dtype, kv_cache_dtype=dtype)
         passes[dtype] = forced_log_probs(llm, fidelity_texts(llm, 4, 256 + 64), 256, 64)
     kl, agree = divergences(passes["float32"], passes["bfloat16"])
     assert statistics.fmean(kl) < KL_BOUND, statistics.fmean(kl)

@@ -4,7 +4,7 @@ native and torch paths reading them alike, the pool's size, and the choice's err
 import pytest
 import torch
 
-from etinfer import LLM, SamplingParams
+from etinfer import SamplingParams
 from etinfer.bench.common.fidelity import divergences, forced_log_probs
 from etinfer.bench.speed.kv_cache import fidelity_texts
 from etinfer.config import EngineConfig
@@ -18,13 +18,11 @@ KL_BOUNDS = {"float16": 1e-5, "bfloat16": 2e-4, "int8": 3e-3}
 
 
 @pytest.fixture(scope="module")
-def forced(loaded_model):
+def forced(make_llm):
     """Each cache type's forced pass over the same text, on float weights."""
     passes = {}
     for name in ("float32", *KL_BOUNDS):
-        llm = LLM(
-            loaded_model, quantization="none", dtype="float32", kv_cache_dtype=name, max_num_seqs=4
-        )
+        llm = make_llm(quantization="none", dtype="float32", kv_cache_dtype=name, max_num_seqs=4)
         texts = fidelity_texts(llm, 2, 256 + 32)
         passes[name] = forced_log_probs(llm, texts, 256, 32)
     return passes
