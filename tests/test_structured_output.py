@@ -3,8 +3,11 @@ the entropy signal kept the model's own."""
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import re
+import weakref
 
 import jsonschema
 import pytest
@@ -16,6 +19,7 @@ from etinfer.bench.structured.schemas import JSON_OBJECT_PROMPT, SCHEMAS
 from etinfer.config import EngineConfig, SpeculativeConfig
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.loader import LoadedModel
+from etinfer.structured.compiler import shared_grammars
 from etinfer.structured.masks import fill_allowed
 from etinfer.structured.params import StructuredOutputsParams
 from etinfer.structured.schema_support import bounded_fractions
@@ -414,3 +418,16 @@ def test_the_llguidance_backend_takes_every_kind_and_refuses_what_it_cannot(guid
         compiler.compile(StructuredOutputsParams(json={"type": "string", "format": "iri"}))
     with pytest.raises(ValueError, match=r"structured\.regex cannot be compiled"):
         compiler.compile(StructuredOutputsParams(regex="(a"))
+
+
+def test_shared_grammars_live_as_long_as_their_tokenizer(loaded_model):
+    """What engines share is keyed by their tokenizer, weakly: once no engine holds a tokenizer,
+    its backend and grammars go with it (a reference back to the key would keep it forever)."""
+    tokenizer = copy.copy(loaded_model.tokenizer)
+    shared = shared_grammars("xgrammar", tokenizer, loaded_model.config.vocab_size)
+    grammar = shared.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    assert shared.cached(StructuredOutputsParams(choice=["yes", "no"]).key) is grammar
+    gone = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert gone() is None

@@ -35,7 +35,9 @@ class SharedGrammars:
     submitting from the event loop does, never waits on it."""
 
     def __init__(self, name: str, tokenizer: Tokenizer, vocab_size: int) -> None:
-        self._name, self._tokenizer, self._vocab_size = name, tokenizer, vocab_size
+        # A weak reference: this object is a value of ``_SHARED``, whose key is the tokenizer,
+        # and a strong one would keep that key alive forever. Engines hold the tokenizer.
+        self._name, self._tokenizer, self._vocab_size = name, weakref.ref(tokenizer), vocab_size
         self._backend: GrammarBackend | None = None
         self.building = threading.Lock()  # held while the backend is built or fetched
         self._lock = threading.Lock()  # the compiled grammars'
@@ -45,7 +47,9 @@ class SharedGrammars:
     def backend(self) -> GrammarBackend:
         with self.building:
             if self._backend is None:
-                self._backend = backend_class(self._name)(self._tokenizer, self._vocab_size)
+                tokenizer = self._tokenizer()
+                assert tokenizer is not None, "compiling for an engine that holds its tokenizer"
+                self._backend = backend_class(self._name)(tokenizer, self._vocab_size)
             return self._backend
 
     def cached(self, key: str) -> CompiledGrammar | None:
