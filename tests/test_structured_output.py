@@ -425,8 +425,9 @@ def test_shared_grammars_live_as_long_as_their_tokenizer(loaded_model):
     its backend and grammars go with it (a reference back to the key would keep it forever)."""
     tokenizer = copy.copy(loaded_model.tokenizer)
     shared = shared_grammars("xgrammar", tokenizer, loaded_model.config.vocab_size)
-    grammar = shared.compile(StructuredOutputsParams(choice=["yes", "no"]))
-    assert shared.cached(StructuredOutputsParams(choice=["yes", "no"]).key) is grammar
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    grammar = shared.compile(params)
+    assert shared.cached(params.key) is grammar
     gone = weakref.ref(tokenizer)
     del tokenizer
     gc.collect()
