@@ -24,6 +24,7 @@ from etinfer.server import create_app
 from tests.server.conftest import (
     API_KEY,
     AUTH,
+    HTTP,
     MAX_MODEL_LEN,
     MESSAGES,
     ServerThread,
@@ -42,7 +43,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Water boils at"]
 def replica_samples(url: str) -> dict[str, dict[str, float]]:
     """Each replica's samples of /metrics, summed over the other labels: {replica: {name: v}}."""
     out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(HTTP.get(f"{url}/metrics").text):
         for sample in family.samples:
             replica = sample.labels.get("replica", "")
             values = out.setdefault(replica, {})
@@ -65,7 +66,7 @@ class Deployment:
 
     def healthy(self) -> bool:
         try:
-            return httpx2.get(f"{self.url}/health", timeout=5).status_code == 200
+            return HTTP.get(f"{self.url}/health", timeout=5).status_code == 200
         except httpx2.HTTPError:
             return False
 
@@ -129,16 +130,16 @@ def test_errors_and_the_playground_are_the_single_servers(deployment, single_ser
         return [
             (r.status_code, r.json())
             for r in (
-                httpx2.post(f"{url}/v1/completions", json=bad, headers=AUTH),
-                httpx2.post(f"{url}/v1/chat/completions", json=shapeless, headers=AUTH),
-                httpx2.post(f"{url}/v1/completions", json=bad),  # no key
+                HTTP.post(f"{url}/v1/completions", json=bad, headers=AUTH),
+                HTTP.post(f"{url}/v1/chat/completions", json=shapeless, headers=AUTH),
+                HTTP.post(f"{url}/v1/completions", json=bad),  # no key
             )
         ]
 
     replicas = replies(deployment.url)
     assert [status for status, _ in replicas] == [400, 400, 401]
-    page = httpx2.get(f"{deployment.url}/")  # the playground, as a single server serves it
-    assert page.status_code == 200 and page.text == httpx2.get(f"{single_server.url}/").text
+    page = HTTP.get(f"{deployment.url}/")  # the playground, as a single server serves it
+    assert page.status_code == 200 and page.text == HTTP.get(f"{single_server.url}/").text
     assert replicas[0][1]["error"]["param"] == "max_tokens"
     assert replicas == replies(single_server.url)
 
@@ -189,7 +190,7 @@ def test_metrics_label_every_replica_and_count_the_routers_decisions(deployment)
 
 
 def test_a_client_that_leaves_a_stream_frees_its_blocks(deployment):
-    with httpx2.stream(
+    with HTTP.stream(
         "POST",
         f"{deployment.url}/v1/completions",
         headers={"Authorization": f"Bearer {API_KEY}"},

@@ -32,6 +32,9 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 # Generous bounds for waiting on a state change, on a shared 2-core machine: they only stop a
 # broken test from hanging, no assertion depends on them.
 SETTLE_S = 120.0
+# One HTTP client for the suite's raw requests: a new client builds an SSL context (30 ms on a
+# slow host), and polling /metrics every 50 ms spent more time building clients than asking.
+HTTP = httpx2.Client()
 
 
 class ServerThread:
@@ -81,7 +84,7 @@ class ServerThread:
 def scrape_metrics(url: str) -> dict[str, float]:
     """Every sample of a server's /metrics, summed over labels."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(HTTP.get(f"{url}/metrics").text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
@@ -140,4 +143,4 @@ def model_name(client: openai.OpenAI) -> str:
 def post(server: ServerThread, path: str, body: dict | bytes, **kwargs) -> httpx2.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {**AUTH, "Content-Type": "application/json"}
-    return httpx2.post(f"{server.url}{path}", content=content, headers=headers, **kwargs)
+    return HTTP.post(f"{server.url}{path}", content=content, headers=headers, **kwargs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import httpx2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +18,7 @@ from tests.server.conftest import (
     AUTH,
     CHAT,
     COMPLETIONS,
+    HTTP,
     MAX_MODEL_LEN,
     ServerThread,
     post,
@@ -54,7 +54,7 @@ def test_a_body_at_the_limit_is_served_and_one_byte_more_is_refused(small_limit,
         assert len(body) == size
         content = body if declared else chunked(body)
         headers = {**AUTH, "Content-Type": "application/json"}
-        response = httpx2.post(
+        response = HTTP.post(
             f"{small_limit.url}{COMPLETIONS}", content=content, headers=headers, timeout=60
         )
         assert response.status_code == status, response.text
@@ -64,7 +64,7 @@ def test_a_body_at_the_limit_is_served_and_one_byte_more_is_refused(small_limit,
 
 
 def test_the_api_key_is_checked_before_the_size(small_limit):
-    response = httpx2.post(f"{small_limit.url}{COMPLETIONS}", content=b"x" * (2 * LIMIT))
+    response = HTTP.post(f"{small_limit.url}{COMPLETIONS}", content=b"x" * (2 * LIMIT))
     assert response.status_code == 401
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import httpx2
 import openai
 import pytest
 
@@ -19,6 +18,7 @@ from tests.server.conftest import (
     CHAT,
     COMPLETIONS,
     GREEDY_PROMPT,
+    HTTP,
     MAX_MODEL_LEN,
     MESSAGES,
     SETTLE_S,
@@ -128,15 +128,15 @@ def test_api_key(server: ServerThread, model_name: str) -> None:
         wrong.completions.create(model=model_name, prompt="a", max_tokens=1)
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
     # Without a key, even a malformed body is refused for the key first.
-    response = httpx2.post(f"{server.url}{COMPLETIONS}", content=b"{")
+    response = HTTP.post(f"{server.url}{COMPLETIONS}", content=b"{")
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     # Health and metrics stay open, for probes and scrapers.
-    assert httpx2.get(f"{server.url}/health").status_code == 200
-    assert httpx2.get(f"{server.url}/metrics").status_code == 200
+    assert HTTP.get(f"{server.url}/health").status_code == 200
+    assert HTTP.get(f"{server.url}/metrics").status_code == 200
 
 
 def test_unknown_route_is_404_in_openai_shape(server: ServerThread) -> None:
-    response = httpx2.get(f"{server.url}/v1/engines", headers=AUTH)
+    response = HTTP.get(f"{server.url}/v1/engines", headers=AUTH)
     assert response.status_code == 404
     assert response.json()["error"]["message"] == "Not Found"
 

@@ -16,7 +16,7 @@ import pytest
 
 from etinfer.bench.common.local_server import LocalServer, local_server
 from etinfer.server.limits import default_max_request_bytes
-from tests.server.conftest import scrape_metrics
+from tests.server.conftest import HTTP, scrape_metrics
 
 MAX_WAITING = 8
 KV_BLOCKS = 1024  # 16K tokens: two sequences at the full context
@@ -49,7 +49,7 @@ def model(client: openai.OpenAI) -> str:
 
 def small_request_s(url: str) -> float:
     start = time.perf_counter()
-    response = httpx2.post(
+    response = HTTP.post(
         f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=120
     )
     assert response.status_code == 200, response.text
@@ -96,7 +96,7 @@ def test_an_oversized_body_is_refused_with_413_before_it_is_read(client, model, 
             yield b"word " * 20_000
         yield b'"}'
 
-    response = httpx2.post(f"{served.url}/v1/completions", content=chunks(), timeout=60)
+    response = HTTP.post(f"{served.url}/v1/completions", content=chunks(), timeout=60)
     assert response.status_code == 413, response.text
 
 
@@ -110,7 +110,7 @@ def test_prompts_over_the_context_do_not_stall_other_requests(served):
     while sender.is_alive() or not during:
         during.append(small_request_s(served.url))
         start = time.perf_counter()
-        assert httpx2.get(f"{served.url}/health", timeout=60).status_code == 200
+        assert HTTP.get(f"{served.url}/health", timeout=60).status_code == 200
         during.append(time.perf_counter() - start)
     sender.join()
     assert statuses == [400] * len(barrage)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import shutil
 
-import httpx2
 import openai
 import pytest
 
 from etinfer.server.playground import STATIC
-from tests.server.conftest import API_KEY, COMPLETIONS, GREEDY_PROMPT, post
+from tests.server.conftest import API_KEY, COMPLETIONS, GREEDY_PROMPT, HTTP, post
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs the test extra (selenium)")
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
@@ -65,9 +64,9 @@ def test_the_page_holds_no_absolute_url_and_is_served_at_the_root(server):
     for path in STATIC.iterdir():
         text = path.read_text()
         assert "http://" not in text and "https://" not in text, path.name
-    page = httpx2.get(f"{server.url}/")  # no key needed: only /v1 is guarded
+    page = HTTP.get(f"{server.url}/")  # no key needed: only /v1 is guarded
     assert page.status_code == 200 and "etinfer playground" in page.text
-    assert httpx2.get(f"{server.url}/static/playground.js").status_code == 200
+    assert HTTP.get(f"{server.url}/static/playground.js").status_code == 200
 
 
 def test_streamed_tokens_are_coloured_one_each_and_a_hover_shows_the_entropy(

@@ -9,7 +9,6 @@ import json
 import math
 import random
 
-import httpx2
 import hypothesis
 import openai
 import pytest
@@ -24,6 +23,7 @@ from etinfer.server import create_app
 from tests.server.conftest import (
     API_KEY,
     AUTH,
+    HTTP,
     MAX_MODEL_LEN,
     ServerThread,
     assert_engine_drained,
@@ -36,8 +36,8 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 def assert_healthy(server: ServerThread, engine: LLMEngine) -> None:
     """The loop is alive, answers a real request, and holds nothing afterwards."""
-    assert httpx2.get(f"{server.url}/health").status_code == 200
-    response = httpx2.post(
+    assert HTTP.get(f"{server.url}/health").status_code == 200
+    response = HTTP.post(
         f"{server.url}/v1/completions",
         json={"prompt": "Hello", "max_tokens": 2},
         headers=AUTH,
@@ -164,7 +164,7 @@ def requests(draw) -> tuple[str, object]:
 def test_fuzzed_requests_never_get_a_5xx(server: ServerThread, request) -> None:
     path, body = request
     content = json.dumps(body).encode()
-    with httpx2.stream(
+    with HTTP.stream(
         "POST",
         f"{server.url}{path}",
         content=content,
@@ -192,7 +192,7 @@ def test_fuzzed_requests_never_get_a_5xx(server: ServerThread, request) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(body=st.binary(max_size=40))
 def test_fuzzed_bytes_never_get_a_5xx(server: ServerThread, body: bytes) -> None:
-    response = httpx2.post(f"{server.url}/v1/chat/completions", content=body, headers=AUTH)
+    response = HTTP.post(f"{server.url}/v1/chat/completions", content=body, headers=AUTH)
     assert response.status_code == 400, response.text
 
 

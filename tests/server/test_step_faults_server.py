@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 
-import httpx2
 import openai
 import pytest
 
 from etinfer.server import create_app
-from tests.server.conftest import API_KEY, GREEDY_PROMPT, ServerThread, make_engine
+from tests.server.conftest import API_KEY, GREEDY_PROMPT, HTTP, ServerThread, make_engine
 
 DOOMED_SEED = 4242
 
@@ -54,7 +53,7 @@ def test_a_failed_step_fails_its_request_only(faulty_server):
     # Streamed: an error event, then the end of the stream.
     events = [
         line
-        for line in httpx2.post(
+        for line in HTTP.post(
             f"{faulty_server.url}/v1/completions",
             json={"prompt": "x", "max_tokens": 4, "seed": DOOMED_SEED, "stream": True},
             headers={"Authorization": f"Bearer {API_KEY}"},
@@ -62,6 +61,6 @@ def test_a_failed_step_fails_its_request_only(faulty_server):
         if line.startswith("data: ")
     ]
     assert "failed in forward" in events[-2] and events[-1] == "data: [DONE]"
-    assert httpx2.get(f"{faulty_server.url}/health").status_code == 200
+    assert HTTP.get(f"{faulty_server.url}/health").status_code == 200
     again = client.completions.create(model=model, prompt=GREEDY_PROMPT, max_tokens=4)
     assert again.choices[0].finish_reason == "length"

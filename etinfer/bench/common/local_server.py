@@ -44,15 +44,16 @@ def local_server(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"etinfer serve exited with {server.returncode}")
-            with contextlib.suppress(httpx2.TransportError):
-                if httpx2.get(f"{url}/health").status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("etinfer serve did not come up")
-            time.sleep(0.5)
+        with httpx2.Client() as http:  # one client: each new one builds an SSL context
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"etinfer serve exited with {server.returncode}")
+                with contextlib.suppress(httpx2.TransportError):
+                    if http.get(f"{url}/health").status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("etinfer serve did not come up")
+                time.sleep(0.5)
         yield LocalServer(url, server)
     finally:
         server.terminate()
