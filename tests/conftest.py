@@ -17,7 +17,6 @@ from etinfer import LLM, SamplingParams
 from etinfer.config import DEVICE_ENV
 from etinfer.model.catalog import default_model_path
 from etinfer.model.decode_pattern import DecodePattern
-from etinfer.model.llama import LlamaWeights
 from etinfer.model.loader import LoadedModel, load_model
 
 # The device every engine of the suite runs on (``device="auto"`` reads it): the CPU unless the
@@ -62,8 +61,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="session")
-def loaded_model() -> LoadedModel:
-    return load_model()
+def loaded_model() -> Iterator[LoadedModel]:
+    """Read once a session. Tests build engines one after another, and engines share a prepared
+    form of the weights only while one holds it: the session keeps every form it prepared, or
+    each engine would prepare its form again (0.4 s in 4 bits, 1.6 s in float32)."""
+    model = load_model()
+    with model.keeping_prepared():
+        yield model
 
 
 @pytest.fixture(scope="session")
@@ -127,17 +131,10 @@ def float_llm(loaded_model: LoadedModel) -> LLM:
 
 @pytest.fixture(scope="session")
 def make_llm(loaded_model: LoadedModel):
-    """Engines with other settings over the same weights (no second read of the file).
-
-    Engines share the weights as prepared for their kernels only while one holds them, and
-    tests build engines one after another: the forms these engines prepared are kept for the
-    session, or each would prepare them again (0.4 s in 4 bits, 1.6 s in float32)."""
-    kept: set[LlamaWeights] = set()
+    """Engines with other settings over the same weights (no second read of the file)."""
 
     def make(**kwargs) -> LLM:
-        llm = LLM(loaded_model, **ENGINE_DEFAULTS | kwargs)
-        kept.add(llm.engine.runner.model.weights)
-        return llm
+        return LLM(loaded_model, **ENGINE_DEFAULTS | kwargs)
 
     return make
 

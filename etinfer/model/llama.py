@@ -233,7 +233,7 @@ def prepared(
     found = model.prepared.get(key)
     if found is None:
         found = LlamaWeights(model.config, family, model.weights, quantization, device, dtype)
-        model.prepared[key] = found
+        model.add_prepared(key, found)
         model.release_file_pages()
     for note in found.notes:  # told for every engine that runs them so
         logger.warning(note)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +39,28 @@ class LoadedModel:
     )
     # A GGUF file's memory mapping, which its weights in blocks are views of (None for a folder).
     file_mapping: np.memmap | None = field(default=None, repr=False, compare=False)
+    # Prepared forms held past their engines while a caller builds engine after engine
+    # (``keeping_prepared``); None otherwise.
+    _held: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def add_prepared(self, key: tuple, form: Any) -> None:
+        self.prepared[key] = form
+        if self._held is not None:
+            self._held.append(form)
+
+    @contextlib.contextmanager
+    def keeping_prepared(self) -> Iterator[None]:
+        """Within this block, every prepared form stays alive when its engines go. A caller that
+        builds engines one after another (a benchmark's arms, a test session) then prepares each
+        form once: a float32 form takes 1.6-2.5 s on two cores, a 4-bit one 0.4 s."""
+        if self._held is not None:  # an enclosing block holds them already
+            yield
+            return
+        self._held = list(self.prepared.values())
+        try:
+            yield
+        finally:
+            self._held = None
 
     def release_file_pages(self) -> None:
         """Give the mapped file's pages back to the OS (Linux), once an engine has prepared its

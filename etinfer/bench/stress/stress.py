@@ -68,14 +68,11 @@ SIZES = Sizes(
     rate=math.inf,
     cap=4,
 )
-# Half the outputs of a full run: enough decode steps for pruning and the scheduler's orders to
-# show (the tests' quick grid measures 25 scheduling decisions an arm), in a fifth less time;
-# documents of 384-512 tokens, still above the quick threshold below, so pruning acts (prefill
-# of the eleven runs' long prompts was most of the quick grid's time).
+# The ablation's quick documents (384-512 tokens, above the quick threshold below, so pruning
+# acts) and half the outputs of a full run: enough decode steps for pruning and the scheduler's
+# orders to show (the tests' quick grid measures 25 scheduling decisions an arm).
 QUICK = replace(
-    ablation_workload.QUICK,
-    document_tokens=(384, 512),
-    max_tokens={"retrieval": 10, "continuation": 24, "free": 32},
+    ablation_workload.QUICK, max_tokens={"retrieval": 10, "continuation": 24, "free": 32}
 )
 QUICK_MIN_CONTEXT = 256  # quick mode's prompts are shorter than the default threshold
 
@@ -175,7 +172,8 @@ def run_grid(
 ) -> list[dict]:
     records = []
     tokenizer = loaded.tokenizer
-    with tqdm(total=repeats * len(runs), unit="run") as bar:
+    # Every run over the same weights: prepared once, not once an engine.
+    with loaded.keeping_prepared(), tqdm(total=repeats * len(runs), unit="run") as bar:
         for repeat in range(repeats):
             batch = ablation_workload.for_repeat(requests, repeat)
             # The layer-off reference first; the rest rotated, so none always runs first.
