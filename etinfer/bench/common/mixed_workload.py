@@ -96,11 +96,11 @@ LONG = Sizes(
     max_tokens={"retrieval": 10, "continuation": 128, "free": 512},
     rate=0.05,
 )
-# Small enough for a test: one request of each task, long prompts of 512-768 tokens (pruned
-# because quick mode lowers PruningConfig.min_context), all arriving at once so that the
-# scheduler has a queue to order.
+# Small enough for a test: one request of each task, long prompts of 384-512 tokens (pruned
+# because quick mode lowers PruningConfig.min_context to 256; their prefill is most of a quick
+# run), all arriving at once so that the scheduler has a queue to order.
 QUICK = Sizes(
-    document_tokens=(512, 768),
+    document_tokens=(384, 512),
     max_tokens={"retrieval": 6, "continuation": 12, "free": 16, "instruction": 12, "chat": 16},
     rate=math.inf,
     cap=1,
