@@ -132,10 +132,12 @@ def test_switching_fields_are_validated(field, value):
 def test_preempted_small_model_stretches_recompute_every_layer(make_llm):
     """A recompute after preemption, chunked to a token at a time, must fill every layer: stale
     memory (NaN here) in the layers above the exit must never be read (it was, once)."""
+    # The bare exit: its tight pool is a fit of its own (a 2K-token prefill), and what the small
+    # model writes does not decide whether the catch-up fills every layer.
     llm = make_llm(
         quantization="none",
         draft_model=EXIT,
-        control=switching(threshold=1.5),
+        control=switching(threshold=1.5, exit_adapter=False),
         max_num_seqs=8,
         num_kvcache_blocks=12,
         max_num_batched_tokens=6,
@@ -146,5 +148,6 @@ def test_preempted_small_model_stretches_recompute_every_layer(make_llm):
     prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[7]]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert sum(o.num_preemptions for o in outs) > 0
+    assert any(o.large_model_share < 1 for o in outs)  # the small model wrote
     assert large_model_agreement(engine, outs) > 0.97
     assert_pool_free(llm)
