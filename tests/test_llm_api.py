@@ -1,5 +1,8 @@
 """The offline API on the real model: outputs, stopping, streaming, chat, bad input."""
 
+import dataclasses
+import gc
+import weakref
 from itertools import pairwise
 
 import pytest
@@ -228,3 +231,28 @@ def test_every_output_says_how_many_kv_blocks_it_held_at_the_end(llm):
         computed = len(out.prompt_token_ids) + len(out.token_ids) - 1
         assert out.metrics.kv_blocks == -(-computed // block)
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+def test_engines_share_a_prepared_form_and_keeping_prepared_holds_it_past_them(tiny_model):
+    """Engines over one model share its weights as prepared for their kernels while one holds
+    them; ``keeping_prepared`` keeps them for later engines (a benchmark's arms, a test session)
+    and lets them go when it ends."""
+    model = dataclasses.replace(tiny_model, prepared=weakref.WeakValueDictionary())
+
+    def form() -> weakref.ref:
+        first = LLM(model, quantization="none", num_kvcache_blocks=8)
+        weights = first.engine.runner.model.weights
+        second = LLM(model, quantization="none", num_kvcache_blocks=8)
+        assert second.engine.runner.model.weights is weights
+        return weakref.ref(weights)
+
+    alone = form()
+    gc.collect()
+    assert alone() is None  # gone with its engines
+    with model.keeping_prepared():
+        kept = form()
+        gc.collect()
+        assert kept() is not None
+        assert form()() is kept()  # the next engines take it
+    gc.collect()
+    assert kept() is None
