@@ -12,8 +12,9 @@ from etinfer.bench.speed.kv_cache import fidelity_texts
 from etinfer.config import DEVICE_ENV
 from tests.conftest import ON_CUDA
 
-# Mean KL(float32 || bfloat16) per forced token; measured 0.0010 on the CPU (4 windows of 256
-# tokens, 64 forced each; top-1 agreement 96.8 %, the misses near-ties).
+# Mean KL(float32 || bfloat16) per forced token; measured 0.0010 on the CPU (4 windows of 128
+# tokens, 64 forced each; top-1 agreement 97.6 %, 97.2 % held to AVX2; with 256 tokens 0.0010
+# and 96.8 %, in 1.2x the time: bfloat16 matmuls are slow without bfloat16 hardware).
 KL_BOUND = 0.005
 
 
@@ -50,13 +51,13 @@ def test_the_default_engine_on_cuda_is_bfloat16(loaded_model):
 
 @pytest.mark.slow
 def test_bfloat16_weights_and_cache_follow_float32_on_real_text(make_llm):
-    """Teacher-forced over four windows of real text (256 tokens of context, 64 forced), on the
+    """Teacher-forced over four windows of real text (128 tokens of context, 64 forced), on the
     suite's device: bfloat16 weights and cache give float32's top token nearly everywhere, at a
     small divergence."""
     passes = {}
     for dtype in ("float32", "bfloat16"):
         llm = make_llm(quantization="none", dtype=dtype, kv_cache_dtype=dtype)
-        passes[dtype] = forced_log_probs(llm, fidelity_texts(llm, 4, 256 + 64), 256, 64)
+        passes[dtype] = forced_log_probs(llm, fidelity_texts(llm, 4, 128 + 64), 128, 64)
     kl, agree = divergences(passes["float32"], passes["bfloat16"])
     assert statistics.fmean(kl) < KL_BOUND, statistics.fmean(kl)
     assert statistics.fmean(agree) >= 0.92, statistics.fmean(agree)
