@@ -11,7 +11,6 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -40,10 +39,11 @@ class LoadedModel:
     # A GGUF file's memory mapping, which its weights in blocks are views of (None for a folder).
     file_mapping: np.memmap | None = field(default=None, repr=False, compare=False)
     # Prepared forms held past their engines while a caller builds engine after engine
-    # (``keeping_prepared``); None otherwise.
-    _held: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
+    # (``keeping_prepared``); None otherwise. Typed as objects: llama.py, which prepares them,
+    # imports this module.
+    _held: list[object] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def add_prepared(self, key: tuple, form: Any) -> None:
+    def add_prepared(self, key: tuple, form: object) -> None:
         self.prepared[key] = form
         if self._held is not None:
             self._held.append(form)
