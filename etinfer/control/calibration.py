@@ -26,8 +26,9 @@ def nll(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -
 
 
 # Logits a Newton step takes at once on the CPU: a step's passes (scale, softmax, two weighted
-# sums) then read a block that stays in a core's cache. Over the whole matrix each pass went to
-# memory: 1,024 x 49K logits took 3.8 s to fit, 0.5 s in blocks of 1 MiB.
+# sums) and their few temporaries then stay in the caches, where over the whole matrix each pass
+# went to memory: 1,024 x 49K logits took 3.8 s to fit on two cores, 0.5 s in blocks of 1 MiB.
+# A row a thread at least, so that the row-wise softmax and sums keep every thread busy.
 _CPU_BLOCK_BYTES = 1 << 20
 
 
@@ -35,7 +36,10 @@ def fit_temperature(logits: torch.Tensor, targets: torch.Tensor, iterations: int
     """The temperature minimising :func:`nll`, by safeguarded Newton steps on ``b = 1 / T``."""
     picked = logits.gather(1, targets[:, None])[:, 0]
     row_bytes = logits.shape[1] * logits.element_size()
-    rows = max(1, _CPU_BLOCK_BYTES // row_bytes) if logits.device.type == "cpu" else len(logits)
+    if logits.device.type == "cpu":
+        rows = max(torch.get_num_threads(), _CPU_BLOCK_BYTES // row_bytes)
+    else:
+        rows = max(1, len(logits))
     means, spreads = torch.empty_like(picked), torch.empty_like(picked)
     beta = 1.0
     for _ in range(iterations):

@@ -4,6 +4,7 @@ module gets its own engine and server (module-scoped fixtures)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import socket
 import threading
@@ -34,7 +35,9 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 SETTLE_S = 120.0
 # One HTTP client for the suite's raw requests: a new client builds an SSL context (30 ms on a
 # slow host), and polling /metrics every 50 ms spent more time building clients than asking.
-HTTP = httpx2.Client()
+# Idle connections go after 2 s, before uvicorn's 5 s keep-alive closes them under a request.
+HTTP = httpx2.Client(limits=httpx2.Limits(keepalive_expiry=2))
+atexit.register(HTTP.close)
 
 
 class ServerThread:

@@ -172,8 +172,7 @@ def run_grid(
 ) -> list[dict]:
     records = []
     tokenizer = loaded.tokenizer
-    # Every run over the same weights: prepared once, not once an engine.
-    with loaded.keeping_prepared(), tqdm(total=repeats * len(runs), unit="run") as bar:
+    with tqdm(total=repeats * len(runs), unit="run") as bar:
         for repeat in range(repeats):
             batch = ablation_workload.for_repeat(requests, repeat)
             # The layer-off reference first; the rest rotated, so none always runs first.
@@ -208,18 +207,19 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     pruning = PruningConfig(min_context=QUICK_MIN_CONTEXT) if args.quick else PruningConfig()
     points = stress_points(args.scales, args.biases)
     started = time.strftime("%Y-%m-%d %H:%M")
-    calibrations = refit_calibrations(
-        loaded, {1.0} | {p.logit_scale for p in points.values() if p}, out, args.calibration_tokens
-    )
-    paths = {scale: c["path"] for scale, c in calibrations.items()}
     requests = ablation_workload.build(loaded.tokenizer, args.workload, sizes, args.seed)
     engine_kwargs = options.engine_kwargs(args)
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or 1024
-    records = run_grid(
-        loaded, requests, settings(pruning, points, paths, args.arms), args.repeats, engine_kwargs
-    )
+    scales = {1.0} | {p.logit_scale for p in points.values() if p}
+    # Every engine of the study (the fits, the grid's runs, the layers') runs the same weights:
+    # each form is prepared once, not once an engine.
+    with loaded.keeping_prepared():
+        calibrations = refit_calibrations(loaded, scales, out, args.calibration_tokens)
+        paths = {scale: c["path"] for scale, c in calibrations.items()}
+        grid = settings(pruning, points, paths, args.arms)
+        records = run_grid(loaded, requests, grid, args.repeats, engine_kwargs)
+        layers = None if args.skip_layers else stress_layers.run(loaded, points, paths, args)
     stress_metrics.compare(records)
-    layers = None if args.skip_layers else stress_layers.run(loaded, points, paths, args)
     report = {
         "settings": {
             "command": command_line(args),
