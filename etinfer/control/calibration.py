@@ -35,8 +35,8 @@ _CPU_BLOCK_BYTES = 1 << 20
 def fit_temperature(logits: torch.Tensor, targets: torch.Tensor, iterations: int = 25) -> float:
     """The temperature minimising :func:`nll`, by safeguarded Newton steps on ``b = 1 / T``."""
     picked = logits.gather(1, targets[:, None])[:, 0]
-    row_bytes = logits.shape[1] * logits.element_size()
     if logits.device.type == "cpu":
+        row_bytes = logits.shape[1] * logits.element_size()
         rows = max(torch.get_num_threads(), _CPU_BLOCK_BYTES // row_bytes)
     else:
         rows = max(1, len(logits))
