@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-unit lint bench
 
 $(VENV)/.runtime: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,12 @@ demo: $(VENV)/.runtime
 # waiting keeps one worker's idle OpenMP threads from spinning on the other's core.
 test: $(VENV)/.test
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadscope
+
+# The tests that neither run a real model nor start a server nor check a GPU path, nor take more
+# than a few seconds: the mechanics of every module, in about a minute (markers: pyproject.toml).
+test-unit: $(VENV)/.test
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadscope \
+		-m "not model and not server and not gpu and not slow"
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -11,7 +11,7 @@ from etinfer.validation import check_choice, check_float, check_int
 # OpenAI's limit for top_logprobs; vLLM uses the same default cap.
 MAX_LOGPROBS = 20
 # Feedback gain per nat of entropy error. The loop gain is this times the varentropy V at the
-# operating point; on SmolLM2-135M at 2 nats V is mostly 2-6 nats^2 (etinfer bench sampling),
+# operating point; on SmolLM2-135M at 2 nats V is mostly 2-6 nats^2 (python -m studies sampling),
 # so 0.25 keeps gain * V inside the stable range (0, 2) for nearly every step.
 DEFAULT_ENTROPY_GAIN = 0.25
 # The temperature laws that regulate the entropy to entropy_target, by their names in

@@ -37,7 +37,7 @@ cpu_only = pytest.mark.skipif(ON_CUDA, reason="a CPU kernel or a CPU-specific de
 # count) into differences of 1e-3, so there the shared engines take float32 weights and cache,
 # and bfloat16 has tests of its own (test_device_defaults.py).
 ENGINE_DEFAULTS = {"dtype": "float32", "kv_cache_dtype": "float32"} if ON_CUDA else {}
-# The engine fuzz's long run (tests/test_engine_fuzz.py): 600 runs of 50 rules.
+# The engine fuzz's long run (tests/engine/test_engine_fuzz.py): 600 runs of 50 rules.
 settings.register_profile(
     "fuzz-long",
     max_examples=600,
@@ -45,6 +45,40 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
+
+# What the markers mean (pyproject.toml lists them; ``make test-unit`` runs the rest):
+# ``model``: the test computes with the real model's weights, through one of these fixtures or
+# one built on ``loaded_model`` (the tiny random model reads only its tokenizer and shapes);
+# ``server``: it starts a server (every test under tests/server/ and tests/cluster/, and those
+# marked so elsewhere); ``gpu``: it checks a GPU kernel or path (tests/gpu/, in Triton's
+# interpreter where there is no GPU); ``slow``: more than a few seconds however it is built.
+MODEL_FIXTURES = {"llm", "float_llm", "make_llm", "hf_reference"}
+FOLDER_MARKERS = {"server": "server", "cluster": "server", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.parent.name
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+        if _computes_with_the_model(item):
+            item.add_marker("model")
+
+
+def _computes_with_the_model(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    if MODEL_FIXTURES & set(info.names_closure) or "loaded_model" in info.argnames:
+        return True
+    # A module's own fixture built on the model (an engine, a server) makes its tests the model's.
+    return any(
+        "loaded_model" in definition.argnames
+        for name, definitions in info.name2fixturedefs.items()
+        if name not in ("tiny_model", "loaded_model")
+        for definition in definitions
+    )
+
 
 # Prompts of varied kinds and lengths; their greedy continuations do not end within 64 tokens
 # for every one of them, so EOS handling is exercised too.

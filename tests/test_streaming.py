@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 
+import pytest
+
 from etinfer import LLM, SamplingParams
 from etinfer.outputs import RequestOutput
 from etinfer.server.engine_loop import RequestGroup
@@ -23,6 +25,7 @@ def around(values: list[int], index: int) -> float:
     return statistics.fmean(values[index - 10 : index + 10])
 
 
+@pytest.mark.slow
 def test_a_delta_stream_carries_the_same_per_step_at_2000_tokens_as_at_20(tiny_model):
     llm = LLM(tiny_model, max_model_len=LONG + 64)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=LONG, ignore_eos=True)

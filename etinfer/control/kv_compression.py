@@ -15,7 +15,7 @@ so the attention of a compressed sequence reads ``budget`` slots per head and ne
 about what they are reading; a question that comes later may ask about something they ignored.
 A position is also kept when its key is far from the head's mean key (``1 - cos(k, mean k)``):
 a position ranks by the better of its two ranks, attention and novelty. Measured on passkeys
-asked after compression (``etinfer bench longcontext``): with attention alone, not one of the
+asked after compression (``python -m studies longcontext``): with attention alone, not one of the
 passkeys dense attention finds in a repeated haystack survived a compression to 1,024 or 2,048
 positions of 3K-6K prompts (measured with a script while choosing; the benchmark keeps an
 attention-only arm); with novelty, all of them did.
@@ -23,7 +23,7 @@ attention-only arm); with novelty, all of them did.
 **Sizes for an 8K context.** The seed keeps 1,024 tokens of 32K-128K contexts (1-3 %). Scaled
 to 8K that is 64 tokens, which leaves a 135M model nothing to retrieve with; the budget here is
 2,048 tokens (a quarter of a full 8K context: with 256 generated tokens, 28 % of its blocks),
-chosen with ``etinfer bench longcontext``. ``N_d = 16`` and the window of 32 are the seed's.
+chosen with ``python -m studies longcontext``. ``N_d = 16`` and the window of 32 are the seed's.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ wrote it) and the sequence's current stretch; it is pure, and the engine applies
 after each token.
 
 The paper's abstract (all of it we hold) gives no window or threshold values; ours are chosen
-from the measured curve of large-model share against quality (``etinfer bench switching``,
+from the measured curve of large-model share against quality (``python -m studies switching``,
 BENCHMARKS.md): with the first 22 of SmolLM2's 30 layers as the small model, a threshold of
 0.5 nats was the only one to keep 95 % of the large model's quality, handing it 6 % of the
 tokens; 1.0 handed 11 % at 80 %.

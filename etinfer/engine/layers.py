@@ -21,7 +21,7 @@ from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingPolicy
 from etinfer.control.shaping import STEP_SHAPERS, StepShaper
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.kv_compression.compressor import KVCompressor
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.runner.model_runner import ModelRunner
 from etinfer.engine.speculative.speculator import Speculator
 from etinfer.engine.speculative.switching import ModelSwitcher
 from etinfer.model.loader import LoadedModel

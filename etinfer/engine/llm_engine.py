@@ -30,15 +30,15 @@ from etinfer.control.calibration import Calibration
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.layers import EngineLayers
-from etinfer.engine.model_runner import ModelRunner
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_intake import RequestIntake
 from etinfer.engine.request_validator import Prompt, RequestValidator
-from etinfer.engine.sampler import SamplerOutput
+from etinfer.engine.runner.model_runner import ModelRunner
+from etinfer.engine.sampling.sampler import SamplerOutput
+from etinfer.engine.sampling.step_sampling import sample_verified
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.step_faults import StepProgress, fault_message, requests_left_unknown
-from etinfer.engine.step_sampling import sample_verified
 from etinfer.model.decode_pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model

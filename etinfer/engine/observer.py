@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.control.record import ControlRecord, StepDecisions
-from etinfer.engine.attention_stats import AttentionStats
-from etinfer.engine.model_runner import StepResult
-from etinfer.engine.sampler import SamplerOutput
+from etinfer.engine.runner.attention_stats import AttentionStats
+from etinfer.engine.runner.model_runner import StepResult
+from etinfer.engine.sampling.sampler import SamplerOutput
+from etinfer.engine.sampling.step_sampling import Emitted
 from etinfer.engine.scheduler import ScheduledBatch
-from etinfer.engine.step_sampling import Emitted
 
 
 @dataclass(frozen=True)

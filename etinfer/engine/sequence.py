@@ -13,7 +13,7 @@ from etinfer.control.sparse_prefill import AttentionProfile
 from etinfer.control.switching import SwitchState
 from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
-from etinfer.engine.sampler import SamplerOutput
+from etinfer.engine.sampling.sampler import SamplerOutput
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.structured.backend import Matcher

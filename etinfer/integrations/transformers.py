@@ -19,8 +19,8 @@ import torch
 
 from etinfer.control.entropy import softmax_entropy
 from etinfer.control.temperature import temperature_law
-from etinfer.engine.sampler import Sampler
-from etinfer.engine.sampling_batch import SamplingBatch
+from etinfer.engine.sampling.sampler import Sampler
+from etinfer.engine.sampling.sampling_batch import SamplingBatch
 from etinfer.sampling_params import SamplingParams
 
 try:

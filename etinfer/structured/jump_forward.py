@@ -3,7 +3,7 @@
 When a constrained sequence's grammar admits exactly one string next (the rest of a key, the
 `": "` after it, a closing brace), that string's tokens join the step as drafts after the
 sequence's known token, and the step's sampling checks each against the grammar's mask as it
-checks speculative drafts (``engine/step_sampling.py``): a token is kept only where the
+checks speculative drafts (``engine/sampling/step_sampling.py``): a token is kept only where the
 sampler, under the mask, draws it. So the output is token for token what plain constrained
 decoding gives (the tokenizer may split the forced text otherwise than the model would; then
 the draft is simply not kept), and a run of forced tokens costs one forward pass instead of

@@ -1,6 +1,6 @@
 """How closely pruned attention follows dense attention, on real text.
 
-    etinfer bench fidelity --output-dir results/fidelity
+    python -m studies fidelity --output-dir results/fidelity
 
 **Teacher-forced decoding.** Long human-written text (CPython's ``pydoc_data.topics``, as in
 calibration) is prefilled up to ``context`` tokens. The next ``steps`` tokens are then fed as

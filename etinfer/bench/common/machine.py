@@ -16,7 +16,7 @@ ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 _WANTED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx_vnni")
 
 
-def _cpuinfo(field: str) -> str | None:
+def cpuinfo(field: str) -> str | None:
     """The first value of ``field`` in /proc/cpuinfo, where Linux tells it."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -27,7 +27,7 @@ def _cpuinfo(field: str) -> str | None:
 
 def cpu_flags() -> str:
     """Those of the CPU's flags that choose kernels, or "unknown"."""
-    flags = _cpuinfo("flags")
+    flags = cpuinfo("flags")
     if flags is None:
         return "unknown"
     present = flags.split()
@@ -36,7 +36,7 @@ def cpu_flags() -> str:
 
 def machine() -> dict:
     return {
-        "processor": _cpuinfo("model name") or platform.processor() or platform.machine(),
+        "processor": cpuinfo("model name") or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

@@ -20,7 +20,7 @@ from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS
 from etinfer.control.record import StepDecisions, StepShape
 from etinfer.engine.kv_cache.manager import KVCacheManager
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.runner.model_runner import ModelRunner
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.loader import load_model

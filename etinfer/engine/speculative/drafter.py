@@ -12,7 +12,7 @@ import torch
 
 from etinfer.config import EngineConfig
 from etinfer.engine.kv_cache.block_pool import BlockPool
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.runner.model_runner import ModelRunner
 from etinfer.engine.sequence import Sequence
 from etinfer.engine.speculative.draft_model import DraftModelProposer
 from etinfer.engine.speculative.early_exit import EarlyExitDrafter, build_early_exit

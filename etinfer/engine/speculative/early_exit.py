@@ -23,7 +23,7 @@ import torch
 from etinfer.control.entropy import softmax_entropy
 from etinfer.corpus import corpus_windows
 from etinfer.engine.kv_cache.block_pool import BlockPool
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.runner.model_runner import ModelRunner
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.llama import LlamaWeights

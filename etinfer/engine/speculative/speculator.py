@@ -4,10 +4,11 @@ pass, and what the step's verification accepted after it.
 The control law (``control/drafting.py``) says how many tokens each decoding sequence may draft;
 here the drafter proposes them, they are trimmed to the step's token budget, the request's
 ``max_tokens`` and the context length, and KV slots are allocated for them. After the forward
-pass every sampled sequence has logits at its last known token and at each draft; the engine's
-sampling (``engine/step_sampling.py``) draws column by column and keeps each draft the model
-draws. So the emitted tokens, their entropies and temperatures are those plain decoding would
-produce, one per position, and drafting changes how many steps it takes, not what comes out.
+pass every sampled sequence has logits at its last known token and at each draft; the
+engine's sampling (``engine/sampling/step_sampling.py``) draws column by column and keeps each
+draft the model draws. So the emitted tokens, their entropies and temperatures are those plain
+decoding would produce, one per position, and drafting changes how many steps it takes, not what
+comes out.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from etinfer.config import EngineConfig
 from etinfer.control.drafting import SpeculativeConfig, next_draft_length
 from etinfer.control.record import TARGET_MODEL, StepShape
 from etinfer.engine.kv_cache.manager import KVCacheManager
-from etinfer.engine.model_runner import ModelRunner
+from etinfer.engine.runner.model_runner import ModelRunner
+from etinfer.engine.sampling.step_sampling import Emitted
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.engine.speculative.draft_model import DraftModelProposer
 from etinfer.engine.speculative.drafter import make_proposer
-from etinfer.engine.step_sampling import Emitted
 from etinfer.model.tokenizer import Tokenizer
 
 

@@ -21,7 +21,7 @@ from etinfer.config import EngineConfig
 from etinfer.control.record import TARGET_MODEL, StepDecisions
 from etinfer.control.switching import EXIT_MODEL, SwitchingConfig, next_switch_state
 from etinfer.engine.kv_cache.block_pool import BlockPool
-from etinfer.engine.model_runner import ModelRunner, StepResult
+from etinfer.engine.runner.model_runner import ModelRunner, StepResult
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.speculative.early_exit import build_early_exit
 from etinfer.model.tokenizer import Tokenizer

@@ -5,7 +5,7 @@ This replaces, on CUDA, the torch form of ``paged_attention.py`` (a CSR pattern 
 step with ``nonzero``/``repeat_interleave``, scores by ``sampled_addmm``): that form costs a few
 dozen kernel launches and host syncs a layer, and the GPU waits on the host. Here a layer's
 decode attention is one launch plus a few elementwise ones, with no host sync and shapes fixed
-by the batch, so a step can be captured as a CUDA graph (``engine/cuda_graphs.py``).
+by the batch, so a step can be captured as a CUDA graph (``engine/runner/cuda_graphs.py``).
 """
 
 from __future__ import annotations

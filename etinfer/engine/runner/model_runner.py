@@ -1,0 +1,246 @@
+"""Turn a scheduled batch into tensors, run the model over the paged cache, and sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from etinfer.control.record import StepDecisions
+from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
+from etinfer.control.stress import StressConfig
+from etinfer.engine.runner.attention_stats import AttentionStats
+from etinfer.engine.runner.cuda_graphs import DecodeGraphs
+from etinfer.engine.runner.step_inputs import QueryCapturer, StepInputBuilder
+from etinfer.engine.sampling.sampler import Sampler, SamplerOutput
+from etinfer.engine.sampling.sampling_batch import SamplingBatch
+from etinfer.engine.scheduler import ScheduledBatch
+from etinfer.engine.sequence import Sequence
+from etinfer.model.block_layout import AttentionSelector
+from etinfer.model.families import family_of
+from etinfer.model.kv_cache import KVCache
+from etinfer.model.llama import LlamaModel
+from etinfer.model.loader import LoadedModel
+from etinfer.model.paged_attention import (
+    PagedAttention,
+)
+
+
+@dataclass
+class StepResult:
+    attention: AttentionStats | None  # only when block budgets were planned
+    # [sample rows, vocab] before any sampling transform (see StepInputs.sample_rows); None
+    # when the step samples nothing.
+    logits: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LoadedModel,
+        selector: AttentionSelector,
+        *,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        kv_cache_dtype: torch.dtype = torch.float32,
+        quantization: str = "auto",
+        calibration_temperature: float = 1.0,
+        stress: StressConfig | None = None,
+        sparse_prefill: SparsePrefillConfig | None = None,
+        batch_invariant: bool = False,
+        query_capturer: QueryCapturer | None = None,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+    ) -> None:
+        """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
+        selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
+        ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig).
+        ``query_capturer``: the layer that keeps some rows' queries, if one is on.
+        ``cuda_graphs``: replay plain decode steps of up to ``max_num_seqs`` rows as CUDA
+        graphs, where the device is CUDA and no layer changes a decode step's shape."""
+        config = model.config
+        if config.attention_softcap is not None and (
+            selector.needs_summaries or sparse_prefill is not None or query_capturer is not None
+        ):
+            raise ValueError(
+                "pruning, sparse_prefill and kv_compression rank attention scores without "
+                "Gemma 2's soft cap: they do not support this model yet"
+            )
+        prefill_selector = None
+        if sparse_prefill is not None:
+            # Where only some layers slide (Gemma 3), those read their window densely and the
+            # others are narrowed; a window on every layer (Mistral) leaves nothing to narrow.
+            if config.uniform_window is not None:
+                raise ValueError("sparse_prefill does not support sliding-window attention yet")
+            prefill_selector = SparsePrefillSelector(
+                sparse_prefill,
+                num_layers=config.num_layers,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                scale=config.scale,
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = device
+        self.block_size = block_size
+        self.attention = PagedAttention(
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            selector,
+            config.uniform_window,
+            prefill_selector,
+            config.scale,
+            # Where layers differ in their window (Gemma 3), the sliding ones read each step's
+            # ``local`` view of the metadata (``StepInputBuilder``).
+            config.local_layers,
+            config.sliding_window,
+            batch_invariant,
+            config.attention_softcap,
+        )
+        self.model = LlamaModel(
+            model, family_of(config), self.attention, max_model_len, device, dtype, quantization
+        )
+        summaries = selector.needs_summaries or prefill_selector is not None
+        # Graphs replay a decode step's fixed launches: none where a layer changes a step's shape
+        # or reads whole blocks (block summaries, captured queries, batch-invariant rows).
+        graphs = cuda_graphs and self.attention.kernel_serves(device) and not summaries
+        graphs = graphs and query_capturer is None and not batch_invariant
+        self.cache = KVCache(
+            config.num_layers,
+            num_blocks + (1 if graphs else 0),  # a block of the graphs' padding rows' own
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            device,
+            kv_cache_dtype,
+            summaries=summaries,
+        )
+        self.graphs = None
+        if graphs:
+            max_blocks, scratch_slot = -(-max_model_len // block_size), num_blocks * block_size
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, max_num_seqs, max_blocks, scratch_slot
+            )
+        self.sampler = Sampler(
+            torch.Generator(device).manual_seed(seed), calibration_temperature, stress
+        )
+        self.query_capturer = query_capturer
+        self.inputs = StepInputBuilder(
+            config,
+            device=device,
+            block_size=block_size,
+            num_slots=self.cache.num_slots,
+            scale=self.attention.scale,
+            prefill_selector=prefill_selector,
+            batch_invariant=batch_invariant,
+            query_capturer=query_capturer,
+            kernel_reads_tables=self.attention.kernel_serves(device),
+        )
+
+    def set_selector(self, selector: AttentionSelector) -> None:
+        """Decode attention asks ``selector`` from the next step on; prefill is unaffected, so one
+        prefilled context can be decoded under several (benchmarks compare them on one cache)."""
+        if selector.needs_summaries and self.cache.key_bounds is None:
+            raise ValueError(
+                "this selector scores blocks by their summaries, which the cache does not keep: "
+                "build the engine with pruning on (control=ControlConfig(pruning=...))"
+            )
+        self.attention.selector = selector
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:
+        """Compute the batch's tokens into the cache under the step's decisions; the logits
+        where a sequence's known tokens end and at each of its drafts."""
+        if self._replayable(batch, decisions):
+            return StepResult(None, self.graphs.run(batch.seqs))
+        inputs = self.inputs.step(batch, decisions.block_budgets)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        if inputs.capture is not None:
+            self.query_capturer.store(inputs.capture)
+        prefilling = batch.seqs[len(batch.seqs) - len(inputs.meta.prefills) :]
+        for chunk, seq in zip(inputs.meta.prefills, prefilling, strict=True):
+            if chunk.sparse is not None:
+                seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
+        telemetry = inputs.meta.telemetry
+        stats = None if telemetry is None else AttentionStats.of(batch, telemetry)
+        if not batch.sampled:
+            return StepResult(stats, None)
+        return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
+
+    def _replayable(self, batch: ScheduledBatch, decisions: StepDecisions) -> bool:
+        """Whether the step is a plain decode step a graph computes: one row per sequence, each
+        sampled, every block read."""
+        graphs, seqs = self.graphs, batch.seqs
+        if graphs is None or decisions.block_budgets is not None:
+            return False
+        if not self.attention.selector.reads_everything or any(batch.drafts):
+            return False
+        if batch.num_decode != len(seqs) or batch.sampled != list(range(len(seqs))):
+            return False
+        return graphs.takes(len(seqs), max(len(seq.block_table) for seq in seqs))
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        states: list[float | None],
+        allowed: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """One token for each row of ``logits`` (one per sequence), each row's temperature law
+        starting from ``states``; ``allowed`` [rows, vocab] masks what grammars forbid."""
+        sampling = SamplingBatch.build(
+            [seq.params for seq in seqs],
+            states,
+            [self._generator(seq) for seq in seqs],
+            logits.shape[-1],
+            self.device,
+            forced=[seq.next_forced for seq in seqs],
+            allowed=allowed,
+            constrained=[seq.constraint is not None for seq in seqs],
+        )
+        return self.sampler(logits, sampling)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, prefilled into ``blocks``."""
+        ids, positions, meta = self.inputs.sequence(token_ids, blocks)
+        hidden = self.model.forward(ids, positions, self.cache, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def exit_states(
+        self, token_ids: list[int], blocks: list[int], layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence prefilled into ``blocks``: the residual stream after ``layer`` layers
+        and after the last one, at every position."""
+        ids, positions, meta = self.inputs.sequence(token_ids, blocks)
+        model = self.model
+        early = model.run_layers(model.embed_tokens(ids), positions, self.cache, meta, range(layer))
+        last = model.run_layers(early, positions, self.cache, meta, range(layer, len(model.layers)))
+        return early, last
+
+    @torch.inference_mode()
+    def early_exit(self, batch: ScheduledBatch, num_layers: int) -> torch.Tensor:
+        """The residual stream after ``num_layers`` layers at each sequence's last row."""
+        inputs = self.inputs.step(batch)
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.cache, inputs.meta, num_layers
+        )
+        last_rows = torch.tensor(batch.num_tokens).cumsum(0) - 1
+        return hidden[last_rows.to(self.device)]
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return seq.generator

@@ -1,0 +1,5 @@
+"""The papers' studies, apart from the runtime package: the paper's Table 1 (``ablation/``), its
+control laws one at a time (``laws/``), the robustness of its signal (``stress/``) and the
+related papers' systems (``seed_systems/``). They drive the engine through its public API and
+``etinfer.bench.common``, and write their results in the engine benchmarks' schema. Run them
+from a checkout: ``python -m studies NAME ...`` (``python -m studies --help`` lists them)."""

@@ -1,0 +1,192 @@
+"""The ablation study of the paper's section 6: its Table 1, measured.
+
+    python -m studies ablation --workload mixed --output results/ablation
+    python -m studies ablation --quick --output results/ablation-quick
+
+Five configurations run the same seeded workload (``bench/common/mixed_workload.py``) in one
+process, over one copy of the weights: the baseline (FCFS, dense attention, fixed temperature), each
+control layer alone, and all three. Each run gets a fresh engine, so no run inherits another's
+prefix cache or random state. Repeats run the configurations in a rotated order, so a slow
+spell of this shared machine does not always land on the same configuration.
+
+The engine runs in this process, driven as in ``bench serving`` (``bench/common/driver.py``): a
+request is added once its arrival time has passed on the run's clock, and the engine steps while it
+has work. ``bench/ablation/runner.py`` runs one configuration and meters each step's work;
+``bench/ablation/metrics.py`` turns runs into figures and ``bench/ablation/report.py`` into
+tables and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from etinfer import options
+from etinfer.bench.common.driver import CLOCKS
+from etinfer.bench.common.machine import machine
+from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
+from etinfer.control.drafting import SpeculativeConfig
+from etinfer.model.loader import LoadedModel, load_model
+from etinfer.options import positive_int
+from studies.ablation import metrics as ablation_metrics
+from studies.ablation import report as ablation_report
+from studies.ablation.runner import Run, run_once
+from studies.common import mixed_workload as ablation_workload
+from studies.common.mixed_workload import AblationRequest
+
+CONFIGS = ("baseline", "sampling", "scheduling", "attention", "full", "etinfer")
+# Quick mode's contexts (384-512 tokens) are below the default PruningConfig.min_context (1,024),
+# so it lowers the threshold to keep pruning in play.
+QUICK_MIN_CONTEXT = 256
+# KV pools that hold the requests of the mode's workload that run at once, so no figure hangs
+# on preemptions (a long prompt recomputed costs many seconds on this CPU): 2,048 blocks of 16
+# tokens are 32K tokens, 0.7 GiB in float16; the long workload's 4,096 hold eight of its
+# longest requests.
+KV_BLOCKS = {"quick": 512, "full": 2048, "long": 4096}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the study: its control layers, and engine settings beyond them."""
+
+    control: ControlConfig
+    engine: dict = field(default_factory=dict)
+
+
+def arms(pruning: PruningConfig) -> dict[str, Arm]:
+    """The paper's five rows, and ``etinfer``: every layer that removes work and is meant to
+    keep quality (the three laws with per-head budgets, sparse prefill, prompt-lookup
+    speculation). KV compression stays out: it cannot run beside speculation yet."""
+    return {
+        "baseline": Arm(ControlConfig.baseline()),
+        "sampling": Arm(ControlConfig(sampling=True)),
+        "scheduling": Arm(ControlConfig(scheduling=True)),
+        "attention": Arm(ControlConfig(pruning=pruning)),
+        "full": Arm(ControlConfig(sampling=True, pruning=pruning, scheduling=True)),
+        "etinfer": Arm(
+            ControlConfig(
+                sampling=True,
+                pruning=replace(pruning, head_budgets=True),
+                scheduling=True,
+                sparse_prefill=True,
+            ),
+            {"speculative": SpeculativeConfig()},
+        ),
+    }
+
+
+def run_all(
+    loaded: LoadedModel,
+    requests: list[AblationRequest],
+    configurations: dict[str, Arm],
+    repeats: int,
+    engine_kwargs: dict,
+    clock: str,
+) -> list[Run]:
+    runs = []
+    names = list(configurations)
+    # Every arm runs the same weights: prepared once, not once an engine.
+    total = repeats * len(names) * len(requests)
+    with loaded.keeping_prepared(), tqdm(total=total, unit="req") as bar:
+        for repeat in range(repeats):
+            batch = ablation_workload.for_repeat(requests, repeat)
+            # Rotate the order, so no configuration always runs first (or last) in a repeat.
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                bar.set_description(f"repeat {repeat + 1}/{repeats} {name}")
+                arm = configurations[name]
+                settings = engine_kwargs | arm.engine
+                runs.append(
+                    run_once(loaded, name, repeat, arm.control, batch, settings, clock, bar)
+                )
+                gc.collect()  # the finished engine's KV pool goes before the next one's
+    return runs
+
+
+def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
+    """The whole study; writes the report under ``args.output`` and returns it."""
+    # One thread by default: on a shared two-core machine, two threads of one process wait for
+    # each other whenever another process holds a core (a quick run took 5.7 minutes with two,
+    # 53 s with one, at a load average of 5), and one thread makes the CPU time of a step its
+    # own work, which is what eta divides by.
+    options.set_threads(args)
+    loaded = loaded or load_model(args.model)
+    mode = "quick" if args.quick else "long" if args.workload == "long" else "full"
+    sizes = ablation_workload.SIZES[mode]
+    if args.rate is not None:
+        sizes = replace(sizes, rate=args.rate)
+    repeats = args.repeats or (1 if args.quick else 2)
+    pruning = PruningConfig(min_context=QUICK_MIN_CONTEXT) if args.quick else PruningConfig()
+    requests = ablation_workload.build(loaded.tokenizer, args.workload, sizes, args.seed)
+    engine_kwargs = options.engine_kwargs(args)
+    engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    runs = run_all(loaded, requests, arms(pruning), repeats, engine_kwargs, args.clock)
+    settings = {
+        "command": command_line(args, repeats),
+        "date": started,
+        "machine": machine(),
+        "workload": args.workload,
+        "quick": args.quick,
+        "repeats": repeats,
+        "rate": sizes.rate,
+        "clock": args.clock,
+        "seed": args.seed,
+        "engine": engine_kwargs,
+        "pruning": vars(pruning) | {"quick_mode_lowered_min_context": args.quick},
+        "configurations": {name: repr(arm) for name, arm in arms(pruning).items()},
+        "references": ablation_workload.REFERENCE_SOURCE,
+    }
+    report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
+    ablation_report.write(report, Path(args.output))
+    return report
+
+
+def command_line(args: argparse.Namespace, repeats: int) -> str:
+    """The command that reproduces this run (defaults spelled out)."""
+    parts = ["python -m studies ablation", f"--workload {args.workload}"]
+    parts += ["--quick"] if args.quick else []
+    parts += [f"--repeats {repeats}", f"--seed {args.seed}", f"--threads {args.threads}"]
+    parts += [f"--clock {args.clock}"]
+    parts += [] if args.rate is None else [f"--rate {args.rate}"]
+    return " ".join([*parts, *options.engine_flags(args), f"--output {args.output}"])
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser(
+        "ablation", help="the paper's Table 1: five control configurations on one workload"
+    )
+    parser.add_argument("--workload", choices=tuple(ablation_workload.MIXES), default="mixed")
+    parser.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    parser.add_argument("--output", required=True, help="directory for the report and plots")
+    parser.add_argument("--repeats", type=positive_int, help="default: 2, or 1 with --quick")
+    parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")
+    parser.add_argument("--seed", type=int, default=0)
+    # Each configuration sets the control layers; the scheduling layer replaces the baseline's
+    # FCFS; --seed seeds the workload.
+    options.add_engine_options(
+        parser,
+        exclude=("control", "scheduling_policy", "seed"),
+        defaults={"max_num_seqs": 16},
+        aliases={"num_kvcache_blocks": "--kv-blocks"},
+        helps={"num_kvcache_blocks": "KV pool size (default: the mode's own)"},
+    )
+    options.add_threads_option(parser, default=1)
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="cpu",
+        help="time arrivals and latencies by this process's CPU time in engine steps (default; "
+        "robust to other jobs on the machine) or by wall-clock time",
+    )
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0

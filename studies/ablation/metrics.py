@@ -1,0 +1,288 @@
+"""The ablation's figures: per run, against the baseline, and across repeats.
+
+Per run (``run_figures``), with "output tokens" every token a request decoded (a retrieval
+question's forced tokens included: they are decode steps like any other):
+
+- latency: end-to-end time per output token, averaged over requests (the paper's "latency");
+  end-to-end, TTFT, TPOT and queue time as ``bench serving`` computes them;
+- throughput: output tokens per second of the run (first arrival to last completion);
+- entropy (DESIGN.md section 1): entropic time ``tau`` is the sum over requests of
+  ``sum_t max(0, H_{t-1} - H_t)``, with ``H`` the model's entropy at temperature 1 (nats). The
+  collapse rate is ``tau`` per output token. ``eta`` is ``tau`` per unit of compute, with two
+  cost measures: ``eta_cpu``, per CPU-second this process spent stepping the engine (what the
+  machine spent, whatever else ran on it: the run uses one torch thread), and ``eta_flops``, per
+  TFLOP of model compute (``ablation_runner.StepMeter``);
+- work: decode attention FLOPs and KV bytes read per decode step, the share of the context's
+  KV blocks decode attention read, model FLOPs per output token, KV pool use (mean and peak
+  share of blocks held);
+- quality: passkey accuracy; ROUGE-L of greedy continuations against the human-written text
+  that follows them; for sampled text, loop rate and distinct-n (``bench/common/quality.py``), and
+  the spread of the entropy it was drawn at.
+
+Against the baseline of the same repeat (``study``): ROUGE-L of each configuration's greedy
+answers against the baseline's, and the ratio of every figure. The quality score of Table 1 is
+the mean of the ratios of the ground-truth metrics (passkey accuracy, ROUGE-L against human
+text), skipping one the baseline scores 0 on; a workload with neither (``chat``) uses ROUGE-L
+against the baseline.
+
+Across repeats: mean, standard deviation, minimum and maximum. A ratio is called out as a real
+difference when every repeat's ratio lies on the same side of 1 and the mean moves further from
+1 than the baseline's own run-to-run variation (its coefficient of variation) on that figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from etinfer.bench.common.serving_metrics import summarize
+from etinfer.bench.common.stats import mean
+from etinfer.model.tokenizer import Tokenizer
+from studies.common import quality
+from studies.common.mixed_workload import AblationRequest, answers
+from studies.common.quality import rouge_l, task_quality, words
+
+if TYPE_CHECKING:
+    from studies.ablation.runner import Run
+
+# Table 1's columns: the figure each reads, and whether a gain is a lower value.
+TABLE1 = {
+    "latency": ("latency_per_token", True),
+    "throughput": ("throughput", False),
+    "eta": ("eta_cpu", False),
+    "quality": ("quality", False),
+}
+SINGLE_LAYERS = ("sampling", "scheduling", "attention")
+
+
+def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer) -> dict:
+    """Every per-run figure of the module docstring, plus the answers and admission order."""
+    outs = run.outputs
+    latency = summarize(run.records, run.makespan)
+    tokens = sum(len(o.token_ids) for o in outs)
+    tau = sum(o.entropic_time for o in outs)
+    answered = answers(requests, outs, tokenizer.eos_token_ids)
+    sampled = [i for i, r in enumerate(requests) if not r.greedy]
+    figures = {
+        "latency_per_token": statistics.fmean(r.e2e / r.output_tokens for r in run.records),
+        **{k: latency[k] for k in ("e2e_mean", "e2e_p99", "ttft_mean", "tpot_mean", "queue_mean")},
+        "throughput": tokens / run.makespan,
+        "makespan_s": run.makespan,
+        "cpu_s": run.cpu,
+        # Wall-clock figures, as measured on a machine other jobs may share.
+        "e2e_mean_wall": statistics.fmean(o.metrics.total_time for o in outs),
+        "throughput_wall": tokens / run.wall,
+        "wall_s": run.wall,
+        "output_tokens": tokens,
+        "entropic_time": tau,
+        "collapse_rate": tau / tokens,
+        "eta_cpu": tau / run.cpu,
+        "eta_flops": tau / (run.work["model_flops"] / 1e12),
+        "model_flops_per_token": run.work["model_flops"] / tokens,
+        **{k: run.work[k] for k in ("attn_flops_per_token", "kv_bytes_per_token")},
+        **{k: run.work[k] for k in ("kv_read_share", "kv_pool_mean", "kv_pool_peak")},
+        "decode_pairs_in_context": run.work["decode_pairs_in_context"],
+        "preemptions": run.preemptions,
+        "recomputed_tokens": run.recomputed_tokens,
+        **task_quality(requests, answered, tokenizer),
+        **_sampled_figures([outs[i] for i in sampled], [answered[i] for i in sampled]),
+    }
+    order = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_scheduled_time)
+    return {
+        "config": run.config,
+        "repeat": run.repeat,
+        "load": list(run.load),
+        "figures": figures,
+        "admission_order": order,
+        "greedy_answers": {
+            str(i): tokenizer.decode(a) for i, a in enumerate(answered) if requests[i].greedy
+        },
+    }
+
+
+def _sampled_figures(outs: list, answers: list[list[int]]) -> dict:
+    if not outs:
+        return {}
+    entropies = [h for o in outs for h in o.tempered_entropies]
+    temperatures = [t for o in outs for t in o.temperatures]
+    return {
+        "loop_rate": quality.loop_rate(answers),
+        "distinct_2": quality.distinct_n(answers, 2),
+        "distinct_3": quality.distinct_n(answers, 3),
+        "sampled_entropy_mean": statistics.fmean(entropies),
+        "sampled_entropy_sd": statistics.pstdev(entropies),
+        "sampled_temperature_mean": statistics.fmean(temperatures),
+        "sampled_temperature_sd": statistics.pstdev(temperatures),
+    }
+
+
+def add_baseline_comparisons(records: list[dict]) -> None:
+    """ROUGE-L against the baseline's greedy answers of the same repeat, and the quality score,
+    into each record's figures."""
+    baselines = {r["repeat"]: r for r in records if r["config"] == "baseline"}
+    for record in records:
+        base = baselines[record["repeat"]]
+        ours = record["figures"]
+        ours["rouge_l_baseline"] = answers_rouge(record, base)
+        parts = [
+            ours[k] / base["figures"][k]
+            for k in ("passkey_accuracy", "rouge_l_human")
+            if base["figures"].get(k)
+        ]
+        ours["quality"] = statistics.fmean(parts) if parts else ours["rouge_l_baseline"]
+
+
+def answers_rouge(record: dict, base: dict) -> float | None:
+    pairs = [(a, base["greedy_answers"][i]) for i, a in record["greedy_answers"].items()]
+    return mean([rouge_l(words(a), words(b)) for a, b in pairs])
+
+
+def spread(values: list[float]) -> dict:
+    return {
+        "mean": statistics.fmean(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def summarize_runs(records: list[dict]) -> dict:
+    """Per configuration and figure: the spread of the absolute values, and of the ratios to
+    the baseline of the same repeat, with whether the difference stands out of the noise."""
+    baselines = {r["repeat"]: r["figures"] for r in records if r["config"] == "baseline"}
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    noise = _baseline_cv(records)
+    summary: dict = {}
+    for config in configs:
+        runs = [r for r in records if r["config"] == config]
+        summary[config] = {}
+        for name in runs[0]["figures"]:
+            values = [r["figures"][name] for r in runs if r["figures"][name] is not None]
+            if not values:
+                continue
+            entry = {"absolute": spread(values)}
+            ratios = [
+                r["figures"][name] / baselines[r["repeat"]][name]
+                for r in runs
+                if r["figures"][name] is not None and baselines[r["repeat"]].get(name)
+            ]
+            if ratios:
+                entry["relative"] = spread(ratios)
+                entry["relative"]["significant"] = _stands_out(ratios, noise.get(name, 0.0))
+            summary[config][name] = entry
+    return summary
+
+
+def _baseline_cv(records: list[dict]) -> dict[str, float]:
+    """Coefficient of variation of each baseline figure across repeats."""
+    runs = [r["figures"] for r in records if r["config"] == "baseline"]
+    cv = {}
+    for name in runs[0]:
+        values = [f[name] for f in runs if f[name] is not None]
+        if len(values) > 1 and statistics.fmean(values):
+            cv[name] = statistics.stdev(values) / abs(statistics.fmean(values))
+    return cv
+
+
+def _stands_out(ratios: list[float], cv: float) -> bool:
+    same_side = all(r > 1 for r in ratios) or all(r < 1 for r in ratios)
+    return len(ratios) > 1 and same_side and abs(statistics.fmean(ratios) - 1) > cv
+
+
+def super_additivity(records: list[dict]) -> dict:
+    """Per Table 1 efficiency column: the full system's gain over the baseline against the sum
+    of the single layers' gains, paired within each repeat. A gain is the fractional
+    improvement: 1 - ratio where lower is better, ratio - 1 otherwise."""
+    by = {(r["config"], r["repeat"]): r["figures"] for r in records}
+    repeats = sorted({r["repeat"] for r in records})
+    result = {}
+    for column, (name, lower_better) in TABLE1.items():
+        if column == "quality":
+            continue
+
+        def gain(config: str, repeat: int, name=name, lower_better=lower_better) -> float:
+            ratio = by[(config, repeat)][name] / by[("baseline", repeat)][name]
+            return 1 - ratio if lower_better else ratio - 1
+
+        full = [gain("full", k) for k in repeats]
+        singles = [sum(gain(c, k) for c in SINGLE_LAYERS) for k in repeats]
+        excess = [f - s for f, s in zip(full, singles, strict=True)]
+        verdict = _additivity_verdict(full, excess)
+        result[column] = {
+            "figure": name,
+            "full_gain": spread(full),
+            "sum_of_single_gains": spread(singles),
+            "single_gains": {c: spread([gain(c, k) for k in repeats]) for c in SINGLE_LAYERS},
+            "excess": spread(excess),
+            # One repeat has no spread, so its verdict cannot be told from noise.
+            "verdict": verdict if len(repeats) > 1 else f"{verdict} (one repeat)",
+        }
+    return result
+
+
+def _additivity_verdict(full: list[float], excess: list[float]) -> str:
+    """Super-additive only where the full system gains and every repeat's excess is positive:
+    losses smaller than the sum of the single layers' losses are no gain to add."""
+    if max(full) <= 0:
+        return "no gain (the full system is no better than the baseline)"
+    if min(excess) > 0:
+        return "super-additive"
+    if max(excess) < 0:
+        return "sub-additive"
+    return "not distinguishable from additive"
+
+
+def baseline_self_rouge(records: list[dict]) -> float | None:
+    """ROUGE-L of the baseline's greedy answers in later repeats against the first: the noise
+    floor of ``rouge_l_baseline`` (batches differ from run to run, and so can near-ties)."""
+    base = sorted((r for r in records if r["config"] == "baseline"), key=lambda r: r["repeat"])
+    return mean([answers_rouge(r, base[0]) for r in base[1:]])
+
+
+def trace(requests: list[AblationRequest], runs: list[Run], config: str = "full") -> dict | None:
+    """One sampled request's entropy, temperature and blocks kept under ``config`` (the first
+    repeat), with the baseline's for the same request; a long-context one if there is one."""
+    sampled = [i for i, r in enumerate(requests) if not r.greedy]
+    if not sampled:
+        return None
+    index = next((i for i in sampled if requests[i].task == "free"), sampled[0])
+    first = {r.config: r for r in runs if r.repeat == 0}
+    ours, base = first[config].outputs[index], first["baseline"].outputs[index]
+    return {
+        "request": index,
+        "task": requests[index].task,
+        "prompt_tokens": len(requests[index].prompt),
+        "config": config,
+        "entropies": ours.entropies,
+        "tempered_entropies": ours.tempered_entropies,
+        "temperatures": ours.temperatures,
+        "blocks_kept": ours.blocks_kept,
+        "baseline_entropies": base.entropies,
+        "baseline_temperatures": base.temperatures,
+    }
+
+
+def study(
+    requests: list[AblationRequest], runs: list[Run], tokenizer: Tokenizer, settings: dict
+) -> dict:
+    """The whole report: settings, workload, every run, the summary and the verdicts."""
+    records = [run_figures(requests, run, tokenizer) for run in runs]
+    add_baseline_comparisons(records)
+    return {
+        "settings": settings,
+        "workload": [
+            {
+                "task": r.task,
+                "arrival_s": r.arrival_s,
+                "prompt_tokens": len(r.prompt),
+                "output_tokens": r.params.max_tokens,
+            }
+            for r in requests
+        ],
+        "runs": records,
+        "summary": summarize_runs(records),
+        "super_additivity": super_additivity(records),
+        "baseline_self_rouge": baseline_self_rouge(records),
+        "trace": trace(requests, runs),
+    }

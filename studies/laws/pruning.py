@@ -1,0 +1,316 @@
+"""Entropic block pruning against dense attention: decode speed, attention work, fidelity.
+
+    python -m studies pruning --output-dir results/pruning
+    python -m studies fidelity  (fidelity only)
+
+Side by side in one run and on one engine (prefill is dense, so every comparison decodes the
+same prefilled cache both ways), dense attention and the entropic selector's configurations:
+
+- decode step time against context length at batch 1 and 8, and attention FLOPs and KV bytes
+  read per generated token (``bench/laws/pruning_speed.py``);
+- teacher-forced fidelity and passkey retrieval (``bench/common/fidelity.py``);
+- how many leading layers must stay dense;
+- a plot of blocks kept against entropy over one long generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from etinfer import options
+from etinfer.bench.common.fidelity import (
+    corpus_tokens,
+    forced_log_probs,
+    passkey_accuracy,
+    passkey_cases,
+    teacher_forced,
+)
+from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
+from etinfer.llm import LLM
+from etinfer.options import positive_int
+from etinfer.sampling_params import SamplingParams
+from studies.common.plots import pyplot
+from studies.laws.oracle_selection import OracleSelector
+from studies.laws.pruning_speed import speed_rows
+
+# Named pruning configurations; each part of the benchmark runs the ones it is given.
+CONFIGS = {
+    "bound": PruningConfig(),
+    "mass": PruningConfig(scorer="mass"),
+    # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
+    "bound-fifth": PruningConfig(budget_low=0.2, budget_high=0.2),
+    "bound-quarter": PruningConfig(budget_low=0.25, budget_high=0.25),
+    "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
+    # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
+    "heads-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, head_budgets=True),
+    "heads-half": PruningConfig(budget_low=0.5, budget_high=0.5, head_budgets=True),
+    "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
+    "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
+    "heads": PruningConfig(head_budgets=True),
+}
+
+
+def fidelity_rows(
+    llm: LLM,
+    configs: dict[str, PruningConfig],
+    corpus: list[int],
+    batches,
+    context: int,
+    steps: int,
+    oracle: bool = False,
+) -> list[dict]:
+    """Teacher-forced fidelity of each configuration; with ``oracle``, also of the same budgets
+    with blocks ranked by their exact attention mass (the ceiling of any block scorer)."""
+    rows = []
+    for batch in batches:
+        stride = (len(corpus) - context - steps) // batch
+        texts = [corpus[i * stride : i * stride + context + steps] for i in range(batch)]
+        llm.engine.set_pruning(None)
+        dense = forced_log_probs(llm, texts, context, steps)
+        runs = [(name, config, None) for name, config in configs.items()]
+        if oracle:
+            cache = llm.engine.runner.cache
+            runs += [
+                (f"{name} oracle", config, OracleSelector(config, cache))
+                for name, config in configs.items()
+                if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
+            ]
+        for name, config, selector in runs:
+            stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
+            rows.append(
+                {
+                    "batch": batch,
+                    "scorer": name,
+                    "context": context,
+                    **asdict(stats),
+                    "perplexity_ratio": stats.perplexity_ratio,
+                    "step_ratio": stats.step_ratio,
+                }
+            )
+            print(
+                f"  fidelity batch {batch} {name}: KL mean {stats.kl_mean:.4f} "
+                f"p99 {stats.kl_p99:.4f}, top-1 {stats.top1_agreement:.4f}, "
+                f"ppl ratio {stats.perplexity_ratio:.4f}, {100 * stats.blocks_kept:.0f} % blocks, "
+                f"step {stats.step_ms:.1f} ms against dense {stats.dense_step_ms:.1f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def passkey_rows(
+    llm: LLM, configs: dict[str, PruningConfig | None], lengths: tuple[int, ...]
+) -> list[dict]:
+    """Every case under every configuration (None: dense). One length at a time, so that the
+    pool keeps its prompts: after the first configuration they come from the prefix cache, and
+    each further one costs only its decode steps."""
+    rows = []
+    for haystack in ("repeated", "varied"):
+        found: dict[str, list[bool]] = {name: [] for name in configs}
+        for length in lengths:
+            cases = passkey_cases(llm.tokenizer, (length,), haystack)
+            hits = {}
+            for name, config in configs.items():
+                llm.engine.set_pruning(config)
+                hits[name] = passkey_accuracy(llm, cases)
+                found[name] += hits[name]
+            for i, case in enumerate(cases):
+                rows.append(
+                    {"haystack": haystack, "length": case.length, "depth": case.depth}
+                    | {name: h[i] for name, h in hits.items()}
+                )
+        print(
+            f"  passkey {haystack}: "
+            + ", ".join(f"{name} {sum(h)}/{len(h)}" for name, h in found.items()),
+            flush=True,
+        )
+    llm.engine.set_pruning(None)
+    return rows
+
+
+def dense_layer_sweep(
+    llm: LLM, corpus: list[int], context: int, steps: int, counts: tuple[int, ...]
+) -> list[dict]:
+    """Teacher-forced KL with the first ``n`` layers dense, for each ``n``."""
+    rows = []
+    texts = [corpus[: context + steps]]
+    llm.engine.set_pruning(None)
+    dense = forced_log_probs(llm, texts, context, steps)
+    for n in counts:
+        stats = teacher_forced(
+            llm, texts, context, steps, replace(CONFIGS["bound"], dense_layers=n), dense
+        )
+        rows.append(
+            {
+                "dense_layers": n,
+                "kl_mean": stats.kl_mean,
+                "kl_p99": stats.kl_p99,
+                "top1_agreement": stats.top1_agreement,
+                "blocks_kept": stats.blocks_kept,
+            }
+        )
+        print(
+            f"  dense_layers {n}: KL mean {stats.kl_mean:.4f}, top-1 {stats.top1_agreement:.4f}",
+            flush=True,
+        )
+    return rows
+
+
+def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, path: Path) -> dict:
+    plt = pyplot()
+
+    out = pruned.generate(
+        [corpus[:context]], SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
+    )[0]
+    # The first token comes from the prefill; every later one from a decode step whose budget
+    # followed the entropy of the token before it.
+    entropies, kept = out.entropies[:-1], out.blocks_kept
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.plot(entropies, label="entropy of the previous token (nats)", linewidth=1)
+    left.plot([10 * b for b in kept], label="blocks kept (x10 share)", linewidth=1)
+    left.set_xlabel("decode step")
+    left.legend()
+    right.scatter(entropies, kept, s=6)
+    right.set_xlabel("entropy of the previous token (nats)")
+    right.set_ylabel("share of blocks kept")
+    fig.suptitle(f"Entropic pruning over one generation after {context} tokens of context")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"entropies": out.entropies, "blocks_kept": out.blocks_kept}
+
+
+def engine(args: argparse.Namespace) -> LLM:
+    """One engine for every comparison, built with pruning on so that its cache keeps the key
+    bounds; ``set_pruning`` switches it between dense and each configuration. Its batch and pool
+    are sized for the largest batch and context asked."""
+    longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
+    return LLM(
+        args.model,
+        control=ControlConfig(pruning=CONFIGS["bound"]),
+        max_num_seqs=max(max(args.batches), 16),
+        num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
+        **options.engine_kwargs(args),
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    options.set_threads(args)
+    llm = engine(args)
+    corpus = corpus_tokens(llm.tokenizer)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = dict.fromkeys(args.speed_configs + args.fidelity_configs + args.passkey_configs)
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "pruning": {name: asdict(CONFIGS[name]) for name in names},
+    }
+
+    def subset(names: list[str]) -> dict[str, PruningConfig]:
+        return {name: CONFIGS[name] for name in names}
+
+    def save() -> None:  # after every part: a long run leaves what it measured behind
+        (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
+
+    parts = set(args.parts)
+    if "speed" in parts:
+        print("decode step time, dense against pruned", flush=True)
+        report["speed"] = speed_rows(
+            llm, subset(args.speed_configs), args.batches, args.contexts, args.steps, args.clock
+        )
+        save()
+    if "fidelity" in parts:
+        print("teacher-forced fidelity", flush=True)
+        report["fidelity"] = fidelity_rows(
+            llm,
+            subset(args.fidelity_configs),
+            corpus,
+            args.fidelity_batches,
+            args.fidelity_context,
+            args.fidelity_steps,
+            args.oracle,
+        )
+        save()
+    if "passkey" in parts:
+        print("passkey retrieval", flush=True)
+        report["passkey"] = passkey_rows(
+            llm, {"dense": None, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
+        )
+        save()
+    if "layers" in parts:
+        print("dense layers", flush=True)
+        report["dense_layers"] = dense_layer_sweep(
+            llm, corpus, args.fidelity_context, args.fidelity_steps, (0, 1, 2, 4)
+        )
+        save()
+    if "trace" in parts:
+        llm.engine.set_pruning(CONFIGS[args.speed_configs[0]])
+        report["trace"] = plot_blocks_against_entropy(
+            llm, corpus, args.fidelity_context, out_dir / "blocks_vs_entropy.png"
+        )
+        save()
+    return report
+
+
+PARTS = ("speed", "fidelity", "passkey", "layers", "trace")
+
+
+def add_commands(kinds: argparse._SubParsersAction) -> None:
+    for name, parts in (("pruning", PARTS), ("fidelity", ("fidelity", "passkey"))):
+        parser = kinds.add_parser(name, help="entropic pruning against dense: " + ", ".join(parts))
+        options.add_engine_options(
+            parser,
+            exclude=("control", "max_num_seqs", "num_kvcache_blocks", "kv_cache_gib"),
+            defaults={"max_num_batched_tokens": 2048},
+        )
+        parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
+        parser.add_argument(
+            "--contexts", type=positive_int, nargs="+", default=[1024, 2048, 4096, 6144, 8000]
+        )
+        parser.add_argument("--steps", type=positive_int, default=8)
+        parser.add_argument(
+            "--clock",
+            choices=["wall", "cpu"],
+            default="wall",
+            help="cpu: this process's CPU time per step, which a busy machine inflates far "
+            "less than wall time (use with --threads 1)",
+        )
+        options.add_threads_option(parser)
+        parser.add_argument("--fidelity-batches", type=positive_int, nargs="+", default=[1, 8])
+        parser.add_argument("--fidelity-context", type=positive_int, default=6144)
+        parser.add_argument("--fidelity-steps", type=positive_int, default=128)
+        parser.add_argument(
+            "--passkey-lengths",
+            type=positive_int,
+            nargs="+",
+            default=[1024, 2048, 4096, 6144, 8000],
+        )
+        for part, default in (
+            ("speed", ["bound", "mass"]),
+            ("fidelity", ["bound", "mass", "bound-half"]),
+            ("passkey", ["bound", "mass"]),
+        ):
+            parser.add_argument(
+                f"--{part}-configs", nargs="+", choices=list(CONFIGS), default=default
+            )
+        parser.add_argument(
+            "--oracle",
+            action="store_true",
+            help="fidelity also with blocks ranked by their exact attention mass (slow)",
+        )
+        parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
+        parser.add_argument("--output-dir", default=f"results/{name}")
+        parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0

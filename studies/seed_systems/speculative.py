@@ -1,0 +1,145 @@
+"""Speculative decoding against plain decoding, side by side in one run (issue 16).
+
+Two workloads, both chat-templated: ``chat`` (the instructions of ``bench/common/prompts.py``) and
+``copy`` (rewrite a passage of Python's own reference documentation, ``pydoc_data``, shipped with
+the standard library, word for word: summarising or editing text repeats long runs of it). Each
+drafting setting runs every batch size on its own engine over the same weights; the rounds
+alternate settings and the best round is kept (a shared machine). Greedy decoding, so every
+setting produces the same tokens and only the time differs (the tests check the equality).
+
+    python -m studies speculative --batches 1 4 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from etinfer import LLM, ControlConfig, SamplingParams, SpeculativeConfig, options
+from etinfer.bench.common.machine import cpu_flags
+from etinfer.bench.common.prompts import instructions
+from etinfer.corpus import topics
+from etinfer.model.loader import load_model
+from etinfer.options import positive_int
+
+DRAFT = SpeculativeConfig(method="draft")
+# Engine settings by name; "paper's layers" rows compare with the plain engine with those layers.
+SETTINGS: dict[str, dict] = {
+    "plain": {},
+    "ngram fixed": {"speculative": SpeculativeConfig(adaptive=False)},
+    "ngram heuristic": {"speculative": SpeculativeConfig(adaptive="heuristic")},
+    "ngram entropy (default)": {"speculative": SpeculativeConfig()},
+    "plain, paper's layers": {"control": ControlConfig.full()},
+    "ngram, paper's layers": {"speculative": SpeculativeConfig(), "control": ControlConfig.full()},
+    **{
+        f"self:{n}{name}": {"draft_model": f"self:{n}", "speculative": config}
+        for n in (8, 22, 26)
+        for name, config in (
+            (" entropy", DRAFT),
+            (" fixed", replace(DRAFT, adaptive=False)),
+            (" no adapter", replace(DRAFT, exit_adapter=False)),
+        )
+    },
+}
+
+
+def passages(n: int, chars: int = 700) -> list[str]:
+    """``n`` passages of about ``chars`` characters, whole paragraphs, in a fixed order."""
+    texts = []
+    for topic in topics():
+        text = ""
+        for paragraph in topic.split("\n\n")[1:]:
+            if len(text) + len(paragraph) > chars:
+                break
+            text += paragraph + "\n\n"
+        if len(text) > chars // 2:
+            texts.append(text.strip())
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+def workload(llm: LLM, kind: str, n: int) -> list[list[int]]:
+    if kind == "chat":
+        asks = instructions(n)
+    else:
+        asks = [f"Rewrite this text word for word:\n\n{text}" for text in passages(n)]
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": ask}]) for ask in asks]
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    drafted = sum(o.num_draft_tokens for o in outs)
+    return {
+        "tok_s": sum(len(o.token_ids) for o in outs) / wall,
+        "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
+        "tokens": [o.token_ids for o in outs],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    options.set_threads(args)
+    loaded = load_model()
+    names = [name for name in SETTINGS if name in args.settings]
+    engines = {}
+    for name in names:
+        engines[name] = LLM(loaded, max_num_seqs=max(args.batches), **SETTINGS[name])
+    results: dict[tuple[str, str, int], dict] = {}
+    for _ in range(args.repeats):
+        for kind in args.workloads:
+            for batch in args.batches:
+                for name in names:
+                    llm = engines[name]
+                    prompts = workload(llm, kind, batch)
+                    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm
+                    result = run(llm, prompts, args.max_tokens)
+                    key = (kind, name, batch)
+                    if key not in results or result["tok_s"] > results[key]["tok_s"]:
+                        results[key] = result
+                    print(f"{kind} b={batch} {name}: {result['tok_s']:.1f} tok/s", flush=True)
+    print(f"\n{args.threads} threads, CPU flags: {cpu_flags()}, {args.max_tokens} tokens, greedy")
+    print(table(results, args.workloads, names, args.batches))
+    return 0
+
+
+def table(results: dict, workloads: list[str], names: list[str], batches: list[int]) -> str:
+    lines = [
+        "| workload | setting | " + " | ".join(f"b={b} tok/s" for b in batches) + " | acceptance |",
+        "|---|---|" + "---:|" * (len(batches) + 1),
+    ]
+    for kind in workloads:
+        for name in names:
+            base = "plain, paper's layers" if "paper" in name else "plain"
+            cells = []
+            for b in batches:
+                r, ref = results[(kind, name, b)], results.get((kind, base, b))
+                cell = f"{r['tok_s']:.1f}"
+                if ref is not None and name != base:
+                    cell += f" ({r['tok_s'] / ref['tok_s']:.2f}x)"
+                    if "paper" not in name and r["tokens"] != ref["tokens"]:
+                        cell += " DIFFERS"
+                cells.append(cell)
+            rates = [results[(kind, name, b)]["acceptance"] for b in batches]
+            accepted = " / ".join("-" if a is None else f"{a:.0%}" for a in rates)
+            lines.append(f"| {kind} | {name} | " + " | ".join(cells) + f" | {accepted} |")
+    return "\n".join(lines)
+
+
+def add_command(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("speculative", help="speculative decoding against plain decoding")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16])
+    parser.add_argument(
+        "--workloads", nargs="+", choices=["chat", "copy"], default=["copy", "chat"]
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=[name for name in SETTINGS if not name.startswith("self:")],
+    )
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    options.add_threads_option(parser, default=2)
+    parser.set_defaults(func=main)

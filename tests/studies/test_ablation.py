@@ -1,0 +1,201 @@
+"""The ablation study: ROUGE-L, the spread and super-additivity arithmetic, and one ``--quick``
+run end to end on the real model, checking that each switch changes what it should."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from studies.ablation import ablation
+from studies.ablation.metrics import summarize_runs, super_additivity
+from studies.ablation.report import LABELS
+from studies.common.quality import rouge_l, words
+
+
+def brute_force_lcs(a: list, b: list) -> int:
+    """The longest subsequence of ``a`` that is also one of ``b``, by trying them all."""
+    for k in range(min(len(a), len(b)), 0, -1):
+        for picked in itertools.combinations(a, k):
+            it = iter(b)
+            if all(x in it for x in picked):  # `in` on an iterator consumes it: in order
+                return k
+    return 0
+
+
+def test_rouge_l_on_known_cases():
+    assert rouge_l(words("The cat sat on the mat."), words("the cat on the mat")) == pytest.approx(
+        10 / 11  # LCS 5: precision 5/6, recall 1
+    )
+    assert rouge_l(list("abcd"), list("dcba")) == pytest.approx(0.25)
+    assert rouge_l([], []) == 1.0
+    assert rouge_l(["a"], []) == 0.0
+    assert rouge_l(["a"], ["b"]) == 0.0
+    assert words("Don't PANIC: 42!") == ["don", "t", "panic", "42"]
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=7),
+    st.lists(st.integers(0, 3), min_size=1, max_size=7),
+)
+def test_rouge_l_is_the_f_measure_of_the_longest_common_subsequence(a, b):
+    lcs = brute_force_lcs(a, b)
+    expected = 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))  # F1 of lcs/|a| and lcs/|b|
+    assert rouge_l(a, b) == pytest.approx(expected)
+
+
+def records(figures: dict[str, list[dict]]) -> list[dict]:
+    """Run records as ``ablation_metrics`` builds them, from per-repeat figures."""
+    return [
+        {"config": config, "repeat": k, "figures": f}
+        for config, per_repeat in figures.items()
+        for k, f in enumerate(per_repeat)
+    ]
+
+
+def figures(latency: float, throughput: float, eta: float) -> dict:
+    return {"latency_per_token": latency, "throughput": throughput, "eta_cpu": eta}
+
+
+def test_super_additivity_compares_the_full_gain_with_the_sum_of_single_gains():
+    base = [figures(1.0, 100.0, 1.0), figures(1.1, 90.0, 1.0)]
+    runs = records(
+        {
+            "baseline": base,
+            # each single layer: latency -10 %, throughput +10 %, eta +0 %, in both repeats
+            **{
+                c: [figures(0.9 * b["latency_per_token"], 1.1 * b["throughput"], 1.0) for b in base]
+                for c in ("sampling", "scheduling", "attention")
+            },
+            # full: latency -40 % (more than 3 x 10 %), throughput +20 % (less than 3 x 10 %),
+            # eta +5 % in one repeat and -5 % in the other
+            "full": [figures(0.6, 120.0, 1.05), figures(0.66, 108.0, 0.95)],
+        }
+    )
+    result = super_additivity(runs)
+    assert result["latency"]["full_gain"]["mean"] == pytest.approx(0.4)
+    assert result["latency"]["sum_of_single_gains"]["mean"] == pytest.approx(0.3)
+    assert result["latency"]["excess"]["mean"] == pytest.approx(0.1)
+    assert result["latency"]["verdict"] == "super-additive"
+    assert result["throughput"]["verdict"] == "sub-additive"
+    assert result["eta"]["verdict"] == "not distinguishable from additive"
+    assert "quality" not in result
+    # Every layer loses; the full system loses less than their sum, which is still no gain.
+    for run in runs:
+        if run["config"] != "baseline":
+            run["figures"]["throughput"] = 0.9 * 100.0 if run["repeat"] == 0 else 0.95 * 90.0
+    assert super_additivity(runs)["throughput"]["verdict"].startswith("no gain")
+
+
+def test_summary_pairs_ratios_by_repeat_and_calls_out_only_clear_differences():
+    base = [{"kv": 10.0, "lat": 1.0}, {"kv": 30.0, "lat": 2.0}]
+    runs = records(
+        {
+            "baseline": base,
+            "attention": [{"kv": 5.0, "lat": 1.01}, {"kv": 15.0, "lat": 1.9}],
+        }
+    )
+    summary = summarize_runs(runs)
+    kv = summary["attention"]["kv"]
+    # Paired by repeat, the ratio is exactly 0.5 though the absolute values spread widely.
+    assert kv["relative"]["mean"] == pytest.approx(0.5)
+    assert kv["relative"]["max"] - kv["relative"]["min"] == pytest.approx(0.0)
+    assert kv["absolute"]["mean"] == pytest.approx(10.0)
+    # Below 1 in both repeats, but by less than the baseline's own run-to-run variation.
+    assert not kv["relative"]["significant"]
+    assert not summary["attention"]["lat"]["relative"]["significant"]  # 1.01 and 0.95
+    steady = records(
+        {
+            "baseline": [{"kv": 10.0}, {"kv": 10.2}],
+            "attention": [{"kv": 5.0}, {"kv": 5.2}],
+        }
+    )
+    assert summarize_runs(steady)["attention"]["kv"]["relative"]["significant"]
+
+
+@pytest.fixture
+def restore_threads():
+    """The benchmark sets torch's thread count; later tests get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
+    parser = argparse.ArgumentParser()
+    ablation.add_command(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "ablation",
+            "--quick",
+            "--threads",
+            "2",
+            "--quantization",
+            "none",
+            "--output",
+            str(tmp_path),
+        ]
+    )
+    report = ablation.run(args, loaded_model)
+
+    for name in ("ablation.json", "ablation.md", "ablation_bars.png", "ablation_trace.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "ablation.json").read_text())["settings"] == report["settings"]
+    markdown = (tmp_path / "ablation.md").read_text()
+    for label in LABELS.values():
+        assert f"| {label} |" in markdown
+    assert "| Baseline | 1.00 | 1.00 | 1.00 | 1.00 |" in markdown
+    assert f"'min_context': {ablation.QUICK_MIN_CONTEXT}" in markdown  # says it lowered it
+    assert set(report["super_additivity"]) == {"latency", "throughput", "eta"}
+
+    runs = {r["config"]: r for r in report["runs"]}
+    assert list(runs) == list(ablation.CONFIGS)
+    fig = {config: run["figures"] for config, run in runs.items()}
+    base = fig["baseline"]
+    workload = report["workload"]
+    assert base["output_tokens"] == sum(r["output_tokens"] for r in workload)
+    assert {r["task"] for r in workload} == {
+        "retrieval",
+        "continuation",
+        "free",
+        "instruction",
+        "chat",
+    }
+
+    # Attention: only the pruning configurations read less of the cache.
+    for config in ("attention", "full"):
+        assert fig[config]["kv_bytes_per_token"] < 0.8 * base["kv_bytes_per_token"]
+        assert fig[config]["attn_flops_per_token"] < base["attn_flops_per_token"]
+    # The meter's count of a dense context agrees with the pruning telemetry's (same schedule).
+    assert fig["attention"]["decode_pairs_in_context"] == base["decode_pairs_in_context"]
+    for config in ("baseline", "sampling", "scheduling"):
+        assert fig[config]["kv_read_share"] == 1.0
+        assert fig[config]["kv_bytes_per_token"] == base["kv_bytes_per_token"]
+
+    # Sampling: only the entropy-controlled configurations move the temperature of sampled
+    # requests, and greedy answers do not change (the same schedule, so the same batches).
+    for config in ("sampling", "full"):
+        assert fig[config]["sampled_temperature_sd"] > 0.01
+    for config in ("baseline", "scheduling", "attention"):
+        assert fig[config]["sampled_temperature_mean"] == 1.0
+        assert fig[config]["sampled_temperature_sd"] == 0.0
+    assert runs["sampling"]["greedy_answers"] == runs["baseline"]["greedy_answers"]
+    assert fig["sampling"]["rouge_l_baseline"] == 1.0
+
+    # Scheduling: only the entropy policy changes the order in which requests are admitted.
+    for config in ("scheduling", "full"):
+        assert runs[config]["admission_order"] != runs["baseline"]["admission_order"]
+    for config in ("sampling", "attention"):
+        assert runs[config]["admission_order"] == runs["baseline"]["admission_order"]
+
+    trace = report["trace"]
+    request = workload[trace["request"]]
+    assert trace["task"] == request["task"] == "free"
+    assert len(trace["temperatures"]) == len(trace["entropies"]) == request["output_tokens"]
+    assert len(trace["blocks_kept"]) == request["output_tokens"] - 1  # the first: from prefill
