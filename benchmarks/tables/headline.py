@@ -1,0 +1,126 @@
+"""The first screen's speed: against llama.cpp and against transformers, by host kind."""
+
+from benchmarks.layout import Column, Parts, Pick, Ratio, Row, Table
+from benchmarks.tables.common import (
+    AVX2,
+    AVX512,
+    GEMMA,
+    H100,
+    H200,
+    HELD,
+    LLAMA_1B,
+    LLAMA_CPP,
+    NOT_MEASURED,
+    SMOLLM,
+    figure,
+    ratio_vs,
+)
+
+LC = LLAMA_CPP
+
+
+def tok_s_ratio(subject: str, mode: str, suffix: str = "", **labels) -> Ratio:
+    """etinfer's ``mode`` over llama.cpp, from the tok/s of a run that kept no ratio."""
+    return Ratio(
+        figure(subject, "tok/s", engine="etinfer", mode=mode, **labels),
+        figure(subject, "tok/s", engine=LC, **labels),
+        suffix,
+    )
+
+
+def mode(name: str) -> Pick:
+    return Pick(labels={"mode": name})
+
+
+NOTED = Pick(note="mode")
+NOT_HERE = {"b16": NOT_MEASURED, "top1": NOT_MEASURED, "top1lc": NOT_MEASURED}
+LLAMA_CPP_TABLE = Table(
+    "headline_llamacpp",
+    ("host", "model (file)"),
+    (
+        Column("batch 1, `auto`", ratio_vs("decode", LC, batch=1, mode="auto"), "b1auto"),
+        Column("batch 1, `gguf`", ratio_vs("decode", LC, batch=1, mode="gguf"), "b1gguf"),
+        Column("batch 16", ratio_vs("decode", LC, batch=16).under(NOTED), "b16"),
+        Column("prefill", ratio_vs("prefill", LC).under(NOTED), "prefill"),
+        Column(
+            "top-1 vs float32: etinfer",
+            figure("top-1 agreement", "%", vs="float32", engine="etinfer").under(NOTED),
+            "top1",
+        ),
+        Column(
+            "llama.cpp", figure("top-1 agreement", "%", vs="float32", engine=LC, arm=None), "top1lc"
+        ),
+    ),
+    (
+        Row((AVX2, f"{SMOLLM}, 94 MiB"), Pick(kind=AVX2, labels={"model": SMOLLM}), NOT_HERE),
+        Row((AVX2, f"{GEMMA}, 241 MiB"), Pick(kind=AVX2, labels={"model": GEMMA}), NOT_HERE),
+        Row(
+            (AVX2, f"{LLAMA_1B}, 630 MiB (past the 32 MiB L3)"),
+            Pick(kind=AVX2, labels={"model": LLAMA_1B}),
+            NOT_HERE | {"prefill": Parts((mode("gguf"), mode("auto")), ", ")},
+        ),
+        Row(
+            (HELD, f"{SMOLLM}, 94 MiB"),
+            Pick(kind=HELD, labels={"model": SMOLLM}),
+            {
+                "b16": mode("auto"),
+                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
+                "top1": mode("auto"),
+            },
+        ),
+        Row(
+            (AVX512, f"{SMOLLM}, 94 MiB"),
+            Pick(kind=AVX512, labels={"model": SMOLLM}),
+            {
+                "b1auto": tok_s_ratio("decode", "auto", batch=1),
+                "b1gguf": tok_s_ratio("decode", "gguf", batch=1),
+                "b16": tok_s_ratio("decode", "auto", " (auto)", batch=16),
+                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
+                "top1": mode("auto"),
+            },
+        ),
+        Row(
+            (AVX512, f"{GEMMA}, 241 MiB"),
+            Pick(kind=AVX512, labels={"model": GEMMA}),
+            {"b16": mode("gguf"), "prefill": mode("gguf"), "top1": mode("gguf")},
+        ),
+    ),
+    Pick(benchmark="quantization"),
+)
+
+VS_HF = "transformers"
+TRANSFORMERS_TABLE = Table(
+    "headline_transformers",
+    ("host", "model, precision"),
+    (
+        Column("throughput, batch 1", ratio_vs("throughput", VS_HF, batch=1)),
+        Column("batch 16", ratio_vs("throughput", VS_HF, batch=16)),
+        Column("largest batch", ratio_vs("throughput", VS_HF).under(Pick(note="batch")), "big"),
+        Column(
+            "decode step at 8K tokens, batch 1",
+            ratio_vs("decode step", VS_HF, batch=1, context=8000),
+        ),
+        Column("batch 8", ratio_vs("decode step", VS_HF, batch=8, context=8000), "step8"),
+        Column("prefill of 8K tokens", ratio_vs("prefill", VS_HF, tokens=8000), "prefill"),
+    ),
+    (
+        Row(
+            (AVX2, "SmolLM2-135M, float32 both"),
+            Pick(kind=AVX2),
+            {"big": Pick(labels={"batch": 32}), "prefill": NOT_MEASURED},
+        ),
+        Row(
+            (H100, "SmolLM2-135M's shapes, random weights, bfloat16 both"),
+            Pick(kind=H100),
+            {"big": Pick(labels={"batch": 256})},
+        ),
+        Row(
+            (H200, "SmolLM2-135M, bfloat16 both"),
+            Pick(kind=H200),
+            {"big": Pick(labels={"batch": 256})},
+        ),
+    ),
+    Pick(benchmark="speed"),
+)
+
+TABLES = (LLAMA_CPP_TABLE, TRANSFORMERS_TABLE)

@@ -1,0 +1,192 @@
+"""The seed systems: speculative decoding, Entropy Adaptive Decoding and EntropyInfer's sparse
+prefill and KV compression."""
+
+from benchmarks.layout import Column, Parts, Pick, Row, Table
+from benchmarks.tables.common import AVX512, GEMMA, H200, figure, ratio_vs
+
+SPEC = Pick(benchmark="speculative", kind=AVX512)
+
+
+def drafted(setting: str) -> Parts:
+    return Parts(
+        (
+            ratio_vs("decode", "plain", setting=setting),
+            figure("acceptance", "%", setting=setting).under(Pick(suffix=" accepted")),
+        ),
+        ", ",
+    )
+
+
+SPEC_BATCH1 = Table(
+    "spec_batch1",
+    ("workload",),
+    (
+        Column("plain (tok/s)", figure("decode", "tok/s", setting="plain")),
+        Column("n-gram, fixed length", drafted("ngram fixed")),
+        Column("heuristic length", drafted("ngram heuristic")),
+        Column("heuristic and the entropy gate (the default)", drafted("ngram entropy (default)")),
+    ),
+    tuple(Row((w,), Pick(labels={"workload": w})) for w in ("copy", "chat")),
+    SPEC.under(Pick(labels={"batch": 1})),
+)
+SPEC_BATCHES = Table(
+    "spec_batches",
+    ("workload", "drafting"),
+    (Column("batch 4", Pick(labels={"batch": 4})), Column("batch 16", Pick(labels={"batch": 16}))),
+    tuple(
+        Row((w, s), Pick(labels={"workload": w, "setting": s}))
+        for w in ("copy", "chat")
+        for s in ("ngram fixed", "ngram heuristic", "ngram entropy gate alone")
+    ),
+    SPEC.under(ratio_vs("decode", "plain")),
+)
+EXITS = tuple(
+    f"self:{n}, {how}"
+    for n in (8, 22, 26)
+    for how in ("entropy (adapter)" if n == 8 else "entropy", "fixed length")
+)
+SPEC_EXIT = Table(
+    "spec_early_exit",
+    ("drafter: the first N layers",),
+    (
+        Column("chat", ratio_vs("decode", "plain", workload="chat")),
+        Column("accepted", figure("acceptance", "%", workload="chat")),
+        Column("copy", ratio_vs("decode", "plain", workload="copy")),
+        Column("accepted", figure("acceptance", "%", workload="copy"), "copy accepted"),
+    ),
+    tuple(Row((e,), Pick(labels={"setting": e})) for e in EXITS),
+    SPEC.under(Pick(labels={"batch": 1})),
+)
+EAD = Table(
+    "ead_curve",
+    ("setting",),
+    (
+        Column("large model's share", figure("large share", "%")),
+        Column("passkeys", figure("passkey accuracy", "%")),
+        Column("ROUGE-L", figure("rouge-l", "")),
+        Column("perplexity", figure("perplexity", "")),
+        Column("quality vs large", figure("quality", "%")),
+        Column("wall time", figure("wall time", "x")),
+    ),
+    tuple(
+        Row((s,), Pick(labels={"setting": s}))
+        for s in (
+            "large alone",
+            *(f"EAD threshold {t}" for t in ("0.5", "1", "1.5", "2", "3", "5")),
+        )
+    ),
+    Pick(benchmark="switching", kind=AVX512),
+)
+
+LONG = Pick(benchmark="longcontext")
+SPARSE = Table(
+    "sparse_prefill",
+    ("arm", "tokens"),
+    (
+        Column("time to first token (s)", figure("ttft", "s")),
+        Column("vs dense", ratio_vs("ttft", "dense")),
+        Column("blocks skipped", figure("blocks skipped", "%")),
+        Column("passkeys", figure("passkeys found", "count"), "passkeys"),
+        Column("top-1 vs dense", figure("top-1 agreement", "%")),
+        Column("KL (nats)", figure("kl", "nats")),
+    ),
+    tuple(
+        Row(
+            (a, f"{t:,}"),
+            Pick(labels={"arm": a, "tokens": t}),
+            {"passkeys": "-"} if "uniform" in a else {},
+        )
+        for a in ("dense", "sparse prefill", "uniform 868 (CritiPrefill-like)")
+        for t in (7168, 8064)
+    ),
+    LONG.under(Pick(kind=AVX512)),
+)
+COMPRESSION_ARMS = (
+    "kv compression",
+    "all (sparse prefill + compression)",
+    "N_d = 0 (SnapKV-like)",
+    "attention only (no novel keys)",
+    "the question votes",
+)
+COMPRESSION = Table(
+    "kv_compression",
+    ("arm, 8,064 tokens",),
+    (
+        Column("time to first token vs dense", ratio_vs("ttft", "dense")),
+        Column("decode (tok/s)", figure("decode", "tok/s")),
+        Column("KV blocks", figure("kv blocks", "count")),
+        Column("passkeys at 7,168", figure("passkeys found", "count", tokens=7168)),
+        Column("at 8,064", figure("passkeys found", "count")),
+        Column("top-1 vs dense", figure("top-1 agreement", "%")),
+        Column("KL (nats)", figure("kl", "nats")),
+    ),
+    tuple(Row((a,), Pick(labels={"arm": a})) for a in COMPRESSION_ARMS),
+    LONG.under(Pick(kind=AVX512, labels={"tokens": 8064})),
+)
+PRESSURE = Table(
+    "kv_pressure",
+    ("arm",),
+    (
+        Column("wall (s)", figure("wall time", "s")),
+        Column("in prefill steps (s)", figure("prefill steps time", "s")),
+        Column("output tok/s", figure("throughput", "tok/s")),
+        Column("vs dense", ratio_vs("throughput", "dense")),
+        Column("were decode free", ratio_vs("throughput bound", "dense")),
+        Column("mean batch", figure("mean batch", "")),
+        Column("KV blocks a request", figure("kv blocks per request", "count")),
+    ),
+    tuple(
+        Row((a,), Pick(labels={"arm": a}))
+        for a in ("dense", "kv compression", "all (sparse prefill + compression)")
+    ),
+    LONG.under(Pick(kind=AVX512, labels={"workload": "KV pressure"})),
+)
+GEMMA_COMPRESSION = Table(
+    "kv_compression_gemma",
+    ("arm, 3,072 tokens",),
+    (
+        Column("KV blocks", figure("kv blocks", "count")),
+        Column("top-1 vs dense", figure("top-1 agreement", "%")),
+        Column("KL (nats)", figure("kl", "nats")),
+        Column("decode (tok/s)", figure("decode", "tok/s")),
+    ),
+    tuple(
+        Row((a,), Pick(labels={"arm": a}))
+        for a in (
+            "dense",
+            "kv compression",
+            "N_d = 0 (voted by the prompt alone)",
+            "ranked by attention alone",
+            "the question votes",
+        )
+    ),
+    LONG.under(Pick(kind=AVX512, labels={"model": GEMMA})),
+)
+SPARSE_GPU = Table(
+    "sparse_prefill_gpu",
+    ("arm, 8,064 tokens",),
+    (
+        Column("time to first token (s)", figure("ttft", "s")),
+        Column("vs dense", ratio_vs("ttft", "dense")),
+        Column("top-1 vs dense", figure("top-1 agreement", "%")),
+        Column("KL (nats)", figure("kl", "nats")),
+        Column("decode after (tok/s)", figure("decode", "tok/s")),
+    ),
+    tuple(
+        Row((a,), Pick(labels={"arm": a}))
+        for a in ("dense", "sparse prefill", "sparse prefill, uniform budget")
+    ),
+    LONG.under(Pick(kind=H200)),
+)
+
+TABLES = (
+    SPEC_BATCH1,
+    SPEC_BATCHES,
+    SPEC_EXIT,
+    EAD,
+    SPARSE,
+    COMPRESSION,
+    PRESSURE,
+    GEMMA_COMPRESSION,
+    SPARSE_GPU,
+)

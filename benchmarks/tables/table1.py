@@ -1,0 +1,81 @@
+"""The paper's Table 1 on each workload and host: every configuration against the baseline."""
+
+from benchmarks.layout import Column, Pick, Row, Table
+from benchmarks.tables.common import AVX512, H200, figure
+
+ARMS = (
+    ("Sampling only", "sampling"),
+    ("Scheduling only", "scheduling"),
+    ("Attention only", "attention"),
+    ("Full system", "full"),
+    ("etinfer full", "etinfer full"),
+)
+PAPER = {
+    "sampling": "0.98 / 1.02 / 1.08 / 1.00",
+    "scheduling": "0.88 / 1.15 / 1.12 / 1.00",
+    "attention": "0.85 / 1.20 / 1.25 / 0.98",
+    "full": "0.70 / 1.40 / 1.55 / 1.00",
+    "etinfer full": "not in the paper",
+}
+RATIOS = (
+    Column("latency", Pick(subject="latency")),
+    Column("throughput", Pick(subject="throughput")),
+    Column("η", Pick(subject="eta")),
+    Column("quality", Pick(subject="quality")),
+)
+
+
+def cpu_table(name: str, workload: str) -> Table:
+    return Table(
+        name,
+        ("configuration", "the paper: latency / throughput / η / quality"),
+        RATIOS,
+        tuple(Row((text, PAPER[arm]), Pick(labels={"arm": arm})) for text, arm in ARMS),
+        Pick(
+            benchmark="ablation",
+            kind=AVX512,
+            unit="x",
+            labels={"workload": workload, "vs": "baseline"},
+        ),
+    )
+
+
+MIXED = cpu_table("table1_mixed", "mixed")
+LONG = cpu_table("table1_long", "long")
+
+MIXED_FIGURES = Table(
+    "table1_mixed_figures",
+    ("configuration",),
+    (
+        Column(
+            "latency per output token (ms, CPU clock)", figure("latency per output token", "ms")
+        ),
+        Column("KV bytes read per decode step (MB)", figure("kv read per decode step", "MB")),
+        Column("CPU time stepping the engine (s)", figure("cpu time stepping", "s")),
+    ),
+    (
+        Row(("Baseline",), Pick(labels={"arm": "baseline"})),
+        *(Row((text,), Pick(labels={"arm": arm})) for text, arm in ARMS),
+    ),
+    Pick(benchmark="ablation", kind=AVX512, labels={"workload": "mixed"}),
+)
+
+
+def gpu(workload: str, subject: str) -> Pick:
+    return Pick(subject=subject, labels={"workload": workload})
+
+
+GPU = Table(
+    "table1_gpu",
+    ("configuration",),
+    (
+        Column("mixed: latency", gpu("mixed", "latency")),
+        Column("throughput", gpu("mixed", "throughput")),
+        Column("long: latency", gpu("long", "latency")),
+        Column("throughput", gpu("long", "throughput"), "long throughput"),
+    ),
+    tuple(Row((text,), Pick(labels={"arm": arm})) for text, arm in ARMS),
+    Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline"}),
+)
+
+TABLES = (MIXED, LONG, MIXED_FIGURES, GPU)
