@@ -1,4 +1,6 @@
-"""One request as the engine tracks it: its tokens, its KV blocks, and what it has produced."""
+"""One request as the engine tracks it: its tokens, its KV blocks, the entropy signal and what it
+has produced; each optional layer keeps its state of the request in an object of its own, hung
+here under the layer's name."""
 
 from __future__ import annotations
 
