@@ -172,10 +172,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def next_forced(self) -> int | None:
         return self.forced[-1] if self.forced else None
 
