@@ -21,7 +21,9 @@ would otherwise amortise, so every draft token costs nearly a token of compute (
 sequences prompt lookup gained 1.05x on copying and lost 0.82-0.90x on chat; BENCHMARKS.md).
 
 The law is pure: the engine asks it from the step's control record and applies its answer as the
-step's shape (``StepShape.draft_lengths``).
+step's shape (``StepShape.draft_lengths``). Each request carries its own
+:class:`SpeculationState` (the length its schedule drafts next, and its totals), which the
+engine's speculator moves after every step and the record reads.
 """
 
 from __future__ import annotations
@@ -116,6 +118,22 @@ def next_draft_length(
     if accepted == drafted:
         return min(length + 2, MAX_DRAFT_TOKENS)
     return max(length - 1, 1)
+
+
+@dataclass
+class SpeculationState:
+    """One request under speculative decoding: the length the adaptive schedules draft next
+    (None: the configured ``num_draft_tokens``) and the tokens drafted and accepted so far."""
+
+    draft_length: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, config: SpeculativeConfig, drafted: int, accepted: int) -> None:
+        """A step verified ``drafted`` tokens and accepted ``accepted`` of them."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.draft_length = next_draft_length(config, self.draft_length, drafted, accepted)
 
 
 class SpeculativeShaper(StepShaper):

@@ -57,6 +57,29 @@ class KVCompressionConfig:
             raise ValueError(f"pool_kernel must be odd, got {self.pool_kernel}")
 
 
+@dataclass
+class KVCompressionState:
+    """One request under KV compression (the engine's compressor writes it).
+
+    - voting_queries: [layers, voters, heads, head_dim] the voters' queries, captured out of the
+      forward pass until the cache is compressed; ``voted``: [voters] which were computed (those
+      served from the prefix cache never were).
+    - compressed: the cache was compressed, or was left whole for good (no voter computed).
+    - offset: how many fewer cache entries than positions the request has (position - offset is
+      the cache index of a position after the compression).
+    """
+
+    voting_queries: torch.Tensor | None = None
+    voted: torch.Tensor | None = None
+    compressed: bool = False
+    offset: int = 0
+
+    def cache_freed(self) -> None:
+        """Its blocks went back to the pool (a preemption): the recompute writes every position
+        again, and may be compressed again once it decodes."""
+        self.compressed, self.offset = False, 0
+
+
 def observed_attention(
     queries: torch.Tensor,  # [voters, heads, head_dim], after the rotary embedding
     query_pos: torch.Tensor,  # [voters]

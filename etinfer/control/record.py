@@ -38,7 +38,6 @@ class Controlled(Protocol):
     arrival_step: int  # the scheduler's step count when it arrived
     arrival_index: int  # breaks ties between equal arrival times
     num_computed_tokens: int  # tokens whose keys and values are in the cache
-    kv_offset: int  # cache entries KV compression dropped: the cache holds computed - offset
     num_prompt_tokens: int
     num_preemptions: int
     steps_since_admitted: int  # steps scheduled since it last entered the running set
@@ -52,16 +51,29 @@ class Controlled(Protocol):
     @property
     def num_output_tokens(self) -> int: ...
 
+    @property
+    def kv_offset(self) -> int:
+        """Cache entries KV compression dropped: the cache holds computed - offset."""
+
 
 class Recordable(Controlled, Protocol):
-    """A sequence and the control state the engine keeps on it, which the record snapshots."""
+    """A sequence and the control state the engine keeps on it, which the record snapshots
+    (a layer's part read through the sequence's accessors: the layer's default where it is off)."""
 
     profile: EntropyProfile  # its predictive entropy so far
     temperature_state: float | None  # the temperature law's state: log T, or Mirostat's mu
-    block_budget: int | None  # blocks decode attention kept last step
-    blocks_kept: list[float]  # per decode step with pruning on: share of the context attended
-    # Tokens speculative decoding's heuristic schedule drafts next (None: the configured number).
-    draft_length: int | None
+
+    @property
+    def block_budget(self) -> int | None:
+        """Blocks decode attention kept last step (None: not pruned yet)."""
+
+    @property
+    def last_blocks_kept(self) -> float:
+        """The share of the context decode attention read last step (1: all)."""
+
+    @property
+    def draft_length(self) -> int | None:
+        """Tokens speculative decoding's schedule drafts next (None: the configured number)."""
 
 
 class SequenceControl(NamedTuple):
@@ -86,7 +98,7 @@ class SequenceControl(NamedTuple):
             profile.prior_weight,
             seq.temperature_state,
             seq.block_budget,
-            seq.blocks_kept[-1] if seq.blocks_kept else 1.0,
+            seq.last_blocks_kept,
             seq.draft_length,
         )
 

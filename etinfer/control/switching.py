@@ -59,6 +59,17 @@ class SwitchState:
         return cls(TARGET_MODEL, config.min_stretch)
 
 
+@dataclass
+class SwitchingState:
+    """One request under switching: the law's state (``current``), and where the small model's
+    current stretch began (``exit_start``): the layers above its exit hold nothing from there
+    on, so the prefix cache publishes no block past it and the large model, taking over,
+    catches up from it. None while every layer holds every computed token."""
+
+    current: SwitchState
+    exit_start: int | None = None
+
+
 def next_switch_state(
     config: SwitchingConfig, state: SwitchState, entropies: Sequence[float]
 ) -> SwitchState:

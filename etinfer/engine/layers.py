@@ -5,8 +5,10 @@ This is the one place that reads which optional layers are on. The laws come fro
 pruning is on, a step shaper; the temperature law each request picks acts in the sampler), and
 the layers with engine-side mechanics from their own folders: ``engine/kv_compression/`` and
 ``engine/speculative/`` (drafting with verification, and Entropy Adaptive Decoding), and
-structured output's jump-forward (``structured/jump_forward.py``). Removing
-such a layer is removing its folder, its lines here and its switch in ``config.py``.
+structured output's jump-forward (``structured/jump_forward.py``). Each layer that is on also
+gives every request entering the engine its state object (``start_layers``), hung on the
+sequence under the layer's name. Removing such a layer is removing its folder, its lines here
+and its switch in ``config.py``.
 """
 
 from __future__ import annotations
@@ -16,16 +18,21 @@ from dataclasses import dataclass
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
-from etinfer.control.drafting import SpeculativeShaper
+from etinfer.control.drafting import SpeculationState, SpeculativeShaper
+from etinfer.control.kv_compression import KVCompressionState
+from etinfer.control.pruning_state import PruningState
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingPolicy
 from etinfer.control.shaping import STEP_SHAPERS, StepShaper
+from etinfer.control.switching import SwitchingState, SwitchState
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.kv_compression.compressor import KVCompressor
 from etinfer.engine.runner.model_runner import ModelRunner
+from etinfer.engine.sequence import Sequence
 from etinfer.engine.speculative.speculator import Speculator
 from etinfer.engine.speculative.switching import ModelSwitcher
 from etinfer.model.loader import LoadedModel
 from etinfer.structured.jump_forward import JumpForward
+from etinfer.structured.masks import StructuredState
 
 
 @dataclass
@@ -117,3 +124,20 @@ class EngineLayers:
             speculator,
             jump_forward,
         )
+
+
+def start_layers(config: EngineConfig, seq: Sequence) -> None:
+    """Give a request entering an engine built with ``config`` the state of each layer that is
+    on for it; a layer that is off leaves its attribute None. (Sparse prefill's state is per
+    prefill: its selector sets it where a long prompt's prefill begins.)"""
+    control = config.control
+    if control.pruning_config is not None:
+        seq.pruning = PruningState()
+    if config.speculative is not None:
+        seq.speculation = SpeculationState()
+    if control.switching_config is not None:
+        seq.switching = SwitchingState(SwitchState.initial(control.switching_config))
+    if control.kv_compression_config is not None:
+        seq.kv_compression = KVCompressionState()
+    if seq.params.structured is not None:  # the request's own switch
+        seq.structured = StructuredState()

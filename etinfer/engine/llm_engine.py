@@ -94,8 +94,7 @@ class LLMEngine:
                 self.tokenizer, loaded.config.vocab_size, backend=config.structured_backend
             )
         )
-        switching = None if self.switcher is None else self.switcher.config
-        self.intake = RequestIntake(self.tokenizer, self.validator, config.control, switching)
+        self.intake = RequestIntake(self.tokenizer, self.validator, config)
         self._requests = self.intake.requests  # every request not yet finished, by id
         self._progress = StepProgress()  # the step running, or the last one
 
@@ -169,7 +168,13 @@ class LLMEngine:
         """Prune decode attention from the next step on with the entropic selector for
         ``config``, or with ``selector`` (built for ``config``: it plans the budgets and picks
         the blocks; benchmarks pass an oracle); None attends densely. The engine must have been
-        built with pruning on: its cache keeps the block summaries selectors score."""
+        built with pruning on: its cache keeps the block summaries selectors score, and its
+        requests carry pruning's state."""
+        if config is not None and self.config.control.pruning_config is None:
+            raise ValueError(
+                "this engine was built without pruning: build the engine with pruning on "
+                "(control=ControlConfig(pruning=...))"
+            )
         if config is not None:
             entropic = BLOCK_SELECTORS.create(
                 "entropic", config=config, scale=self.model_config.scale
@@ -303,7 +308,7 @@ class LLMEngine:
             budgets = self.selector.plan_budgets(record, decoding, self.block_size)
         if budgets is not None:
             for seq, budget in zip(decoding, budgets, strict=True):
-                seq.block_budget = budget  # the rate limit's reference next step
+                seq.pruning.block_budget = budget  # the rate limit's reference next step
         return StepDecisions(
             shape=self.shaper.shape(record, batch.seqs),
             block_budgets=budgets,
@@ -330,7 +335,7 @@ class LLMEngine:
     ) -> SamplerOutput:
         """The runner's sampler, with each constrained sequence's grammar mask."""
         self._progress.stage = "sampling"
-        allowed = fill_allowed([seq.constraint for seq in seqs], logits.shape[-1])
+        allowed = fill_allowed([seq.matcher for seq in seqs], logits.shape[-1])
         return self.runner.sample(logits, seqs, states, allowed)
 
     def _take(self, seqs: list[Sequence], out: SamplerOutput) -> None:

@@ -1,7 +1,8 @@
 """Requests in: checked, encoded, given an id and a ``Sequence`` the engine can schedule.
 
 Everything a request can get wrong is found here, before it is registered, so a refused
-request leaves nothing behind; the engine then starts its grammar (if it has one) and queues it.
+request leaves nothing behind; each layer that is on gives the sequence its state
+(``engine/layers.py``), and the engine then starts its grammar (if it has one) and queues it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import dataclasses
 import itertools
 import time
 
-from etinfer.control.config import ControlConfig
-from etinfer.control.switching import SwitchingConfig, SwitchState
+from etinfer.config import EngineConfig
 from etinfer.engine.detokenizer import Detokenizer
+from etinfer.engine.layers import start_layers
 from etinfer.engine.request_validator import Prompt, RequestValidator
 from etinfer.engine.sequence import Sequence
 from etinfer.model.tokenizer import Tokenizer
@@ -24,13 +25,11 @@ class RequestIntake:
         self,
         tokenizer: Tokenizer,
         validator: RequestValidator,
-        control: ControlConfig,
-        switching: SwitchingConfig | None,
+        config: EngineConfig,
     ) -> None:
         self.tokenizer = tokenizer
         self.validator = validator
-        self.control = control
-        self.switching = switching  # EAD on: each sequence starts in its initial state
+        self.config = config  # which layers are on
         self.requests: dict[str, Sequence] = {}  # every request not yet finished, by id
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -80,14 +79,13 @@ class RequestIntake:
             priority=priority,
             slo=slo,
         )
-        if self.switching is not None:
-            seq.switch = SwitchState.initial(self.switching)
+        start_layers(self.config, seq)
         return seq
 
     def _with_control(self, params: SamplingParams) -> SamplingParams:
         """With the sampling layer on, a request that picked no temperature controller of its
         own (and is not greedy) gets entropy control with the engine's target."""
-        control = self.control
+        control = self.config.control
         if control.sampling and params.controller == "fixed" and not params.greedy:
             return dataclasses.replace(params, entropy_target=control.entropy_target)
         return params

@@ -1,4 +1,6 @@
-"""One request as the engine tracks it: its tokens, its KV blocks, and what it has produced."""
+"""One request as the engine tracks it: its tokens, its KV blocks, the entropy signal and what it
+has produced; each optional layer keeps its state of the request in an object of its own, hung
+here under the layer's name."""
 
 from __future__ import annotations
 
@@ -8,16 +10,19 @@ from typing import NamedTuple
 
 import torch
 
+from etinfer.control.drafting import SpeculationState
 from etinfer.control.entropy_profile import EntropyProfile
+from etinfer.control.kv_compression import KVCompressionState
+from etinfer.control.pruning_state import PruningState
 from etinfer.control.sparse_prefill import AttentionProfile
-from etinfer.control.switching import SwitchState
+from etinfer.control.switching import SwitchingState
 from etinfer.control.temperature import temperature_law
 from etinfer.engine.detokenizer import Detokenizer
 from etinfer.engine.sampling.sampler import SamplerOutput
 from etinfer.outputs import Logprob, RequestMetrics, RequestOutput
 from etinfer.sampling_params import SamplingParams
 from etinfer.structured.backend import Matcher
-from etinfer.structured.masks import ConstraintTrace
+from etinfer.structured.masks import StructuredState
 
 
 class StopRule(NamedTuple):
@@ -34,6 +39,18 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    # Each optional layer's state of this request, set by the layer when the request enters
+    # (``engine/layers.py``); None where the layer is off for it. The core reads what it must
+    # through the accessors below.
+    pruning: PruningState | None = None
+    speculation: SpeculationState | None = None
+    switching: SwitchingState | None = None
+    # Sparse prefill's selector sets it where a long prompt's prefill begins (a fresh one where
+    # it restarts: the old one stays with the outputs that hold it).
+    sparse_prefill: AttentionProfile | None = None
+    kv_compression: KVCompressionState | None = None
+    structured: StructuredState | None = None
+
     def __init__(
         self,
         request_id: str,
@@ -62,7 +79,7 @@ class Sequence:
         self.detokenizer = detokenizer
         self.stream = stream  # an output after every step that extends it
         self.delta = delta  # those outputs carry only what their step added
-        self._sent_tokens = self._sent_blocks = 0  # what earlier deltas carried
+        self._sent_tokens = 0  # what earlier deltas carried
         # Tokens appended as if sampled, one per step, before sampling takes over (teacher
         # forcing: scoring text under decode, feeding a question as decode steps).
         self.forced = list(reversed(forced_token_ids or []))  # a stack: next one last
@@ -82,41 +99,18 @@ class Sequence:
         self.tempered_entropies: list[float] = []
         self.temperatures: list[float] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # Which model wrote each output token, where a smaller model writes some: speculation
+        # (accepted drafts) and switching both append to it, neither touching the other's state.
+        self.token_models: list[str] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # with finish_reason "error": what failed
         self.metrics = RequestMetrics(arrival_time)
         self.generator: torch.Generator | None = None  # set by the runner for seeded requests
-        # Control state carried from step to step (the engine writes it, the laws read it
-        # through the step's ControlRecord): the predictive entropy measured so far, the
-        # temperature law's state (log T, or Mirostat's mu) and the blocks kept last step.
+        # The entropy signal every law reads, whatever layers are on (the engine writes it,
+        # the laws read it through the step's ControlRecord): the predictive entropy measured
+        # so far, and the temperature law's state (log T, or Mirostat's mu).
         self.profile = EntropyProfile()
         self.temperature_state = temperature_law(params).initial_state(params)
-        self.block_budget: int | None = None
-        self.blocks_kept: list[float] = []  # per generated token, when pruning is on
-        self.dropped_mass: list[float] = []
-        # Speculative decoding: the heuristic schedule's next draft length, and the totals.
-        self.draft_length: int | None = None  # None: the configured length
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        # Entropy Adaptive Decoding: which model writes the next token (None: switching off),
-        # which wrote each output token, and where the small model's current stretch began
-        # (the layers above its exit hold nothing from there on).
-        self.switch: SwitchState | None = None
-        # Sparse prefill: attention entropy and budgets per segment, and the work skipped.
-        self.attention_profile: AttentionProfile | None = None
-        # KV compression: the queries that rank the cache, until it is compressed; then how
-        # many fewer cache entries than positions the sequence has (position - kv_offset is
-        # the cache index of a position after the compression).
-        self.voting_queries: torch.Tensor | None = None
-        self.voted: torch.Tensor | None = None  # which voters' queries were computed
-        self.kv_compressed = False
-        self.kv_offset = 0
-        self.token_models: list[str] = []
-        self.exit_start: int | None = None
-        # Structured output: the grammar's matcher (set when the grammar is compiled; every
-        # sampled token goes through it) and what its masks did, per generated token.
-        self.constraint: Matcher | None = None
-        self.constraint_trace = ConstraintTrace() if params.structured is not None else None
 
     def append_sampled(
         self,
@@ -132,11 +126,12 @@ class Sequence:
         token = out.token_ids[row]
         if self.forced:
             self.forced.pop()  # the sampler already put it in place of a sampled token
-        if self.constraint is not None and not self.constraint.accept(token):
+        matcher = self.matcher
+        if matcher is not None and not matcher.accept(token):
             self.finish_reason = "grammar_dead_end"  # its mask allowed nothing
             return
-        if self.constraint_trace is not None and out.masked_entropies is not None:
-            self.constraint_trace.append(
+        if self.structured is not None and out.masked_entropies is not None:
+            self.structured.trace.append(
                 out.masked_entropies[row], out.removed_mass[row], out.allowed_counts[row]
             )
         self.token_ids.append(token)
@@ -155,20 +150,11 @@ class Sequence:
             self.detokenizer.append(token)  # a stop string
             or token in params.stop_token_ids
             or (not params.ignore_eos and token in stop.eos_token_ids)
-            or (self.constraint is not None and self.constraint.is_terminated)
+            or (matcher is not None and matcher.is_terminated)
         ):
             self.finish_reason = "stop"
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= stop.max_model_len:
             self.finish_reason = "length"
-
-    def record_attention(self, kept: float, total: float, dropped_mass: float) -> None:
-        """One generated token's decode attention: (block, KV head) pairs kept and in context
-        over all layers, and the bound on the attention mass any layer dropped."""
-        self.blocks_kept.append(kept / total if total else 1.0)
-        self.dropped_mass.append(dropped_mass)
-
-    def _trace_since(self, start: int) -> ConstraintTrace | None:
-        return None if self.constraint_trace is None else self.constraint_trace.since(start)
 
     def draft_room(self, max_model_len: int) -> int:
         """How many tokens may be drafted after the next one: what ``max_tokens`` and the
@@ -182,25 +168,8 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def writes_models(self) -> bool:
-        """Whether outputs name the model that wrote each token: under switching, and under
-        speculation (which records every sampled token's writer)."""
-        return self.switch is not None or bool(self.token_models)
-
-    @property
-    def num_full_tokens(self) -> int:
-        """Tokens whose keys and values are in the cache in every layer."""
-        if self.exit_start is None:
-            return self.num_computed_tokens
-        return min(self.num_computed_tokens, self.exit_start)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def next_forced(self) -> int | None:
@@ -210,6 +179,53 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    # -- what the core and the control record read of the layers' state ------------------
+
+    @property
+    def num_full_tokens(self) -> int:
+        """Tokens whose keys and values are in the cache in every layer (switching's small
+        model fills only its own from where its stretch began)."""
+        exit_start = None if self.switching is None else self.switching.exit_start
+        if exit_start is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, exit_start)
+
+    @property
+    def kv_offset(self) -> int:
+        """Cache entries KV compression dropped: the cache holds computed tokens - offset."""
+        return 0 if self.kv_compression is None else self.kv_compression.offset
+
+    @property
+    def kv_compressed(self) -> bool:
+        """Whether its blocks hold a selection of positions rather than a prefix."""
+        return self.kv_compression is not None and self.kv_compression.compressed
+
+    @property
+    def block_budget(self) -> int | None:
+        return None if self.pruning is None else self.pruning.block_budget
+
+    @property
+    def last_blocks_kept(self) -> float:
+        """The share of the context decode attention read last step (1: all)."""
+        return 1.0 if self.pruning is None else self.pruning.last_share
+
+    @property
+    def draft_length(self) -> int | None:
+        return None if self.speculation is None else self.speculation.draft_length
+
+    @property
+    def matcher(self) -> Matcher | None:
+        """Its grammar's matcher, once compiled (None: unconstrained)."""
+        return None if self.structured is None else self.structured.matcher
+
+    @property
+    def writes_models(self) -> bool:
+        """Whether outputs name the model that wrote each token: under switching, and under
+        speculation (which records every sampled token's writer)."""
+        return self.switching is not None or bool(self.token_models)
+
+    # -- outputs ---------------------------------------------------------------------------
+
     def step_output(self) -> RequestOutput:
         """What a stream gets after a step: a delta, or the whole output so far."""
         return self.next_delta() if self.delta else self.output()
@@ -217,13 +233,26 @@ class Sequence:
     def next_delta(self) -> RequestOutput:
         """What this sequence produced since its previous delta. It copies only that, so a
         stream costs the same per step however long it grows (the prompt ids are shared)."""
-        tokens, blocks = self._sent_tokens, self._sent_blocks
-        self._sent_tokens, self._sent_blocks = self.num_output_tokens, len(self.blocks_kept)
+        tokens, self._sent_tokens = self._sent_tokens, self.num_output_tokens
+        blocks, pruning = 0, self.pruning
+        if pruning is not None:
+            blocks, pruning.reported = pruning.reported, len(pruning.blocks_kept)
+        return self._output(tokens, blocks, delta=True)
+
+    def output(self) -> RequestOutput:
+        """The whole output so far, a snapshot: later steps do not change it."""
+        return self._output(0, 0, delta=False)
+
+    def _output(self, tokens: int, blocks: int, *, delta: bool) -> RequestOutput:
+        """The output from output token ``tokens`` and pruning entry ``blocks`` on (copies):
+        the whole output from (0, 0), or a delta that shares the prompt ids."""
+        pruning, speculation, structured = self.pruning, self.speculation, self.structured
+        detokenizer, finished = self.detokenizer, self.is_finished
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            text=self.detokenizer.new_text(self.is_finished),
+            prompt_token_ids=self.prompt_token_ids if delta else list(self.prompt_token_ids),
+            text=detokenizer.new_text(finished) if delta else detokenizer.visible_text(finished),
             token_ids=self.token_ids[self.num_prompt_tokens + tokens :],
             entropies=self.entropies[tokens:],
             tempered_entropies=self.tempered_entropies[tokens:],
@@ -235,39 +264,12 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
             entropic_time=self.profile.entropic_time,
-            blocks_kept=self.blocks_kept[blocks:] or None,
-            dropped_mass=self.dropped_mass[blocks:] or None,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
+            blocks_kept=None if pruning is None else (pruning.blocks_kept[blocks:] or None),
+            dropped_mass=None if pruning is None else (pruning.dropped_mass[blocks:] or None),
+            num_draft_tokens=0 if speculation is None else speculation.num_draft_tokens,
+            num_accepted_tokens=0 if speculation is None else speculation.num_accepted_tokens,
             token_models=self.token_models[tokens:] if self.writes_models else None,
-            attention_profile=self.attention_profile,
-            constraint=self._trace_since(tokens),
-            delta=True,
-        )
-
-    def output(self) -> RequestOutput:
-        """The whole output so far, a snapshot: later steps do not change it."""
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            text=self.detokenizer.visible_text(self.is_finished),
-            token_ids=self.output_token_ids,
-            entropies=list(self.entropies),
-            tempered_entropies=list(self.tempered_entropies),
-            temperatures=list(self.temperatures),
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            finish_reason=self.finish_reason,
-            error=self.error,
-            metrics=RequestMetrics(**vars(self.metrics)),
-            num_cached_tokens=self.num_cached_tokens,
-            num_preemptions=self.num_preemptions,
-            entropic_time=self.profile.entropic_time,
-            blocks_kept=list(self.blocks_kept) or None,
-            dropped_mass=list(self.dropped_mass) or None,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            token_models=list(self.token_models) if self.writes_models else None,
-            attention_profile=self.attention_profile,
-            constraint=self._trace_since(0),
+            attention_profile=self.sparse_prefill,
+            constraint=None if structured is None else structured.trace.since(tokens),
+            delta=delta,
         )

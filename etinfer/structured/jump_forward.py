@@ -40,9 +40,9 @@ class JumpForward:
         budget = self.max_num_batched_tokens - sum(batch.num_tokens)
         for i in range(batch.num_decode):
             seq = batch.seqs[i]
-            if seq.constraint is None or batch.drafts[i] or seq.forced or budget <= 0:
+            if seq.matcher is None or batch.drafts[i] or seq.forced or budget <= 0:
                 continue
-            text = seq.constraint.jump_forward()
+            text = seq.matcher.jump_forward()
             if not text:
                 continue
             limit = min(budget, seq.draft_room(self.max_model_len))

@@ -1,4 +1,5 @@
-"""One step's grammar masks for a batch of rows, and what a masked step measured."""
+"""One step's grammar masks for a batch of rows, what a masked step measured, and a constrained
+request's state: its matcher and that record."""
 
 from __future__ import annotations
 
@@ -55,3 +56,12 @@ class ConstraintTrace:
         return ConstraintTrace(
             self.masked_entropies[start:], self.removed_mass[start:], self.forced[start:]
         )
+
+
+@dataclass
+class StructuredState:
+    """A constrained request's grammar: its matcher (None until the grammar has compiled; every
+    sampled token goes through it) and what the masks did, per generated token."""
+
+    matcher: Matcher | None = None
+    trace: ConstraintTrace = field(default_factory=ConstraintTrace)

@@ -27,7 +27,7 @@ class GrammarWaitingRoom:
         be invalid raises ValueError here, before the request is accepted."""
         future = self.compiler.submit(seq.params.structured)
         if future.done():
-            seq.constraint = future.result().matcher()  # raises the compile error, if any
+            seq.structured.matcher = future.result().matcher()  # raises the compile error, if any
             return False
         self._compiling[seq.request_id] = (seq, future)
         return True
@@ -41,7 +41,7 @@ class GrammarWaitingRoom:
                 continue
             del self._compiling[request_id]
             try:
-                seq.constraint = future.result().matcher()
+                seq.structured.matcher = future.result().matcher()
                 ready.append(seq)
             except ValueError as error:
                 seq.finish_reason, seq.error = "error", str(error)

@@ -6,6 +6,7 @@ import pytest
 
 from etinfer.config import EngineConfig
 from etinfer.control.config import ControlConfig
+from etinfer.control.pruning_state import PruningState
 from etinfer.control.record import ControlRecord
 from etinfer.control.scheduling import EntropyPolicy, SchedulingConfig
 from tests.engine.scheduling_helpers import SimClock, decoding, make_seq, only, seen
@@ -64,7 +65,7 @@ def test_cheaper_next_step_goes_first():
 def test_pruning_discounts_the_attention_of_a_decode_step():
     policy = only("beta")
     dense, pruned = decoding(make_seq(4000), 3), decoding(make_seq(4000), 3)
-    pruned.blocks_kept = [0.9, 0.25]  # the latest step counts
+    pruned.pruning = PruningState(blocks_kept=[0.9, 0.25])  # the latest step counts
     seen(policy, dense, pruned)
     assert policy.cost_term(pruned) < policy.cost_term(dense)
     assert policy.order([dense, pruned]) == [pruned, dense]

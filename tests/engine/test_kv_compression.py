@@ -208,7 +208,8 @@ def test_voters_served_from_the_prefix_cache_do_not_vote(tiny_model):
     seen = []
     while engine.has_unfinished_requests():
         seqs = list(engine._requests.values())
-        seen += [seq.voted.clone() for seq in seqs if seq.voted is not None]
+        states = [seq.kv_compression for seq in seqs]
+        seen += [state.voted.clone() for state in states if state.voted is not None]
         outputs = engine.step()
     # Seen before each step: the last voter is computed in the step that compresses.
     assert not seen[-1][:16].any() and seen[-1][16:-1].all()

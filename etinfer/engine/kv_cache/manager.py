@@ -91,7 +91,8 @@ class KVCacheManager:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_registered_blocks = 0
-        seq.kv_offset, seq.kv_compressed = 0, False
+        if seq.kv_compression is not None:
+            seq.kv_compression.cache_freed()
 
     def commit(self, seq: Sequence, start: int, num_computed: int) -> None:
         """After a step computed ``num_computed`` tokens of ``seq`` from ``start`` and its

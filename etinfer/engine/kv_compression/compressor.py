@@ -10,8 +10,9 @@ the attention those queries paid them and keeps ``budget`` of them. The kept key
 written, in position order, into freshly allocated blocks, and the old blocks go back to the pool.
 The old blocks are never rewritten, so a prefix-cache entry naming one of them stays true, and
 the new blocks are never published (they hold a selection, not a prefix). From then on the
-sequence's cache holds ``kv_offset`` fewer entries than it has positions: new tokens take the
-next slot while their rotary position stays their true one.
+sequence's cache holds ``offset`` fewer entries than it has positions (its
+``KVCompressionState``): new tokens take the next slot while their rotary position stays their
+true one.
 
 In a model whose layers differ in their window (Gemma 3) the sliding layers keep their most
 recent ``budget`` positions instead of voting: their window reads what it read before.
@@ -81,7 +82,7 @@ class KVCompressor:
     def _voters(self, seq: Sequence) -> range | None:
         """Positions whose queries vote for ``seq``; None where it is not to be compressed."""
         prompt, config = seq.num_prompt_tokens, self.config
-        if seq.kv_compressed or prompt + config.decode_queries < config.budget:
+        if seq.kv_compression.compressed or prompt + config.decode_queries < config.budget:
             return None
         return range(max(0, prompt - config.window), prompt + config.decode_queries)
 
@@ -96,10 +97,11 @@ class KVCompressor:
             lo, hi = max(start, voters.start), min(start + n, voters.stop)
             if lo >= hi:
                 continue
-            if seq.voting_queries is None or start == 0:
+            state = seq.kv_compression
+            if state.voting_queries is None or start == 0:
                 shape = (self.num_layers, len(voters), self.num_heads, self.head_dim)
-                seq.voting_queries = torch.empty(shape, device=self.device)
-                seq.voted = torch.zeros(len(voters), dtype=torch.bool)
+                state.voting_queries = torch.empty(shape, device=self.device)
+                state.voted = torch.zeros(len(voters), dtype=torch.bool)
             rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
             targets.append((seq, captured, lo - voters.start, hi - lo))
             captured += hi - lo
@@ -115,8 +117,9 @@ class KVCompressor:
         if capture is None:
             return
         for seq, row, voter, n in capture.targets:
-            seq.voting_queries[:, voter : voter + n] = capture.queries[:, row : row + n]
-            seq.voted[voter : voter + n] = True
+            state = seq.kv_compression
+            state.voting_queries[:, voter : voter + n] = capture.queries[:, row : row + n]
+            state.voted[voter : voter + n] = True
 
     def compress_due(self, seqs: list[Sequence], cache: KVCache) -> None:
         """Compress each sequence whose voters have all been computed (after a step's commit).
@@ -136,19 +139,19 @@ class KVCompressor:
     def compress(self, seq: Sequence, voters: range, cache: KVCache) -> bool:
         """Rewrite ``seq``'s entries in ``cache`` into ``budget`` entries per (layer, KV head);
         False, changing nothing, when the pool lacks the blocks to write them into."""
-        bs, budget = self.kv.block_size, self.config.budget
-        if seq.voting_queries is None or not seq.voted.any():
+        bs, budget, state = self.kv.block_size, self.config.budget, seq.kv_compression
+        if state.voting_queries is None or not state.voted.any():
             # Every voter came from the prefix cache (a readmitted sequence that had published
             # them): none was computed to vote, so the sequence stays whole.
-            seq.kv_compressed = True
+            state.compressed = True
             return False
         new_count = self.kv.blocks_needed(budget)
         if new_count > self.kv.pool.num_free_blocks:
             return False
         device = cache.keys.device
         # Voters served from the prefix cache were never computed here: only the others vote.
-        voted = seq.voted.to(device)
-        queries = seq.voting_queries[:, voted]
+        voted = state.voted.to(device)
+        queries = state.voting_queries[:, voted]
         context = seq.num_computed_tokens
         table = torch.tensor(seq.block_table, device=device)
         positions = torch.arange(context, device=device)
@@ -175,6 +178,6 @@ class KVCompressor:
             )
         self.kv.pool.free(reversed(seq.block_table))
         seq.block_table = new_blocks
-        seq.kv_offset, seq.kv_compressed = context - budget, True
-        seq.voting_queries = seq.voted = None
+        state.offset, state.compressed = context - budget, True
+        state.voting_queries = state.voted = None
         return True

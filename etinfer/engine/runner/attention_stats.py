@@ -31,7 +31,7 @@ class AttentionStats:
         for row, (seq, column) in enumerate(zip(self.seqs, self.columns, strict=True)):
             i = index[seq]
             if starts[i] >= seq.num_prompt_tokens and column < counts.get(i, 0):
-                seq.record_attention(
+                seq.pruning.record_attention(
                     sum(layer[row] for layer in self.kept),
                     sum(layer[row] for layer in self.total),
                     max(layer[row] for layer in self.dropped_mass),

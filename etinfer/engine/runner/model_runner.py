@@ -205,7 +205,7 @@ class ModelRunner:
             self.device,
             forced=[seq.next_forced for seq in seqs],
             allowed=allowed,
-            constrained=[seq.constraint is not None for seq in seqs],
+            constrained=[seq.matcher is not None for seq in seqs],
         )
         return self.sampler(logits, sampling)
 

@@ -253,13 +253,13 @@ class StepInputBuilder:
         """What sparse prefill needs of a prefilling sequence; None where it attends densely."""
         if self.prefill_selector is None:
             return None
-        seq.attention_profile = self.prefill_selector.begin(
-            seq.attention_profile, start, start + n, seq.num_tokens
+        seq.sparse_prefill = self.prefill_selector.begin(
+            seq.sparse_prefill, start, start + n, seq.num_tokens
         )
-        if seq.attention_profile is None:
+        if seq.sparse_prefill is None:
             return None
         return PrefillContext(
-            start, seq.num_tokens, to_device(table, self.device), seq.attention_profile
+            start, seq.num_tokens, to_device(table, self.device), seq.sparse_prefill
         )
 
     def _set_budgets(

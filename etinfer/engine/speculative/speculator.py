@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from etinfer.config import EngineConfig
-from etinfer.control.drafting import SpeculativeConfig, next_draft_length
+from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.record import TARGET_MODEL, StepShape
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.runner.model_runner import ModelRunner
@@ -79,8 +79,6 @@ class Speculator:
             batch.sampled, emitted.accepted, emitted.counts, strict=True
         ):
             seq, drafted = batch.seqs[index], len(batch.drafts[index])
-            seq.num_draft_tokens += drafted
-            seq.num_accepted_tokens += accepted
+            seq.speculation.record(self.config, drafted, accepted)
             # Who wrote each token: the drafter's accepted ones come first, then the model's.
             seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)
-            seq.draft_length = next_draft_length(self.config, seq.draft_length, drafted, accepted)

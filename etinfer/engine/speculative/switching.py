@@ -3,7 +3,8 @@ state names the small model decode through it (the first N layers and the fitted
 other rows through the full model; after the step the law (``control/switching.py``) moves each
 sequence's state.
 
-The small model writes keys and values for its N layers only. A sequence's ``exit_start`` marks
+The small model writes keys and values for its N layers only. A sequence's ``exit_start`` (in
+its ``SwitchingState``) marks
 where its small-model stretch began: the layers above N hold nothing past it, so the prefix cache
 never publishes a block from there on, and when the large model takes over the sequence's
 computed tokens fall back to ``exit_start``: the scheduler then gives it one prefill chunk over
@@ -47,7 +48,7 @@ class ModelSwitcher:
         small = {
             i
             for i in batch.sampled
-            if i < batch.num_decode and batch.seqs[i].switch.model == EXIT_MODEL
+            if i < batch.num_decode and batch.seqs[i].switching.current.model == EXIT_MODEL
         }
         if not small:
             return runner.execute(batch, decisions), small
@@ -74,24 +75,26 @@ class ModelSwitcher:
         """After the step's tokens are appended and committed: note which model wrote each, move
         each sampled sequence's switching state, and start or end small-model stretches."""
         for i, seq in enumerate(batch.seqs):
-            if seq.switch.model != EXIT_MODEL:
+            switching = seq.switching
+            if switching.current.model != EXIT_MODEL:
                 continue
             if i not in small:
                 # A full-model chunk (a recompute after preemption) filled every layer.
-                seq.exit_start = seq.num_computed_tokens
+                switching.exit_start = seq.num_computed_tokens
             elif seq.num_preemptions and seq.steps_since_admitted == 1:
                 # Readmitted straight to its last token: what came before is from the prefix
                 # cache, whole; a catch-up must not rewrite those shared blocks.
-                seq.exit_start = max(seq.exit_start or 0, starts[i])
+                switching.exit_start = max(switching.exit_start or 0, starts[i])
         for i in batch.sampled:
             seq = batch.seqs[i]
+            switching = seq.switching
             seq.token_models.append(EXIT_MODEL if i in small else TARGET_MODEL)
             if seq.finish_reason is not None:
                 continue
-            state = next_switch_state(self.config, seq.switch, seq.profile.estimates)
-            if seq.switch.model == EXIT_MODEL and state.model == TARGET_MODEL:
-                seq.num_computed_tokens = seq.exit_start  # catch up from there
-                seq.exit_start = None
-            elif seq.switch.model == TARGET_MODEL and state.model == EXIT_MODEL:
-                seq.exit_start = seq.num_computed_tokens
-            seq.switch = state
+            state = next_switch_state(self.config, switching.current, seq.profile.estimates)
+            if switching.current.model == EXIT_MODEL and state.model == TARGET_MODEL:
+                seq.num_computed_tokens = switching.exit_start  # catch up from there
+                switching.exit_start = None
+            elif switching.current.model == TARGET_MODEL and state.model == EXIT_MODEL:
+                switching.exit_start = seq.num_computed_tokens
+            switching.current = state
