@@ -12,6 +12,7 @@ from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES
 from etinfer.control.shaping import STEP_SHAPERS
 from etinfer.control.stress import StressConfig
+from etinfer.model.attention.registry import ATTENTION_BACKENDS
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.structured.params import BACKENDS
 from etinfer.validation import check_choice, check_float, check_int
@@ -28,6 +29,7 @@ CUDA_AUTO_DTYPE = "bfloat16"
 # Where set, what ``device="auto"`` means (the test suite sets it to pick its device).
 DEVICE_ENV = "ETINFER_DEVICE"
 KV_CACHE_DTYPES = DTYPES | {"int8": torch.int8}
+ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS.names)
 
 
 @dataclass
@@ -86,6 +88,14 @@ class EngineConfig:
             "help": "of the KV cache: auto (float16 on CPU, bfloat16 on CUDA), float16, "
             "bfloat16, int8 (a scale per token and KV head), float32 (exact against "
             "transformers); attention computes in float32 whatever it stores"
+        },
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "attention's kernels, by name: auto (triton on CUDA, else native where the "
+            "C kernel takes the model, else torch), native (the C decode kernel, CPU), torch "
+            "(torch operations, any device), triton (the GPU's kernels)"
         },
     )
     max_num_seqs: int = field(default=64, metadata={"help": "sequences one step may run"})
@@ -174,6 +184,7 @@ class EngineConfig:
             check_int("num_kvcache_blocks", self.num_kvcache_blocks, low=1)
         check_float("kv_cache_gib", self.kv_cache_gib, low=0.0, low_open=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
         check_int("max_num_seqs", self.max_num_seqs, low=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 
 from etinfer import LLM, SamplingParams
 from etinfer.config import DEVICE_ENV
+from etinfer.model.attention.pattern import DecodePattern
 from etinfer.model.catalog import default_model_path
-from etinfer.model.decode_pattern import DecodePattern
 from etinfer.model.loader import LoadedModel, load_model
 
 # The device every engine of the suite runs on (``device="auto"`` reads it): the CPU unless the

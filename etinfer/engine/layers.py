@@ -27,6 +27,7 @@ from etinfer.control.switching import SwitchingState, SwitchState
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.kv_compression.compressor import KVCompressor
 from etinfer.engine.runner.model_runner import ModelRunner
+from etinfer.engine.runner.options import RunnerOptions
 from etinfer.engine.sequence import Sequence
 from etinfer.engine.speculative.speculator import Speculator
 from etinfer.engine.speculative.switching import ModelSwitcher
@@ -78,24 +79,15 @@ class EngineLayers:
         compressor = None
         if control.kv_compression_config is not None:
             compressor = KVCompressor(control.kv_compression_config, loaded.config, kv, device)
-        runner = ModelRunner(
-            loaded,
-            selector,
+        options = RunnerOptions.of(
+            config,
+            loaded.config,
             max_model_len=max_model_len,
             num_blocks=kv.pool.num_blocks,
-            block_size=config.block_size,
-            device=device,
-            dtype=config.torch_dtype(),
-            kv_cache_dtype=config.torch_kv_cache_dtype(),
-            seed=config.seed,
-            quantization=config.quantization,
             calibration_temperature=1.0 if calibration is None else calibration.temperature,
-            sparse_prefill=control.sparse_prefill_config,
-            stress=config.stress,
-            batch_invariant=config.batch_invariant,
-            query_capturer=compressor,
-            cuda_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
+        )
+        runner = ModelRunner(
+            model=loaded, options=options, selector=selector, query_capturer=compressor
         )
         # Both fit their small model (an early exit's adapter) now, at load.
         switcher = None

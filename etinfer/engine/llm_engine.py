@@ -39,7 +39,7 @@ from etinfer.engine.sampling.step_sampling import sample_verified
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
 from etinfer.engine.step_faults import StepProgress, fault_message, requests_left_unknown
-from etinfer.model.decode_pattern import check_batch_invariant_fits
+from etinfer.model.attention.pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.outputs import RequestOutput
@@ -65,7 +65,12 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
         self.block_size = config.block_size
         if config.batch_invariant:
-            check_batch_invariant_fits(config, loaded.config.num_heads, self.max_model_len)
+            check_batch_invariant_fits(
+                config.max_num_batched_tokens,
+                config.block_size,
+                loaded.config.num_heads,
+                self.max_model_len,
+            )
         self.num_blocks = config.resolve_num_blocks(
             kv_bytes_per_token(loaded.config, config.torch_kv_cache_dtype())
         )

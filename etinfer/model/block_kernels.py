@@ -3,7 +3,7 @@ pattern of the blocks each decode row reads, the key-bound score of every block,
 each row's best blocks.
 
 Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
-the attention that pruning saves. Their torch forms (``decode_pattern.py``,
+the attention that pruning saves. Their torch forms (``attention/pattern.py``,
 ``control/block_selection.py``) remain for other devices and where the kernels are off; the
 tests hold each pair to the same answers. Every function returns None where the native form
 does not apply, and its caller then takes the torch one.
@@ -39,7 +39,7 @@ def decode_pattern(
     block_mask: torch.Tensor | None,  # [rows, kv_heads, width] bool, or None for every block
     sliding_window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(visible, crow, cols, outside)`` as ``decode_pattern.visible_blocks`` and
+    """``(visible, crow, cols, outside)`` as ``attention/pattern.py``'s ``visible_blocks`` and
     ``build_decode_pattern`` compute them, bit for bit."""
     native = _native(tables, context_lens)
     if native is None:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from etinfer.model import native_kernels, quant_kernels
+from etinfer.model.attention.layer import PagedAttention
+from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
 from etinfer.model.gpu.weight_only import WeightOnlyLinear
@@ -23,7 +25,6 @@ from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
 from etinfer.model.norm import RMSNorm
-from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.quantized import (
     BLOCK_MODES,
     Format,

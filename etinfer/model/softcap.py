@@ -3,7 +3,7 @@
 Scaled-dot-product attention takes no soft cap, so attention over a capped model's prefill runs
 as its plain formula here (as transformers' eager attention does): scores, cap, mask, softmax,
 values. Decode reads its rows through a pattern, where the cap is one more operation on the
-pattern's scores (``decode_pattern.pattern_attention``).
+pattern's scores (``attention/torch_backend.py``'s ``pattern_attention``).
 """
 
 from __future__ import annotations

@@ -93,8 +93,9 @@ def timing_rows(llm: LLM, texts: dict[int, list[int]], steps: int, repeats: int)
         for _ in range(repeats):
             attend, estimate, compress = [0.0], [0.0], [0.0]
             with contextlib.ExitStack() as stack:
-                stack.enter_context(timed(attention, "_prefill", attend))
-                stack.enter_context(timed(attention, "_sparse_prefill", attend))
+                # The prefill of the backend as the layer calls it: sparse prefill's pieces
+                # and estimate where it is on, the dense chunks otherwise.
+                stack.enter_context(timed(attention.selecting, "prefill", attend))
                 if attention.prefill_selector is not None:
                     selector = attention.prefill_selector
                     stack.enter_context(timed(selector, "select_prefill", estimate))

@@ -18,12 +18,13 @@ from etinfer.control.block_selection import (
     plan_budget,
     value_weighted,
 )
+from etinfer.model.attention.metadata import AttentionMetadata
+from etinfer.model.attention.pattern import build_decode_pattern, visible_blocks
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
-from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
 from etinfer.model.pruning_telemetry import PruningTelemetry
 from tests.conftest import rows_read
+from tests.model.test_paged_attention import paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 GROUP = HEADS // KV_HEADS
@@ -266,7 +267,7 @@ def test_dropped_mass_bound_holds_and_certifies():
     lengths = [64, 40]
     cache, tables, blocks, query, last, keys, values, dense = decode_inputs(lengths, [5, 3], 7)
     config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, EntropicSelector(config))
+    attention = paged_attention(EntropicSelector(config))
     visible = visible_blocks(blocks, KV_HEADS)
     telemetry = PruningTelemetry.empty(1, blocks, visible, DIM**-0.5)
     meta = AttentionMetadata(last, 2, blocks, dense, [], None, telemetry)
@@ -290,7 +291,7 @@ def test_keeping_every_block_equals_dense_exactly():
     everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
     outs = []
     for selector in (EntropicSelector(everything), None):
-        attention = PagedAttention(HEADS, KV_HEADS, DIM, selector or DenseSelector())
+        attention = paged_attention(selector or DenseSelector())
         outs.append(
             attention(0, query, keys, values, cache, AttentionMetadata(last, 2, blocks, dense, []))
         )

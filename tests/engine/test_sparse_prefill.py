@@ -21,11 +21,12 @@ from etinfer.control.sparse_prefill import (
     SparsePrefillSelector,
     segment_budgets,
 )
-from etinfer.model import gpu
+from etinfer.model.attention.metadata import PrefillChunk
+from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.registry import create_backend
+from etinfer.model.attention.sparse_prefill import SparsePrefill
 from etinfer.model.block_layout import PrefillPiece
 from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT
-from etinfer.model.paged_attention import PagedAttention
-from etinfer.model.prefill_attention import PrefillChunk
 from tests.model.test_paged_attention import (
     BLOCK,
     CACHE_DTYPES,
@@ -153,19 +154,16 @@ def reference(q, keys, values, query_pos, visible):
     return out
 
 
-@pytest.mark.parametrize("on_gpu_kernel", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
-def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
-    dtype, on_gpu_kernel, monkeypatch
-):
+def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(dtype, backend):
     """On the torch path, and through the GPU's prefill kernel (compiled on a GPU, in Triton's
     interpreter without one), which reads the listed positions where the cache holds them: over
     a 16-bit cache on tensor cores, its queries and weights rounded to the cache's type."""
     device = "cpu"
     tolerance = 1e-5
-    if on_gpu_kernel:
+    if backend == "triton":
         pytest.importorskip("triton")
-        monkeypatch.setattr(gpu, "serves", lambda device: True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype in SIXTEEN_BIT:
             if dtype == torch.bfloat16 and device == "cpu":
@@ -176,13 +174,16 @@ def test_sparse_prefill_attention_reads_the_kept_blocks_and_the_local_window(
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
     keys, values = (c.transpose(0, 1).cpu() for c in cache.read(0, slots.to(device)))
     q = torch.randn(length - start, HEADS, DIM)
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, selector=None)
+    options = AttentionOptions(
+        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, backend=backend
+    )
+    attention = SparsePrefill(create_backend(options, torch.device(device)), selector=None)
     chunk = PrefillChunk(0, length - start, slots.to(device), None)
     # Two pieces: the first reads blocks {0, 3} (head 0) and {1} (head 1), then positions 24..;
     # the second attends densely.
     kept = [torch.tensor([0, 3], device=device), torch.tensor([1], device=device)]
     pieces = [PrefillPiece(slice(0, 8), 32, kept, 24), PrefillPiece(slice(8, 16), 40)]
-    out = attention._sparse_prefill(0, q.to(device), cache, chunk, pieces).cpu()
+    out = attention.pieces(0, q.to(device), cache, chunk, pieces, None).cpu()
     kept = [k.cpu() for k in kept]
 
     query_pos, key_pos = torch.arange(start, length), torch.arange(length)

@@ -177,7 +177,7 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(
     prefill kernel's tensor-core dots, whose rounding of queries and weights the tolerance
     allows for."""
     from etinfer import LLM, SamplingParams
-    from etinfer.model import gpu, prefill_attention
+    from etinfer.model.attention import triton_backend
     from etinfer.model.gpu import paged_decode
 
     prompt = [(17 * i + 5) % 1000 for i in range(80)]
@@ -193,12 +193,12 @@ def test_an_engine_on_the_gpu_kernels_gives_the_torch_paths_tokens(
 
         return call
 
-    monkeypatch.setattr(gpu, "serves", lambda device: True)
     monkeypatch.setattr(
-        prefill_attention, "paged_prefill", counted("prefill", prefill_attention.paged_prefill)
+        triton_backend, "paged_prefill", counted("prefill", triton_backend.paged_prefill)
     )
     monkeypatch.setattr(paged_decode, "paged_decode", counted("decode", paged_decode.paged_decode))
-    kernels = LLM(tiny_model, cuda_graphs=False, **settings).generate([prompt], params)[0]
+    kernels = LLM(tiny_model, cuda_graphs=False, attention_backend="triton", **settings)
+    kernels = kernels.generate([prompt], params)[0]
     # Two layers: the five decode steps; the two chunks after the first, where the cache is
     # 16-bit (80 tokens in chunks of 32).
     assert calls == {"prefill": prefill_calls, "decode": 2 * 5}

@@ -7,8 +7,8 @@ import torch
 
 from etinfer.control.block_selection import best_of, key_bound_scores, signed_parts
 from etinfer.model import block_kernels, native_kernels
+from etinfer.model.attention.pattern import build_decode_pattern, decode_pattern, visible_blocks
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
-from etinfer.model.decode_pattern import build_decode_pattern, decode_pattern, visible_blocks
 
 pytestmark = pytest.mark.skipif(
     native_kernels.compiler() is None or not native_kernels.enabled(), reason="no C compiler"

@@ -122,16 +122,16 @@ def test_soft_caps_and_windows_hold_on_the_gpu_kernels(
     cap and Gemma 3's windows: transformers' tokens and logprobs, prefilled in chunks after a
     prefix and decoded through the kernels (an H200 run found the capped torch path wrong)."""
     pytest.importorskip("triton")
-    from etinfer.model import gpu, prefill_attention
+    from etinfer.model.attention import triton_backend
 
     reference = write_tiny_model(tmp_path, family)
-    monkeypatch.setattr(gpu, "serves", lambda device: True)
     calls = []
-    kernel = prefill_attention.paged_prefill
+    kernel = triton_backend.paged_prefill
     monkeypatch.setattr(
-        prefill_attention, "paged_prefill", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        triton_backend, "paged_prefill", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     settings = {"dtype": "float32", "kv_cache_dtype": cache, "cuda_graphs": False}
+    settings["attention_backend"] = "triton"
     llm = LLM(str(tmp_path), max_num_batched_tokens=8, **settings)
     assert_matches_transformers(llm, reference, tolerance)
     assert bool(calls) == (cache == "float16")  # the chunks after the first took the kernel

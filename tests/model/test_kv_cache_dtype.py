@@ -10,7 +10,8 @@ from etinfer.bench.speed.kv_cache import fidelity_texts
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
-from tests.conftest import ON_CUDA, PROMPTS
+from etinfer.model import native_kernels
+from tests.conftest import ON_CUDA, PROMPTS, cpu_only
 
 # Teacher-forced against a float32 cache on float weights, 256 tokens of context then 32 forced
 # (BENCHMARKS.md, "A 16-bit KV cache", has the figures at 2K): the largest mean KL each may have.
@@ -49,24 +50,24 @@ def test_the_default_cache_is_16_bit_and_holds_twice_the_blocks(make_llm):
         assert llm.engine.num_blocks == pool // (rows * row_bytes)
 
 
+@cpu_only
+@pytest.mark.skipif(not native_kernels.available(), reason="no native kernels")
 @pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int8"])
 def test_the_torch_path_reads_the_cache_as_the_native_kernel_does(make_llm, name):
-    """Decode over each cache type in torch operations (off the CPU, without a compiler): the
-    first decode step, over what prefill stored, gives the native kernel's logprobs within
-    float32 rounding. Later steps read keys written after a step of each path; a last-bit
-    difference can move a 16- or 8-bit rounding of those, so only the tokens are compared.
-    int8: the prompt's last, partly filled block is prefilled again by each path (the prefix
-    cache keeps full blocks), and a last-bit difference there moves a code by one step of 1/127
-    of its block's range: 1.0e-3 held to AVX2; a misread scale or offset moves it by far more."""
-    llm = make_llm(quantization="none", kv_cache_dtype=name, max_num_seqs=4)
+    """Decode over each cache type in torch operations (off the CPU, without a compiler), in an
+    engine that picks the torch backend by name: the first decode step, over what prefill
+    stored (SDPA's in both engines), gives the native kernel's logprobs within float32
+    rounding. Later steps read keys written after a step of each path; a last-bit difference
+    can move a 16- or 8-bit rounding of those, so only the tokens are compared. int8: a
+    last-bit difference moves a code by one step of 1/127 of its block's range (1.0e-3 held to
+    AVX2); a misread scale or offset moves it by far more."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    native = llm.generate(PROMPTS[:3], params)
-    attention = llm.engine.runner.attention
-    attention.native, was = False, attention.native
-    try:
-        torch_path = llm.generate(PROMPTS[:3], params)
-    finally:
-        attention.native = was
+    native, torch_path = (
+        make_llm(
+            quantization="none", kv_cache_dtype=name, max_num_seqs=4, attention_backend=backend
+        ).generate(PROMPTS[:3], params)
+        for backend in ("native", "torch")
+    )
     for a, b in zip(native, torch_path, strict=True):
         assert a.token_ids == b.token_ids
         token = a.token_ids[1]  # the first decode step's

@@ -4,17 +4,14 @@ properties the engine rests on: each row computed independently of the others, b
 import pytest
 import torch
 
-from etinfer.control.block_selection import DenseSelector
-from etinfer.model import decode_pattern, native_kernels
+from etinfer.model import native_kernels
+from etinfer.model.attention import torch_backend
+from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pattern import build_decode_pattern, visible_blocks
+from etinfer.model.attention.registry import auto_backend
+from etinfer.model.attention.torch_backend import gathered_scores, pattern_attention
 from etinfer.model.block_layout import DecodeBlocks
-from etinfer.model.decode_pattern import (
-    build_decode_pattern,
-    gathered_scores,
-    pattern_attention,
-    visible_blocks,
-)
 from etinfer.model.kv_cache import quantize_rows
-from etinfer.model.paged_attention import PagedAttention
 from tests.builds import BUILDS, built_for
 
 pytestmark = pytest.mark.skipif(
@@ -69,7 +66,7 @@ def native(q, keys, values, pattern, *scales):
 def test_gathered_scores_equal_sampled_addmms_over_unsorted_tables(monkeypatch, piece_bytes):
     """The scores the torch form computes off the CPU (gathered rows, in one piece or in many)
     against the CPU's ``sampled_addmm``, on block tables in the pool's random order."""
-    monkeypatch.setattr(decode_pattern, "_GATHERED_BYTES", piece_bytes)
+    monkeypatch.setattr(torch_backend, "_GATHERED_BYTES", piece_bytes)
     q, keys, _, pattern, blocks = case([37, 5, 200, 16], 64, None, 0.5)
     assert (blocks.block_tables.diff(dim=1) < 0).any()  # the columns are not sorted
     structure = torch.sparse_csr_tensor(
@@ -219,7 +216,8 @@ def test_switched_off_by_the_environment(monkeypatch):
     native_kernels.library.cache_clear()
     try:
         assert not native_kernels.available()
-        assert not PagedAttention(HEADS, KV_HEADS, 64, DenseSelector()).native
+        options = AttentionOptions(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=64)
+        assert auto_backend(options, torch.device("cpu")) == "torch"
     finally:
         monkeypatch.delenv("ETINFER_NATIVE")
         native_kernels.library.cache_clear()

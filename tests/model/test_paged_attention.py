@@ -4,14 +4,26 @@ import pytest
 import torch
 
 from etinfer.control.block_selection import BlockSelector, DenseSelector
-from etinfer.model.block_layout import DecodeBlocks, Selection
-from etinfer.model.decode_pattern import build_decode_pattern, visible_blocks
+from etinfer.model import native_kernels
+from etinfer.model.attention.layer import PagedAttention
+from etinfer.model.attention.metadata import AttentionMetadata, PrefillChunk, prefill_mask
+from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pattern import build_decode_pattern, visible_blocks
+from etinfer.model.block_layout import AttentionSelector, DecodeBlocks, Selection
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.paged_attention import AttentionMetadata, PagedAttention
-from etinfer.model.prefill_attention import PrefillChunk, prefill_mask
 from tests.conftest import rows_read
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+
+
+def paged_attention(
+    selector: AttentionSelector, window: int | None = None, backend: str = "auto"
+) -> PagedAttention:
+    """The layer over this file's heads on the CPU, reading through ``backend``."""
+    options = AttentionOptions(
+        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, backend=backend, sliding_window=window
+    )
+    return PagedAttention(options=options, device=torch.device("cpu"), selector=selector)
 
 
 def reference(q, keys, values, window=None):
@@ -76,23 +88,17 @@ def decode(attention, cache, tables, lengths, q, window=None):
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_matches_dense_reference_for_mixed_lengths(window, native, dtype):
+def test_decode_matches_dense_reference_for_mixed_lengths(window, backend, dtype):
     """Over the values as the cache holds them, in the native kernel and in torch."""
+    if backend == "native" and not native_kernels.available():
+        pytest.skip("no native kernels")
     lengths = [1, 7, 16, 33]
     cache, tables = scattered_cache(lengths, dtype=dtype)
     q = torch.randn(len(lengths), HEADS, DIM)
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window)
-    attention.native &= native
-    out = decode(
-        attention,
-        cache,
-        tables,
-        lengths,
-        q,
-        window,
-    )
+    attention = paged_attention(DenseSelector(), window, backend)
+    out = decode(attention, cache, tables, lengths, q, window)
     for i, n in enumerate(lengths):
         keys, values = context_of(cache, tables[i], n)
         expected = reference(q[i : i + 1], keys, values, window)
@@ -120,8 +126,8 @@ def test_selector_keeping_every_block_equals_dense_exactly():
     lengths = [9, 30]
     cache, tables = scattered_cache(lengths)
     q = torch.randn(2, HEADS, DIM)
-    dense = decode(PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector()), cache, tables, lengths, q)
-    kept = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepAll()), cache, tables, lengths, q)
+    dense = decode(paged_attention(DenseSelector()), cache, tables, lengths, q)
+    kept = decode(paged_attention(KeepAll()), cache, tables, lengths, q)
     assert torch.equal(dense, kept)
 
 
@@ -134,7 +140,7 @@ def test_an_empty_selection_still_attends_to_the_current_block():
     lengths = [10]  # positions 8 and 9 are in the third block
     cache, tables = scattered_cache(lengths)
     q = torch.randn(1, HEADS, DIM)
-    out = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepNothing()), cache, tables, lengths, q)
+    out = decode(paged_attention(KeepNothing()), cache, tables, lengths, q)
     keys, values = context_of(cache, tables[0], 10)
     group = HEADS // KV_HEADS
     k, v = keys[8:].repeat_interleave(group, 1), values[8:].repeat_interleave(group, 1)
@@ -147,7 +153,7 @@ def test_selector_mask_restricts_what_is_read():
     lengths = [12]
     cache, tables = scattered_cache(lengths)
     q = torch.randn(1, HEADS, DIM)
-    out = decode(PagedAttention(HEADS, KV_HEADS, DIM, KeepFirstBlock()), cache, tables, lengths, q)
+    out = decode(paged_attention(KeepFirstBlock()), cache, tables, lengths, q)
     keys, values = context_of(cache, tables[0], 12)
     # The first block and the current token's block (always kept) are attended to, nothing else.
     kept = torch.cat([torch.arange(0, 4), torch.arange(8, 12)])
@@ -192,7 +198,6 @@ def test_prefill_chunk_after_a_cached_prefix(start, length, window, dtype):
         prefill_mask(start, length, window, torch.device("cpu")),
     )
     meta = AttentionMetadata(slots[start:], 0, None, None, [chunk])
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, DenseSelector(), window)
-    out = attention(0, q, keys[start:], values[start:], cache, meta)
+    out = paged_attention(DenseSelector(), window)(0, q, keys[start:], values[start:], cache, meta)
     keys, values = context_of(cache, table, context)  # as the chunk's write left them
     torch.testing.assert_close(out, reference(q, keys, values, window), rtol=1e-5, atol=1e-5)

@@ -23,9 +23,10 @@ import torch
 from etinfer.bench.common.timing import median_ms
 from etinfer.config import KV_CACHE_DTYPES, EngineConfig
 from etinfer.model import gpu
+from etinfer.model.attention.metadata import prefill_mask
+from etinfer.model.attention.sdpa import grouped_attention
 from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT, PrefillTiles, paged_prefill
 from etinfer.model.kv_cache import KVCache
-from etinfer.model.prefill_attention import grouped_attention, prefill_mask
 from etinfer.options import positive_int
 
 

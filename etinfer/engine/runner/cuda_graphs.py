@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from etinfer.engine.sequence import Sequence
+from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
-from etinfer.model.paged_attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -7,23 +7,21 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.control.record import StepDecisions
-from etinfer.control.sparse_prefill import SparsePrefillConfig, SparsePrefillSelector
-from etinfer.control.stress import StressConfig
+from etinfer.control.sparse_prefill import SparsePrefillSelector
 from etinfer.engine.runner.attention_stats import AttentionStats
 from etinfer.engine.runner.cuda_graphs import DecodeGraphs
+from etinfer.engine.runner.options import RunnerOptions
 from etinfer.engine.runner.step_inputs import QueryCapturer, StepInputBuilder
 from etinfer.engine.sampling.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.block_layout import AttentionSelector
 from etinfer.model.families import family_of
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
-from etinfer.model.paged_attention import (
-    PagedAttention,
-)
 
 
 @dataclass
@@ -37,32 +35,16 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: LoadedModel,
-        selector: AttentionSelector,
         *,
-        max_model_len: int,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        seed: int,
-        kv_cache_dtype: torch.dtype = torch.float32,
-        quantization: str = "auto",
-        calibration_temperature: float = 1.0,
-        stress: StressConfig | None = None,
-        sparse_prefill: SparsePrefillConfig | None = None,
-        batch_invariant: bool = False,
+        model: LoadedModel,
+        options: RunnerOptions,
+        selector: AttentionSelector,
         query_capturer: QueryCapturer | None = None,
-        cuda_graphs: bool = False,
-        max_num_seqs: int = 256,
     ) -> None:
         """The cache keeps per-block summaries if ``selector`` scores blocks (then any other
-        selector can be installed later, ``set_selector``) or ``sparse_prefill`` is on.
-        ``batch_invariant``: prefill rows attend as decode rows (see EngineConfig).
-        ``query_capturer``: the layer that keeps some rows' queries, if one is on.
-        ``cuda_graphs``: replay plain decode steps of up to ``max_num_seqs`` rows as CUDA
-        graphs, where the device is CUDA and no layer changes a decode step's shape."""
-        config = model.config
+        selector can be installed later, ``set_selector``) or sparse prefill is on.
+        ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
+        config, sparse_prefill = model.config, options.sparse_prefill
         if config.attention_softcap is not None and (
             selector.needs_summaries or sparse_prefill is not None or query_capturer is not None
         ):
@@ -82,55 +64,56 @@ class ModelRunner:
                 num_heads=config.num_heads,
                 num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
-                block_size=block_size,
-                max_model_len=max_model_len,
+                block_size=options.block_size,
+                max_model_len=options.max_model_len,
                 scale=config.scale,
             )
-        self.config = config
-        self.max_model_len = max_model_len
-        self.device = device
-        self.block_size = block_size
+        self.config, self.options = config, options
+        self.max_model_len = options.max_model_len
+        self.device = device = options.device
+        self.block_size = block_size = options.block_size
         self.attention = PagedAttention(
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            selector,
-            config.uniform_window,
-            prefill_selector,
-            config.scale,
-            # Where layers differ in their window (Gemma 3), the sliding ones read each step's
-            # ``local`` view of the metadata (``StepInputBuilder``).
-            config.local_layers,
-            config.sliding_window,
-            batch_invariant,
-            config.attention_softcap,
+            options=options.attention,
+            device=device,
+            selector=selector,
+            prefill_selector=prefill_selector,
         )
         self.model = LlamaModel(
-            model, family_of(config), self.attention, max_model_len, device, dtype, quantization
+            model,
+            family_of(config),
+            self.attention,
+            options.max_model_len,
+            device,
+            options.dtype,
+            options.quantization,
         )
         summaries = selector.needs_summaries or prefill_selector is not None
         # Graphs replay a decode step's fixed launches: none where a layer changes a step's shape
         # or reads whole blocks (block summaries, captured queries, batch-invariant rows).
-        graphs = cuda_graphs and self.attention.kernel_serves(device) and not summaries
-        graphs = graphs and query_capturer is None and not batch_invariant
+        backend, batch_invariant = self.attention.backend, options.attention.batch_invariant
+        graphs = options.cuda_graphs and device.type == "cuda" and backend.reads_block_tables
+        graphs = graphs and not summaries and query_capturer is None and not batch_invariant
         self.cache = KVCache(
             config.num_layers,
-            num_blocks + (1 if graphs else 0),  # a block of the graphs' padding rows' own
+            options.num_blocks + (1 if graphs else 0),  # a block of the graphs' padding rows' own
             block_size,
             config.num_kv_heads,
             config.head_dim,
             device,
-            kv_cache_dtype,
+            options.kv_cache_dtype,
             summaries=summaries,
         )
         self.graphs = None
         if graphs:
-            max_blocks, scratch_slot = -(-max_model_len // block_size), num_blocks * block_size
+            max_blocks = -(-options.max_model_len // block_size)
+            scratch_slot = options.num_blocks * block_size
             self.graphs = DecodeGraphs(
-                self.model, self.cache, max_num_seqs, max_blocks, scratch_slot
+                self.model, self.cache, options.max_num_seqs, max_blocks, scratch_slot
             )
         self.sampler = Sampler(
-            torch.Generator(device).manual_seed(seed), calibration_temperature, stress
+            torch.Generator(device).manual_seed(options.seed),
+            options.calibration_temperature,
+            options.stress,
         )
         self.query_capturer = query_capturer
         self.inputs = StepInputBuilder(
@@ -138,11 +121,11 @@ class ModelRunner:
             device=device,
             block_size=block_size,
             num_slots=self.cache.num_slots,
-            scale=self.attention.scale,
+            scale=options.attention.scale,
             prefill_selector=prefill_selector,
             batch_invariant=batch_invariant,
             query_capturer=query_capturer,
-            kernel_reads_tables=self.attention.kernel_serves(device),
+            backend=backend,
         )
 
     def set_selector(self, selector: AttentionSelector) -> None:
@@ -153,7 +136,7 @@ class ModelRunner:
                 "this selector scores blocks by their summaries, which the cache does not keep: "
                 "build the engine with pruning on (control=ControlConfig(pruning=...))"
             )
-        self.attention.selector = selector
+        self.attention.set_selector(selector)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, decisions: StepDecisions) -> StepResult:

@@ -15,11 +15,11 @@ from etinfer.control.sparse_prefill import SparsePrefillSelector
 from etinfer.engine.runner.device_copy import to_device
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
+from etinfer.model.attention.backend import AttentionBackend
+from etinfer.model.attention.metadata import AttentionMetadata, PrefillChunk, prefill_mask
+from etinfer.model.attention.pattern import DecodePattern, visible_blocks
 from etinfer.model.block_layout import DecodeBlocks, PrefillContext
 from etinfer.model.config import ModelConfig
-from etinfer.model.decode_pattern import DecodePattern, decode_pattern, visible_blocks
-from etinfer.model.paged_attention import AttentionMetadata
-from etinfer.model.prefill_attention import PrefillChunk, prefill_mask
 from etinfer.model.pruning_telemetry import PruningTelemetry
 
 
@@ -64,12 +64,11 @@ class StepInputBuilder:
         prefill_selector: SparsePrefillSelector | None,
         batch_invariant: bool,
         query_capturer: QueryCapturer | None,
-        kernel_reads_tables: bool = False,
+        backend: AttentionBackend,
     ) -> None:
         """``batch_invariant``: prefill rows attend as decode rows (see EngineConfig);
         ``query_capturer``: the layer that keeps some rows' queries, if one is on;
-        ``kernel_reads_tables``: decode attention runs on the GPU kernel, which needs no
-        pattern."""
+        ``backend``: the attention backend, which says what its decode rows need built."""
         self.config, self.device = config, device
         self.block_size, self.num_slots, self.scale = block_size, num_slots, scale
         self.prefill_selector = prefill_selector
@@ -80,7 +79,7 @@ class StepInputBuilder:
         self.sliding_window = config.uniform_window
         self.local_window = config.sliding_window if config.mixed_windows else None
         self.local_layers = sorted(config.local_layers)
-        self.kernel_reads_tables = kernel_reads_tables
+        self.backend = backend
 
     def sequence(
         self, token_ids: list[int], blocks: list[int]
@@ -107,7 +106,7 @@ class StepInputBuilder:
     ) -> tuple[DecodeBlocks, torch.Tensor | None, DecodePattern | None]:
         """Rows that attend as decode rows: each to its ``context_lens`` first cache entries
         through its row of ``tables``. Their layout, visible blocks and dense pattern (None where
-        the GPU kernel reads the tables)."""
+        the backend reads the tables)."""
         blocks = DecodeBlocks(
             to_device(tables, self.device), to_device(context_lens, self.device), self.block_size
         )
@@ -117,18 +116,10 @@ class StepInputBuilder:
     def _dense_pattern(
         self, blocks: DecodeBlocks, window: int | None
     ) -> tuple[torch.Tensor | None, DecodePattern | None]:
-        """The blocks each decode row sees, and their CSR pattern; neither where the GPU kernel
-        reads the block tables itself (``_in_view`` works the blocks out where they are needed)."""
-        config = self.config
-        if self.kernel_reads_tables:
-            return None, None
-        return decode_pattern(
-            blocks,
-            config.num_kv_heads,
-            config.queries_per_kv,
-            self.num_slots,
-            sliding_window=window,
-        )
+        """The blocks each decode row sees, and their CSR pattern, as the backend's decode reads
+        them; neither where it reads the block tables itself (``_in_view`` works the blocks out
+        where they are needed)."""
+        return self.backend.decode_metadata(blocks, self.num_slots, window)
 
     def _in_view(
         self, blocks: DecodeBlocks, window: int | None, visible: torch.Tensor | None

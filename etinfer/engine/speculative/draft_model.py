@@ -21,6 +21,7 @@ from etinfer.control.block_selection import BLOCK_SELECTORS
 from etinfer.control.record import StepDecisions, StepShape
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.runner.model_runner import ModelRunner
+from etinfer.engine.runner.options import RunnerOptions
 from etinfer.engine.scheduler import ScheduledBatch
 from etinfer.engine.sequence import Sequence
 from etinfer.model.loader import load_model
@@ -56,18 +57,13 @@ class DraftModelProposer:
                 f"{loaded.config.max_position_embeddings}, under the engine's {max_model_len}"
             )
         self.kv = KVCacheManager(num_blocks, engine.block_size, enable_prefix_caching=False)
+        options = RunnerOptions.of(
+            engine, loaded.config, max_model_len=max_model_len, num_blocks=num_blocks
+        )
         self.runner = ModelRunner(
-            loaded,
-            BLOCK_SELECTORS.create("dense"),
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            block_size=engine.block_size,
-            device=engine.torch_device(),
-            dtype=engine.torch_dtype(),
-            kv_cache_dtype=engine.torch_kv_cache_dtype(),
-            seed=engine.seed,
-            quantization=engine.quantization,
-            batch_invariant=engine.batch_invariant,
+            model=loaded,
+            options=options.without_layers(),
+            selector=BLOCK_SELECTORS.create("dense"),
         )
         self.shadows: dict[Sequence, _Shadow] = {}
 

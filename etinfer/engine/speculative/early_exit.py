@@ -69,8 +69,9 @@ def fit_exit_adapter(
     runner: ModelRunner, pool: BlockPool, tokenizer: Tokenizer, layer: int
 ) -> ExitAdapter:
     window, attention = fit_window(runner, pool), runner.attention
-    key = (layer, window, runner.block_size, runner.cache.dtype, attention.batch_invariant)
-    if attention.batch_invariant:
+    batch_invariant = attention.options.batch_invariant
+    key = (layer, window, runner.block_size, runner.cache.dtype, batch_invariant)
+    if batch_invariant:
         # The fit's rows are then decode rows, which the pruning selector may narrow.
         key += (getattr(attention.selector, "config", None),)
     fitted = _FITTED.setdefault(runner.model.weights, {})

@@ -4,6 +4,7 @@ their launchers share: whether they serve a device, and the padding ``tl.dot`` n
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -11,6 +12,12 @@ import torch
 def available() -> bool:
     """Whether Triton is installed (the CUDA path needs it; the CPU never uses it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (``TRITON_INTERPRET=1``: the tests
+    without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def serves(device: torch.device) -> bool:

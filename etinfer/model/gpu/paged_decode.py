@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU: one Triton kernel that reads the block table itself
 (``paged_decode_kernel.py``), then a merge of its per-split partial results.
 
-This replaces, on CUDA, the torch form of ``paged_attention.py`` (a CSR pattern built each
+This replaces, on CUDA, the torch form of ``attention/torch_backend.py`` (a CSR pattern built each
 step with ``nonzero``/``repeat_interleave``, scores by ``sampled_addmm``): that form costs a few
 dozen kernel launches and host syncs a layer, and the GPU waits on the host. Here a layer's
 decode attention is one launch plus a few elementwise ones, with no host sync and shapes fixed

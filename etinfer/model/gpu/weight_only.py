@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 
 import torch
 
+from etinfer.model.gpu import interpreting
 from etinfer.model.quantized import Int4Weight, Int8Weight
 
 # A tile of 16 rows (the fewest ``tl.dot`` takes), 64 outputs, 32 inputs (one quantization
@@ -38,7 +38,7 @@ def _float32_dots_only() -> bool:
     """Whether the kernel runs in Triton's interpreter (the tests without a GPU), which gets
     bfloat16 dots wrong (numpy has no bfloat16): there the dots are float32, the rest of the
     program the same. Read once, at the first launch, as Triton reads it."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreting()
 
 
 class WeightOnlyLinear:

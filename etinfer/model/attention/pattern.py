@@ -1,26 +1,20 @@
 """Which cache rows each decode query reads, as a CSR pattern built at block granularity.
 
 The step's query rows (sequence, head) and the cache rows ``kv_head * num_slots + slot`` they
-attend to form the pattern the decode kernels run on (``paged_attention.py``). Attending to fewer
-blocks is only a smaller pattern, so a selector that keeps fewer blocks makes attention compute
-less, not just mask more.
+attend to form the pattern the C and torch decode forms run on (``native_backend.py``,
+``torch_backend.py``). Attending to fewer blocks is only a smaller pattern, so a selector that
+keeps fewer blocks makes attention compute less, not just mask more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from etinfer.model import block_kernels
 from etinfer.model.block_layout import DecodeBlocks
-from etinfer.model.softcap import softcap
-
-if TYPE_CHECKING:
-    from etinfer.config import EngineConfig
 
 
 @dataclass
@@ -166,10 +160,12 @@ def build_decode_pattern(
     return DecodePattern(crow, cols, flags)
 
 
-def check_batch_invariant_fits(config: EngineConfig, num_heads: int, max_model_len: int) -> None:
-    """At construction, for ``batch_invariant``: a step's prefill rows each read their whole
-    context through the decode pattern, whose offsets must stay in int32."""
-    max_rows, block_size = config.max_num_batched_tokens, config.block_size
+def check_batch_invariant_fits(
+    max_rows: int, block_size: int, num_heads: int, max_model_len: int
+) -> None:
+    """At construction, for ``batch_invariant``: a step's prefill rows (up to ``max_rows``, the
+    engine's max_num_batched_tokens) each read their whole context through the decode pattern,
+    whose offsets must stay in int32."""
     bound = max_rows * num_heads * (-(-max_model_len // block_size) + 1) * block_size
     if bound >= 2**31:
         raise ValueError(
@@ -191,83 +187,3 @@ def _check_int32_entries(bound: int, row_runs: torch.Tensor, block_size: int) ->
             f"a step's attention pattern would hold {entries:,} entries, over the 2**31 its "
             "int32 offsets take: lower max_num_batched_tokens"
         )
-
-
-def pattern_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    pattern: DecodePattern,
-    scale: float,
-    cap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of query rows ``q`` over ``pattern``'s cache rows of ``keys`` and ``values``
-    (float32), in torch operations: what the native kernel computes (off the CPU, or without a
-    C compiler), and with ``cap`` scores soft-capped (Gemma 2). The output, and per row the
-    largest score, the softmax denominator, and the entries' unnormalised weights."""
-    if q.device.type == "cpu":
-        structure = torch.sparse_csr_tensor(
-            pattern.crow,
-            pattern.cols,
-            pattern.zeros,
-            (q.shape[0], keys.shape[0]),
-            check_invariants=False,
-        )
-        scores = torch.sparse.sampled_addmm(structure, q, keys.t(), beta=0.0, alpha=scale)
-        scores = scores.values()
-    else:
-        scores = gathered_scores(q, keys, pattern, scale)
-    if cap is not None:
-        scores = softcap(scores, cap)
-    scores.index_fill_(0, pattern.masked, -torch.inf)
-    row_max = torch.segment_reduce(scores, "max", offsets=pattern.crow)
-    weights = scores.sub_(row_max[pattern.row_ids]).exp_()
-    denominators = torch.segment_reduce(weights, "sum", offsets=pattern.crow)
-    out = F.embedding_bag(
-        pattern.cols,
-        values,
-        pattern.crow,
-        mode="sum",
-        per_sample_weights=weights,
-        include_last_offset=True,
-    )
-    return out.div_(denominators[:, None]), row_max, denominators, weights
-
-
-# Bytes of the rows ``gathered_scores`` gathers at once (a query's and a key's per entry).
-_GATHERED_BYTES = 512 << 20
-
-
-def gathered_scores(
-    q: torch.Tensor, keys: torch.Tensor, pattern: DecodePattern, scale: float
-) -> torch.Tensor:
-    """The pattern's scores as dots of gathered rows, off the CPU. There ``sampled_addmm`` is
-    cuSPARSE's SDDMM, which may take a CSR tensor's column indices as sorted in each row, the
-    CSR invariant; ours follow the block table's order, the pool's. On an H200 that path gave
-    the Gemma 2 test wrong logprobs (this form replaces it, not yet re-run on a GPU). A decode
-    pattern's gathered rows cost little, and a long one is taken in pieces of bounded size."""
-    scores = torch.empty(pattern.nnz, dtype=q.dtype, device=q.device)
-    entries = max(1, _GATHERED_BYTES // (2 * q.shape[-1] * q.element_size()))
-    for start in range(0, pattern.nnz, entries):
-        piece = slice(start, start + entries)
-        rows, cols = pattern.row_ids[piece], pattern.cols[piece].long()
-        torch.linalg.vecdot(q[rows], keys[cols], out=scores[piece])
-    return scores.mul_(scale)
-
-
-def observe_mass(
-    mass: torch.Tensor,
-    pattern: DecodePattern,
-    weights: torch.Tensor,
-    denominators: torch.Tensor,
-    block_size: int,
-    group: int,
-) -> None:
-    """Record each attended block's attention mass in ``mass`` [kv_heads, blocks], averaged
-    over the ``group`` query heads that share its KV head (what the mass scorer ranks by, until
-    the block is read again)."""
-    probs = weights / denominators[pattern.row_ids] / group
-    ids = torch.div(pattern.cols, block_size, rounding_mode="floor").long()  # head * blocks + block
-    flat = mass.view(-1)
-    flat.index_fill_(0, ids, 0.0)
-    flat.index_add_(0, ids, probs)

@@ -1,0 +1,81 @@
+"""Attention over a paged KV cache (the layout is in ``kv_cache.py``), a layer at a time.
+
+A step's rows are decode rows first (one query token per sequence, or with ``batch_invariant``
+every row), then prefill chunks (several query tokens of one sequence). The layer writes the
+step's keys and values into the cache and hands both kinds of rows to the engine's backend
+(``backend.py``), chosen by name when the engine is built (``registry.py``). Where decode is
+pruned or prefill sparse, the backend is wrapped by the layer that narrows it
+(``pruned_decode.py``, ``sparse_prefill.py``); a dense engine runs it bare.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from etinfer.model.attention.backend import AttentionBackend
+from etinfer.model.attention.metadata import AttentionMetadata
+from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pruned_decode import PrunedDecode
+from etinfer.model.attention.registry import create_backend
+from etinfer.model.attention.sparse_prefill import SparsePrefill
+from etinfer.model.block_layout import AttentionSelector, PrefillSelector
+from etinfer.model.kv_cache import KVCache
+
+
+class PagedAttention:
+    def __init__(
+        self,
+        *,
+        options: AttentionOptions,
+        device: torch.device,
+        selector: AttentionSelector,
+        prefill_selector: PrefillSelector | None = None,
+    ) -> None:
+        """``options.backend`` is resolved for ``device`` (``registry.create_backend``);
+        ``selector`` picks the blocks decode rows read (one that reads everything is never
+        asked), ``prefill_selector`` the pieces of sparse prefill (None: prefill is dense)."""
+        self.options = options
+        # The backend as chosen, which the step's metadata is built for.
+        self.backend: AttentionBackend = create_backend(options, device)
+        self.prefill_selector = prefill_selector
+        self.set_selector(selector)
+
+    def set_selector(self, selector: AttentionSelector) -> None:
+        """Decode rows ask ``selector`` from the next call on."""
+        self.selector = selector
+        # The backend with the selectors in force wrapped around it: what the layer calls.
+        selecting = self.backend
+        if not selector.reads_everything:
+            selecting = PrunedDecode(selecting, selector)
+        if self.prefill_selector is not None:
+            selecting = SparsePrefill(selecting, self.prefill_selector)
+        self.selecting = selecting
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [rows, num_heads, head_dim]
+        k: torch.Tensor,  # [rows, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if q.dtype != cache.compute_dtype:  # a call per tensor even when a no-op: 30 layers add up
+            dtype = cache.compute_dtype
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if meta.capture_rows is not None:
+            meta.captured[layer] = q[meta.capture_rows]
+        cache.write(layer, meta.slot_mapping, meta.fresh_blocks, k, v)
+        window, backend = self.options.window(layer), self.selecting
+        if layer in self.options.local_layers:
+            meta = meta.local
+        if not meta.prefills:
+            return backend.decode(layer, q, cache, meta, window).out.flatten(1)
+        out = torch.empty_like(q)
+        if meta.num_decode:
+            decode = slice(meta.num_decode)
+            out[decode] = backend.decode(layer, q[decode], cache, meta, window).out
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            out[rows] = backend.prefill(layer, q[rows], k[rows], v[rows], cache, chunk, window)
+        return out.flatten(1)
