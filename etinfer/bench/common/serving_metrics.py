@@ -1,11 +1,14 @@
 """The figures of a serving run, as vLLM's serving benchmark reports them (latencies in seconds),
-and their table."""
+their table, and the figures a result carries of them."""
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 
 from etinfer.bench.common.driver import RequestRecord
+from etinfer.bench.common.results import Figure, Label
 from etinfer.bench.common.stats import mean, percentile
 
 METRICS = (
@@ -29,6 +32,44 @@ METRICS = (
     "recomputed_tokens",
     "jain_fairness",
 )
+
+
+# The metrics a result carries: (metric, subject, unit, multiplier from seconds or counts, and
+# whether a ratio to the reference arm is its own figure: one throughput ratio, not two).
+RESULT_FIGURES = (
+    ("request_throughput", "throughput", "req/s", 1, True),
+    ("output_throughput", "throughput", "tok/s", 1, False),
+    ("ttft_p50", "ttft p50", "ms", 1000, True),
+    ("ttft_p99", "ttft p99", "ms", 1000, True),
+    ("tpot_mean", "tpot", "ms", 1000, True),
+    ("e2e_mean", "latency", "s", 1, True),
+    ("e2e_p99", "latency p99", "s", 1, True),
+    ("queue_mean", "queue time", "s", 1, True),
+    ("preemptions", "preemptions", "count", 1, False),
+)
+
+
+def result_figures(
+    runs: list[dict], labels: dict[str, Label], reference: list[dict] | None = None, vs: str = ""
+) -> list[Figure]:
+    """The figures of one arm's runs (summaries of ``summarize``): each metric's mean over the
+    runs, with its sd where there are several; against ``reference`` (the ``vs`` arm's runs,
+    side by side in the same run), the ratio of the means, each its own figure."""
+    figures = []
+    for metric, subject, unit, scale, compared in RESULT_FIGURES:
+        values = [r[metric] for r in runs if r.get(metric) is not None]
+        if not values:
+            continue
+        value = statistics.fmean(values)
+        spread = {"sd": scale * statistics.stdev(values)} if len(values) > 1 else None
+        figures.append(Figure(subject, scale * value, unit, dict(labels), spread, len(values)))
+        if reference is None or not compared:
+            continue
+        base = [r[metric] for r in reference if r.get(metric) is not None]
+        if base and statistics.fmean(base):
+            ratio = value / statistics.fmean(base)
+            figures.append(Figure(subject, ratio, "x", labels | {"vs": vs}, n=len(values)))
+    return figures
 
 
 def summarize(
