@@ -47,7 +47,10 @@ def figures(report: dict) -> list[Figure]:
         labels = {"arm": entry["arm"], "stress": entry["stress"]}
         for name, (subject, unit, scale, reference) in FIGURES.items():
             value = entry["figures"].get(name)
-            if value is None:
+            # Against the run itself (the layer-off arm against the layer-off engine, an
+            # unstressed run against its arm unstressed) a ratio says nothing.
+            unstressed = reference == "unstressed" and entry["stress"] == "none"
+            if value is None or reference == entry["arm"] or unstressed:
                 continue
             versus = labels if reference is None else labels | {"vs": reference}
             sd = {"sd": scale * value["sd"]}

@@ -121,24 +121,31 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
 
 
 def figures(rows: dict[str, dict], args: argparse.Namespace, model: dict) -> list[Figure]:
-    """Each type's figures; ``mode`` says which weights computed them (float for fidelity)."""
+    """Each type's figures, and those against float32 for the others; ``mode`` says which
+    weights computed them (float ones for fidelity)."""
     found = []
     for name, row in rows.items():
         labels = {"kv_cache_dtype": name, "mode": args.quantization} | model
+        found += [
+            Figure("passkeys found", row["passkeys_found"], "count", labels, n=row["passkeys"]),
+            Figure("kv bytes per token", row["bytes_per_token"], "", labels),
+        ]
+        reference = name == "float32"
+        for batch, ms in row["step_ms"].items():
+            step = labels | {"batch": batch, "context": args.context}
+            found.append(Figure("decode step", ms, "ms", step, n=args.steps))
+            if not reference:
+                ratio = row["step_ratio"][batch]
+                found.append(Figure("decode step", ratio, "x", step | {"vs": "float32"}))
+        if reference:
+            continue
         fidelity = labels | {"mode": args.fidelity_quantization, "vs": "float32"}
-        positions, passkeys = row["positions"], row["passkeys"]
+        positions = row["positions"]
         found += [
             Figure("kl", row["kl_mean"], "nats", fidelity, n=positions),
             Figure("kl max", row["kl_max"], "nats", fidelity, n=positions),
             Figure("top-1 agreement", 100 * row["top1_agreement"], "%", fidelity, n=positions),
-            Figure("passkeys found", row["passkeys_found"], "count", labels, n=passkeys),
-            Figure("kv bytes per token", row["bytes_per_token"], "", labels),
         ]
-        for batch, ms in row["step_ms"].items():
-            step = labels | {"batch": batch, "context": args.context}
-            found.append(Figure("decode step", ms, "ms", step, n=args.steps))
-            ratio = row["step_ratio"][batch]
-            found.append(Figure("decode step", ratio, "x", step | {"vs": "float32"}))
     return found
 
 
