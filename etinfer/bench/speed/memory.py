@@ -121,7 +121,9 @@ def figures(results: dict[str, dict], model: dict) -> list[Figure]:
 
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     if not Path("/proc/self/pagemap").exists():
-        raise SystemExit("bench memory reads Linux's /proc/self/status and /proc/self/pagemap")
+        raise SystemExit(
+            "error: bench memory reads Linux's /proc/self/status and /proc/self/pagemap"
+        )
     results = {}
     for mode in args.modes:
         command = [sys.executable, "-m", "etinfer.cli", "bench", "memory", "--child", mode]

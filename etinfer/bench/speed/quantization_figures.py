@@ -21,10 +21,13 @@ def figures(
     rounds: dict[str, list[dict]], best: dict[str, dict], setting: dict, model: dict
 ) -> list[Figure]:
     """``rounds``: every round's figures by engine; ``best``: the best round of each, with the
-    fidelity figures the run added."""
+    fidelity figures the run added; ``setting``: threads, the ISA our engines were held to
+    (``--isa``) and the prompt's length."""
     found = []
     for name, result in best.items():
         labels = engine_labels(name) | model | {"threads": setting["threads"]}
+        if setting["isa"] and name != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
+            labels["isa"] = f"held to {setting['isa']}"
         found += _speed(name, rounds[name], result, labels, best, setting["prompt_len"])
         found += _fidelity(result, labels)
     return found
