@@ -178,15 +178,9 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             recomputed_tokens=scheduler.num_recomputed_tokens,
         )
     print(format_table(columns))
-    reference = [columns["fcfs"]] if "fcfs" in columns else None
-    figures = [
-        figure
-        for policy, summary in columns.items()
-        for figure in result_figures(
-            [summary], {"arm": policy}, None if policy == "fcfs" else reference, "fcfs"
-        )
-    ]
-    return figures, {"policies": columns}
+    arms = {policy: [summary] for policy, summary in columns.items()}
+    reference = "fcfs" if "fcfs" in columns else None
+    return result_figures(arms, reference), {"policies": columns}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:

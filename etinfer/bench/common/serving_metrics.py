@@ -50,26 +50,29 @@ RESULT_FIGURES = (
 
 
 def result_figures(
-    runs: list[dict], labels: dict[str, Label], reference: list[dict] | None = None, vs: str = ""
+    arms: dict[str, list[dict]],
+    reference: str | None = None,
+    labels: dict[str, Label] | None = None,
 ) -> list[Figure]:
-    """The figures of one arm's runs (summaries of ``summarize``): each metric's mean over the
-    runs, with its sd where there are several; against ``reference`` (the ``vs`` arm's runs,
-    side by side in the same run), the ratio of the means, each its own figure."""
-    figures = []
-    for metric, subject, unit, scale, compared in RESULT_FIGURES:
-        values = [r[metric] for r in runs if r.get(metric) is not None]
-        if not values:
-            continue
-        value = statistics.fmean(values)
-        spread = {"sd": scale * statistics.stdev(values)} if len(values) > 1 else None
-        figures.append(Figure(subject, scale * value, unit, dict(labels), spread, len(values)))
-        if reference is None or not compared:
-            continue
-        base = [r[metric] for r in reference if r.get(metric) is not None]
-        if base and statistics.fmean(base):
-            ratio = value / statistics.fmean(base)
-            figures.append(Figure(subject, ratio, "x", labels | {"vs": vs}, n=len(values)))
-    return figures
+    """The figures a result carries of serving runs: per arm (its label ``arm``), each metric's
+    mean over the arm's runs (summaries of ``summarize``), with its sd where there are several;
+    for every other arm, its mean over ``reference``'s, each ratio its own figure."""
+    found = []
+    for name, runs in arms.items():
+        arm = (labels or {}) | {"arm": name}
+        against = None if reference is None or name == reference else arms[reference]
+        for metric, subject, unit, scale, compared in RESULT_FIGURES:
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            if not values:
+                continue
+            value = statistics.fmean(values)
+            spread = {"sd": scale * statistics.stdev(values)} if len(values) > 1 else None
+            found.append(Figure(subject, scale * value, unit, dict(arm), spread, len(values)))
+            base = [r[metric] for r in against or () if r.get(metric) is not None]
+            if compared and base and statistics.fmean(base):
+                ratio = value / statistics.fmean(base)
+                found.append(Figure(subject, ratio, "x", arm | {"vs": reference}, n=len(values)))
+    return found
 
 
 def summarize(

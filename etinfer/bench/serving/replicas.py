@@ -87,12 +87,5 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=2))
-    one = next(iter(results))
-    figures = [
-        figure
-        for label, summary in results.items()
-        for figure in result_figures(
-            [summary], {"arm": label}, None if label == one else [results[one]], one
-        )
-    ]
-    return figures, report
+    runs = {label: [summary] for label, summary in results.items()}
+    return result_figures(runs, reference=next(iter(results))), report

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         every = {"requests": [asdict(r) for r in records]}
         Path(args.output).write_text(json.dumps(report | every, indent=2))
     arm = "server" if args.base_url else args.policy
-    return result_figures([result], {"arm": arm}), report
+    return result_figures({arm: [result]}), report
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:

@@ -213,10 +213,7 @@ def figures(capacity: float, settings: list[dict], reference: str) -> list[Figur
     """The capacity, and each setting's figures per variant, against ``reference``'s."""
     found = [Figure("capacity", capacity, "req/s")]
     for s in settings:
-        for name, runs in s["runs"].items():
-            against = None if name == reference else s["runs"][reference]
-            labels = {"setting": s["name"], "arm": name}
-            found += result_figures(runs, labels, against, reference)
+        found += result_figures(s["runs"], reference, {"setting": s["name"]})
     return found
 
 
