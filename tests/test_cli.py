@@ -78,7 +78,8 @@ def test_step_profile_reports_a_decode_steps_work(capsys):
         ["bench", "step-profile", "--batch", "2", "--warmup", "3", "--steps", "2", "--rows", "3"]
     )
     args.num_kvcache_blocks = 64
-    figures = step_profile.run(args)
+    _, report = step_profile.run(args)
+    figures = report["per_step"]
     assert figures["host ms a step"] > 0
     # Kernels are launched on a GPU only; on the CPU the operators run where they are called.
     on_cuda = EngineConfig(**options.engine_kwargs(args)).device_type() == "cuda"

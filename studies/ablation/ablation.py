@@ -13,7 +13,8 @@ The engine runs in this process, driven as in ``bench serving`` (``bench/common/
 request is added once its arrival time has passed on the run's clock, and the engine steps while it
 has work. ``bench/ablation/runner.py`` runs one configuration and meters each step's work;
 ``bench/ablation/metrics.py`` turns runs into figures and ``bench/ablation/report.py`` into
-tables and plots.
+tables and plots. ``--output`` keeps the report (``ablation.json``, the result's ``details``),
+its tables and plots; the result's figures are Table 1's (``metrics.table1_figures``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from tqdm.auto import tqdm
 from etinfer import options
 from etinfer.bench.common.driver import CLOCKS
 from etinfer.bench.common.machine import machine
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.options import positive_int
+from studies import PROGRAM
 from studies.ablation import metrics as ablation_metrics
 from studies.ablation import report as ablation_report
 from studies.ablation.runner import Run, run_once
@@ -108,8 +111,9 @@ def run_all(
     return runs
 
 
-def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
-    """The whole study; writes the report under ``args.output`` and returns it."""
+def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[list[Figure], dict]:
+    """The whole study; writes the report under ``args.output`` and returns Table 1's figures
+    and the report."""
     # One thread by default: on a shared two-core machine, two threads of one process wait for
     # each other whenever another process holds a core (a quick run took 5.7 minutes with two,
     # 53 s with one, at a load average of 5), and one thread makes the CPU time of a step its
@@ -144,7 +148,9 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
     }
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
     ablation_report.write(report, Path(args.output))
-    return report
+    labels = {"workload": args.workload} | ({"quick": True} if args.quick else {})
+    figures = ablation_metrics.table1_figures(report["summary"], labels)
+    return figures, report | {"device": engine_device(engine_kwargs)}
 
 
 def command_line(args: argparse.Namespace, repeats: int) -> str:
@@ -184,9 +190,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help="time arrivals and latencies by this process's CPU time in engine steps (default; "
         "robust to other jobs on the machine) or by wall-clock time",
     )
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("ablation", run, PROGRAM))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
+from etinfer.bench.common.results import Figure
 from etinfer.bench.common.serving_metrics import summarize
 from etinfer.bench.common.stats import mean
 from etinfer.model.tokenizer import Tokenizer
@@ -53,6 +54,15 @@ TABLE1 = {
     "quality": ("quality", False),
 }
 SINGLE_LAYERS = ("sampling", "scheduling", "attention")
+# Table 1's columns as a result carries them: unit, and multiplier from the stored value.
+UNITS = {
+    "latency": ("ms", 1e3),
+    "throughput": ("tok/s", 1),
+    "eta": ("nats/s", 1),
+    "quality": ("", 1),
+}
+# The arms' names in a result: Table 1's rows, and ours.
+ARMS = {"etinfer": "etinfer full"}
 
 
 def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer) -> dict:
@@ -286,3 +296,25 @@ def study(
         "baseline_self_rouge": baseline_self_rouge(records),
         "trace": trace(requests, runs),
     }
+
+
+def table1_figures(summary: dict, labels: dict) -> list[Figure]:
+    """Table 1 as figures: per arm and column, the mean over the repeats with its sd, and the
+    mean of the ratios to the baseline of the same repeat with theirs."""
+    found = []
+    for config, entries in summary.items():
+        arm = {"arm": ARMS.get(config, config)} | labels
+        for column, (name, _) in TABLE1.items():
+            entry = entries.get(name)
+            if entry is None:
+                continue
+            unit, scale = UNITS[column]
+            absolute = entry["absolute"]
+            sd = {"sd": scale * absolute["sd"]}
+            found.append(Figure(column, scale * absolute["mean"], unit, arm, sd, absolute["n"]))
+            relative = entry.get("relative")
+            if relative is not None and config != "baseline":
+                versus = arm | {"vs": "baseline"}
+                sd = {"sd": relative["sd"]}
+                found.append(Figure(column, relative["mean"], "x", versus, sd, relative["n"]))
+    return found

@@ -11,6 +11,9 @@ same prefilled cache both ways), dense attention and the entropic selector's con
 - teacher-forced fidelity and passkey retrieval (``bench/common/fidelity.py``);
 - how many leading layers must stay dense;
 - a plot of blocks kept against entropy over one long generation.
+
+``--output-dir`` keeps the report (``pruning.json``, written after every part and the result's
+``details``) and the plot; the result's figures are ``pruning_figures.py``'s.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from etinfer.bench.common.fidelity import (
     passkey_cases,
     teacher_forced,
 )
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
+from studies import PROGRAM
 from studies.common.plots import pyplot
 from studies.laws.oracle_selection import OracleSelector
+from studies.laws.pruning_figures import figures
 from studies.laws.pruning_speed import speed_rows
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
@@ -200,7 +206,7 @@ def engine(args: argparse.Namespace) -> LLM:
     )
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     options.set_threads(args)
     llm = engine(args)
     corpus = corpus_tokens(llm.tokenizer)
@@ -257,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
             llm, corpus, args.fidelity_context, out_dir / "blocks_vs_entropy.png"
         )
         save()
-    return report
+    return figures(report, args.steps), report | {"device": str(llm.engine.config.torch_device())}
 
 
 PARTS = ("speed", "fidelity", "passkey", "layers", "trace")
@@ -308,9 +314,5 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")
-        parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+        add_result_option(parser)
+        parser.set_defaults(func=recorded(name, run, PROGRAM))

@@ -14,6 +14,9 @@ Every sampler runs on the same chat prompts (generated from topics and instructi
 - **Estimator fidelity** compares each estimator with the exact entropy on real logits of the
   fixed-temperature generations, teacher-forced. It also compares the temperature that the
   feedback law would pick from each estimate.
+
+``--output-dir`` keeps every generation (``generations.jsonl``), the tables (``sampling.md``),
+the traces' plot and the report (``sampling.json``, the result's ``details``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from etinfer import options
 from etinfer.bench.common.decode_steps import ours_decode_step_ms
 from etinfer.bench.common.prompts import instructions
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.bench.common.timing import median_ms
 from etinfer.control.entropy import TemperedEntropy, entropy, softmax_entropy, topk_bounds
 from etinfer.control.temperature import feedback_step, solve_log_temperature
@@ -37,8 +41,10 @@ from etinfer.llm import LLM
 from etinfer.options import positive_int
 from etinfer.outputs import RequestOutput
 from etinfer.sampling_params import DEFAULT_ENTROPY_GAIN, SamplingParams
+from studies import PROGRAM
 from studies.common.plots import pyplot
 from studies.common.quality import summarize
+from studies.laws.sampling_report import figures, markdown
 
 TARGET = 2.0
 SAMPLERS: dict[str, dict] = {
@@ -240,51 +246,7 @@ def plot_traces(results: dict[str, list[RequestOutput]], index: int, path: Path)
     plt.close(fig)
 
 
-SAMPLER_COLUMNS = {
-    "entropy mean": ("entropy_mean", ".2f"),
-    "sd": ("entropy_sd", ".2f"),
-    "tracking MAE": ("tracking_mae", ".2f"),
-    "mean T": ("temperature_mean", ".2f"),
-    "loop rate": ("loop_rate", ".3f"),
-    "distinct-2": ("distinct_2", ".3f"),
-    "distinct-3": ("distinct_3", ".3f"),
-    "rep-2": ("rep_2", ".3f"),
-    "rep-3": ("rep_3", ".3f"),
-    "rep-4": ("rep_4", ".3f"),
-    "self-BLEU": ("self_bleu", ".3f"),
-    "hit max_tokens": ("max_tokens_rate", ".2f"),
-}
-
-
-def markdown(report: dict) -> str:
-    lines = [
-        "| sampler | " + " | ".join(SAMPLER_COLUMNS) + " |",
-        "|---|" + "---:|" * len(SAMPLER_COLUMNS),
-    ]
-    for name, r in report["samplers"].items():
-        cells = [format(r[key], spec) for key, spec in SAMPLER_COLUMNS.values()]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| batch | estimator | ms | share of decode step |", "|---:|---|---:|---:|"]
-    for r in report["overhead"]:
-        lines.append(
-            f"| {r['batch']} | {r['estimator']} | {r['ms']:.3f} | {100 * r['share']:.2f} % |"
-        )
-    lines += [
-        "",
-        "| k | estimator | correlation | mean abs error | max abs error | bracket holds "
-        "| T differs > 1 % |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["fidelity"]:
-        lines.append(
-            f"| {r['k']} | {r['estimator']} | {r['correlation']:.4f} | {r['mean_abs_error']:.4f} "
-            f"| {r['max_abs_error']:.3f} | {r['bracket_holds']:.3f} "
-            f"| {r['temperature_differs_1pct']:.3f} |"
-        )
-    return "\n".join(lines)
-
-
-def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
+def run(args: argparse.Namespace, llm: LLM | None = None) -> tuple[list[Figure], dict]:
     llm = llm or LLM(args.model, **options.engine_kwargs(args))
     prompts = [
         llm.tokenizer.encode_chat([{"role": "user", "content": p}])
@@ -311,7 +273,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None) -> dict:
     (out_dir / "sampling.md").write_text(table + "\n")
     plot_traces(results, args.trace_prompt, out_dir / "sampling_traces.png")
     print(table)
-    return report
+    return figures(report), report | {"device": str(llm.engine.config.torch_device())}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -329,9 +291,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--overhead-batches", type=positive_int, nargs="+", default=[1, 32])
     parser.add_argument("--trace-prompt", type=int, default=0)
     parser.add_argument("--output-dir", default="results/sampling")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("sampling", run, PROGRAM))

@@ -11,7 +11,8 @@ the real benchmark (``etinfer bench serving-sweep``). Replaying its traces here 
 reproduced its FCFS mean latencies within about 12%, and the entropy/FCFS ratio within 0.02 in
 one overloaded run, but 0.15 off in another; it also understates what a preemption costs the
 real engine. Its figures guide; the real benchmark decides. Entropy is not simulated: every
-sequence keeps the policy's prior, so the entropy term cannot act here.
+sequence keeps the policy's prior, so the entropy term cannot act here. The run's result holds
+each policy's latency and throughput figures, and their ratios to FCFS's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 
 from etinfer import options
 from etinfer.bench.common.driver import RequestRecord
-from etinfer.bench.common.serving_metrics import format_table, summarize
+from etinfer.bench.common.results import Figure, add_result_option, recorded
+from etinfer.bench.common.serving_metrics import format_table, result_figures, summarize
 from etinfer.bench.common.workload import WorkloadRequest, add_workload_args, load_workload
 from etinfer.config import EngineConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingConfig
@@ -33,6 +35,7 @@ from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence
 from etinfer.sampling_params import SamplingParams
 from etinfer.validation import check_float
+from studies import PROGRAM
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _sequence(i: int, request: WorkloadRequest, rng: np.random.Generator) -> Seq
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     requests = load_workload(args)
     overrides = json.loads(args.scheduling_config or "{}")
     columns = {}
@@ -175,7 +178,9 @@ def main(args: argparse.Namespace) -> int:
             recomputed_tokens=scheduler.num_recomputed_tokens,
         )
     print(format_table(columns))
-    return 0
+    arms = {policy: [summary] for policy, summary in columns.items()}
+    reference = "fcfs" if "fcfs" in columns else None
+    return result_figures(arms, reference), {"policies": columns}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -190,4 +195,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--speed", type=float, default=1.0, help="of the machine, against ours")
     parser.add_argument("--scheduling-config", help="SchedulingConfig fields as JSON")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("scheduling-sim", run, PROGRAM))

@@ -17,6 +17,9 @@ so every arm computes every prefill):
   the passkey question (a ranking that knows what will be asked);
 - the attention entropy per layer, KV head and segment of two different 8K texts: how many heads
   are rigid in each, and how many change type between them.
+
+``--output-dir`` keeps the report (``longcontext.json``, the result's ``details``) and the plot;
+the result's figures are ``longcontext_report.figures``'.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from etinfer.bench.common.fidelity import (
     passkey_cases,
 )
 from etinfer.bench.common.machine import cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.config import EngineConfig
 from etinfer.control.config import ControlConfig
 from etinfer.control.kv_compression import KVCompressionConfig
@@ -52,7 +56,8 @@ from etinfer.llm import LLM
 from etinfer.model.loader import load_model
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
-from studies.seed_systems.longcontext_report import plot_profile, pressure_table, table
+from studies import PROGRAM
+from studies.seed_systems.longcontext_report import figures, plot_profile, pressure_table, table
 
 DEPTHS = (0.25, 0.5, 0.75)
 COMPRESSION = KVCompressionConfig()
@@ -234,7 +239,7 @@ def pressure_run(loaded, control: ControlConfig, corpus: list[int], args) -> dic
     }
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     # Fidelity is read after compression has run: positions past its N_d + 1 decode steps.
     least = COMPRESSION.decode_queries + 2
     if args.steps < least:
@@ -296,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     print(table(results))
     print(pressure_table(pressure))
     print(f"\nrigid heads (share) and heads changing type between two texts: {heads}")
-    return 0
+    return figures(results, pressure), summary | {"device": engine_device({})}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -319,4 +324,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="results/longcontext")
     options.add_threads_option(parser, default=2)
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("longcontext", run, PROGRAM))

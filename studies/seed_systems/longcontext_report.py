@@ -1,11 +1,50 @@
-"""The long-context benchmark's table and its plot of attention entropy per head."""
+"""The long-context benchmark's tables, its plot of attention entropy per head, and the figures
+its result carries."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from etinfer.bench.common.results import Figure
 from etinfer.control.sparse_prefill import AttentionProfile, SparsePrefillConfig
 from studies.common.plots import pyplot
+
+DENSE = {"vs": "dense"}
+
+
+def figures(results: dict[str, dict], pressure: dict[str, dict]) -> list[Figure]:
+    """Per arm and prompt length: time to first token, the share of dense prefill attention
+    skipped, the decode rate, passkeys found; against dense (for the other arms) the time to
+    first token, KV blocks held and the forced steps' agreement; under KV pressure, output
+    tokens/s."""
+    found = []
+    for name, rows in results.items():
+        for length, r in rows.items():
+            labels = {"arm": name, "tokens": length}
+            found += [
+                Figure("ttft", r["ttft_s"], "s", labels),
+                Figure("prefill attention skipped", 100 * r["skipped"], "%", labels),
+                Figure("decode", r["decode_tok_s"], "tok/s", labels),
+            ]
+            hits = r.get("passkeys")
+            if hits:
+                found.append(Figure("passkeys found", sum(hits), "count", labels, n=len(hits)))
+            if name == "dense":
+                continue
+            kept = r["kv_blocks"] / results["dense"][length]["kv_blocks"]
+            found += [
+                Figure("ttft", r["ttft_ratio"], "x", labels | DENSE),
+                Figure("blocks kept", 100 * kept, "%", labels | DENSE),
+                Figure("top-1 agreement", 100 * r["top1"], "%", labels | DENSE),
+                Figure("kl", r["kl_mean"], "nats", labels | DENSE),
+            ]
+    for name, r in pressure.items():
+        labels = {"arm": name, "workload": "kv pressure"}
+        found.append(Figure("throughput", r["output_tok_s"], "tok/s", labels))
+        if name != "dense":
+            ratio = r["output_tok_s"] / pressure["dense"]["output_tok_s"]
+            found.append(Figure("throughput", ratio, "x", labels | DENSE))
+    return found
 
 
 def table(results: dict[str, dict]) -> str:

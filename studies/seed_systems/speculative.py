@@ -8,6 +8,10 @@ alternate settings and the best round is kept (a shared machine). Greedy decodin
 setting produces the same tokens and only the time differs (the tests check the equality).
 
     python -m studies speculative --batches 1 4 16
+
+The run's result holds each setting's output tokens/s per workload and batch, its ratio to the
+plain engine's (the plain engine with the paper's layers, for settings with them) and its
+acceptance (its ``details``: every row, and whether its tokens equal the plain engine's).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from dataclasses import replace
 from etinfer import LLM, ControlConfig, SamplingParams, SpeculativeConfig, options
 from etinfer.bench.common.machine import cpu_flags
 from etinfer.bench.common.prompts import instructions
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.corpus import topics
 from etinfer.model.loader import load_model
 from etinfer.options import positive_int
+from studies import PROGRAM
 
 DRAFT = SpeculativeConfig(method="draft")
 # Engine settings by name; "paper's layers" rows compare with the plain engine with those layers.
@@ -66,7 +72,7 @@ def workload(llm: LLM, kind: str, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode_chat([{"role": "user", "content": ask}]) for ask in asks]
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+def generate_timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -79,7 +85,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     options.set_threads(args)
     loaded = load_model()
     names = [name for name in SETTINGS if name in args.settings]
@@ -94,14 +100,40 @@ def main(args: argparse.Namespace) -> int:
                     llm = engines[name]
                     prompts = workload(llm, kind, batch)
                     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm
-                    result = run(llm, prompts, args.max_tokens)
+                    result = generate_timed(llm, prompts, args.max_tokens)
                     key = (kind, name, batch)
                     if key not in results or result["tok_s"] > results[key]["tok_s"]:
                         results[key] = result
                     print(f"{kind} b={batch} {name}: {result['tok_s']:.1f} tok/s", flush=True)
     print(f"\n{args.threads} threads, CPU flags: {cpu_flags()}, {args.max_tokens} tokens, greedy")
     print(table(results, args.workloads, names, args.batches))
-    return 0
+    rows = []
+    for (kind, name, batch), r in results.items():
+        base = results.get((kind, reference(name), batch))
+        same = None if base is None else r["tokens"] == base["tokens"]
+        row = {"workload": kind, "setting": name, "batch": batch, "tok_s": r["tok_s"]}
+        rows.append(row | {"acceptance": r["acceptance"], "same_tokens": same})
+    return figures(results), {"device": engine_device({}), "rows": rows}
+
+
+def reference(name: str) -> str:
+    """The setting a setting's speed is compared with: the plain engine, with the paper's
+    layers where the setting has them."""
+    return "plain, paper's layers" if "paper" in name else "plain"
+
+
+def figures(results: dict) -> list[Figure]:
+    found = []
+    for (kind, name, batch), r in results.items():
+        labels = {"workload": kind, "arm": name, "batch": batch}
+        found.append(Figure("throughput", r["tok_s"], "tok/s", labels))
+        base = results.get((kind, reference(name), batch))
+        if base is not None and name != reference(name):
+            versus = labels | {"vs": reference(name)}
+            found.append(Figure("throughput", r["tok_s"] / base["tok_s"], "x", versus))
+        if r["acceptance"] is not None:
+            found.append(Figure("acceptance", 100 * r["acceptance"], "%", labels))
+    return found
 
 
 def table(results: dict, workloads: list[str], names: list[str], batches: list[int]) -> str:
@@ -111,7 +143,7 @@ def table(results: dict, workloads: list[str], names: list[str], batches: list[i
     ]
     for kind in workloads:
         for name in names:
-            base = "plain, paper's layers" if "paper" in name else "plain"
+            base = reference(name)
             cells = []
             for b in batches:
                 r, ref = results[(kind, name, b)], results.get((kind, base, b))
@@ -142,4 +174,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--repeats", type=positive_int, default=2)
     options.add_threads_option(parser, default=2)
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("speculative", run, PROGRAM))

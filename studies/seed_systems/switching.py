@@ -10,6 +10,10 @@ the catch-up chunks over the small model's tokens), the first N layers and the e
 every small-model row, and the output head for every sampled row.
 
     python -m studies switching --exit-layers 22 --thresholds 0.5 1 1.5 2 3 --plot switching.png
+
+The run's result holds, per threshold, the large model's share of the tokens, the quality
+relative to the large model's, and the wall time and TFLOPs against its own (its ``details``:
+every row as printed).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 
 from etinfer import LLM, ControlConfig, options
 from etinfer.bench.common.machine import cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.control.switching import EXIT_MODEL, SwitchingConfig
 from etinfer.model.loader import load_model
 from etinfer.options import positive_int
+from studies import PROGRAM
 from studies.common.mixed_workload import Sizes, answers, build
 from studies.common.plots import pyplot
 from studies.common.quality import task_quality
@@ -38,7 +44,7 @@ SIZES = Sizes(
 )
 
 
-def run(llm: LLM, requests: list) -> tuple[list, float, int]:
+def run_requests(llm: LLM, requests: list) -> tuple[list, float, int]:
     """Outputs in request order, wall seconds, and rows computed over all steps."""
     engine, rows = llm.engine, []
     ids = [
@@ -54,7 +60,7 @@ def run(llm: LLM, requests: list) -> tuple[list, float, int]:
 
 
 def figures(llm: LLM, scorer: LLM, requests: list, exit_layers: int) -> dict:
-    outs, wall, rows = run(llm, requests)
+    outs, wall, rows = run_requests(llm, requests)
     tok = llm.tokenizer
     scores = task_quality(requests, answers(requests, outs, tok.eos_token_ids), tok)
     nll, count = 0.0, 0
@@ -95,7 +101,7 @@ def _last_target(models: list[str]) -> int:
     return max((i for i, m in enumerate(models) if m != EXIT_MODEL), default=-1)
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     options.set_threads(args)
     loaded = load_model()
     large = LLM(loaded, max_num_seqs=32)
@@ -121,7 +127,25 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows))
     if args.plot:
         plot(rows, args.plot, args.exit_layers)
-    return 0
+    report = {"device": engine_device({}), "exit_layers": args.exit_layers, "rows": rows}
+    return curve_figures(rows, args.exit_layers), report
+
+
+def curve_figures(rows: dict[str, dict], exit_layers: int) -> list[Figure]:
+    base = rows["large alone"]
+    found = []
+    for name, r in rows.items():
+        labels = {"arm": name, "exit_layers": exit_layers}
+        found.append(Figure("large share", 100 * r["large_share"], "%", labels))
+        if name == "large alone":
+            continue
+        versus = labels | {"vs": "large alone"}
+        found += [
+            Figure("quality", quality(r, base), "x", versus),
+            Figure("wall time", r["wall_s"] / base["wall_s"], "x", versus),
+            Figure("tflops", r["tflops"] / base["tflops"], "x", versus),
+        ]
+    return found
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -178,4 +202,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-exit-adapter", action="store_true", help="the bare exit")
     parser.add_argument("--plot", help="write the curve to this PNG")
     options.add_threads_option(parser, default=2)
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("switching", run, PROGRAM))

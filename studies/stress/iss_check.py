@@ -14,6 +14,10 @@ error over those iterations (the noise bound for synthetic noise). The appendix 
 error alternates in sign; past 2 the linearised law diverges and only the rate limit bounds it)
 or ``V < 0.1`` are reported apart, and rows whose target lies outside the temperature bounds
 (``u*`` pinned to a bound) are left out: no law reaches them.
+
+The run's result holds, per reading and regime, the share of rows where the bound holds and the
+median settled error over the bound (its ``details``: the report, also ``iss.json`` beside the
+plot in ``--output-dir``).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import torch
 
 from etinfer import options
 from etinfer.bench.common.fidelity import corpus_tokens, forced_log_probs
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.control.entropy import TemperedEntropy, estimate_entropy
 from etinfer.control.temperature import feedback_step, solve_log_temperature
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
+from studies import PROGRAM
 from studies.common.plots import pyplot
 
 FLAT = 0.1  # varentropy below which the local slope says little over the error
@@ -137,7 +143,21 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(args: argparse.Namespace) -> int:
+def figures(kinds: dict[str, dict]) -> list[Figure]:
+    found = []
+    for name, regimes in kinds.items():
+        for regime, r in regimes.items():
+            if not isinstance(r, dict) or not r["rows"]:  # the counts, or an empty regime
+                continue
+            labels = {"arm": name, "regime": regime}
+            found.append(Figure("bound holds", 100 * r["holds"], "%", labels, n=r["rows"]))
+            error = labels | {"vs": "bound"}
+            found.append(Figure("settled error", r["ratio_median"], "x", error, n=r["rows"]))
+            found.append(Figure("settled error max", r["ratio_max"], "x", error, n=r["rows"]))
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     options.set_threads(args)
     rows = frozen_rows(args)
     params = SamplingParams(entropy_target=args.target)
@@ -153,7 +173,8 @@ def main(args: argparse.Namespace) -> int:
         print(name, json.dumps(report["kinds"][name]), flush=True)
     plot(results, out_dir / "iss_bound.png")
     (out_dir / "iss.json").write_text(json.dumps(report, indent=2))
-    return 0
+    device = engine_device(options.engine_kwargs(args))
+    return figures(report["kinds"]), report | {"device": device}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -168,4 +189,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--topk", type=positive_int, default=64)
     parser.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.2, 0.5])
     parser.add_argument("--output-dir", default="results/iss")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("iss", run, PROGRAM))

@@ -54,7 +54,7 @@ def run(
     requests = [r for r in build(tokenizer, "mixed", SIZES, args.seed) if r.greedy]
     references = {}
     for name, kwargs in {"plain": {"max_num_seqs": 2}, "large alone": {}}.items():
-        outs, wall, _ = switching.run(LLM(loaded, **kwargs), requests)
+        outs, wall, _ = switching.run_requests(LLM(loaded, **kwargs), requests)
         references[name] = (outs, wall)
     eos = tokenizer.eos_token_ids
     answered = {name: answers(requests, outs, eos) for name, (outs, _) in references.items()}
@@ -66,7 +66,7 @@ def run(
                     scale = 1.0 if stress is None else stress.logit_scale
                     calibration = calibrations[scale] if arm == "calibration" else None
                     llm = LLM(loaded, stress=stress, calibration=calibration, **kwargs)
-                    outs, wall, _ = switching.run(llm, requests)
+                    outs, wall, _ = switching.run_requests(llm, requests)
                     ours = answers(requests, outs, eos)
                     figures = (
                         _drafting(outs, references["plain"][0])

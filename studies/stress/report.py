@@ -1,6 +1,6 @@
 """The stress test's outputs: stress.json, stress.md (a table per arm, the refitted temperatures,
-section 6.1's estimators, the newer layers) and stress.png (figures against the stress, per
-arm, with the spread over repeats)."""
+section 6.1's estimators, the newer layers), stress.png (figures against the stress, per arm,
+with the spread over repeats), and the figures its result carries (those of the tables)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
+from etinfer.bench.common.results import Figure
 from studies.common.plots import pyplot
 
 # Column: (figure, header, format of the mean).
@@ -22,6 +23,42 @@ COLUMNS = {
     "sampled_temperature_mean": ("T mean", "{:.2f}"),
     "throughput_vs_layers_off": ("tok/s vs layers off", "{:.2f}"),
 }
+
+
+# The columns as a result carries them: figure -> (subject, unit, multiplier, reference).
+FIGURES = {
+    "kv_read_share": ("blocks read", "%", 100, None),
+    "efficiency_kept": ("saving kept", "x", 1, "unstressed"),
+    "passkey_accuracy": ("passkey accuracy", "%", 100, None),
+    "rouge_l_baseline": ("rouge-l", "", 1, "layers off"),
+    "rouge_l_human": ("rouge-l", "", 1, "human text"),
+    "decisions_changed": ("decisions changed", "%", 100, None),
+    "sampled_entropy_sd": ("entropy sd", "nats", 1, None),
+    "sampled_temperature_mean": ("temperature", "", 1, None),
+    "throughput_vs_layers_off": ("throughput", "x", 1, "layers off"),
+}
+
+
+def figures(report: dict) -> list[Figure]:
+    """Per arm and stress, the tables' figures: the mean over the repeats with its sd; and
+    each refitted calibration's temperature."""
+    found = []
+    for entry in report["summary"].values():
+        labels = {"arm": entry["arm"], "stress": entry["stress"]}
+        for name, (subject, unit, scale, reference) in FIGURES.items():
+            value = entry["figures"].get(name)
+            # Against the run itself (the layer-off arm against the layer-off engine, an
+            # unstressed run against its arm unstressed) a ratio says nothing.
+            unstressed = reference == "unstressed" and entry["stress"] == "none"
+            if value is None or reference == entry["arm"] or unstressed:
+                continue
+            versus = labels if reference is None else labels | {"vs": reference}
+            sd = {"sd": scale * value["sd"]}
+            found.append(Figure(subject, scale * value["mean"], unit, versus, sd, value["n"]))
+    for scale, calibration in report["calibrations"].items():
+        labels = {"stress": "none" if scale == 1 else f"scale {scale:g}"}
+        found.append(Figure("calibration temperature", calibration["temperature"], "", labels))
+    return found
 
 
 def write(report: dict, out: Path) -> None:

@@ -29,7 +29,9 @@ Entropy Adaptive Decoding's switch read the same signal: ``bench/stress/layers.p
 under the same stresses. EntropyInfer's layers read attention entropy, which the stress does not
 touch, and are left out.
 
-Figures are ``bench/stress/metrics.py``'s; the report and plot ``bench/stress/report.py``'s.
+Figures are ``bench/stress/metrics.py``'s; the report, plot and the result's figures
+``bench/stress/report.py``'s. ``--output`` keeps the report (``stress.json``, the result's
+``details``), its tables, plots and the refitted calibrations.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tqdm.auto import tqdm
 
 from etinfer import options
 from etinfer.bench.common.machine import cpu_flags, machine
+from etinfer.bench.common.results import Figure, add_result_option, engine_device, recorded
 from etinfer.calibrate import corpus_logits, fit_calibration
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
@@ -52,6 +55,7 @@ from etinfer.control.stress import StressConfig
 from etinfer.llm import LLM
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.options import positive_int
+from studies import PROGRAM
 from studies.ablation.metrics import run_figures
 from studies.ablation.runner import run_once
 from studies.common import mixed_workload as ablation_workload
@@ -196,7 +200,7 @@ def run_grid(
     return records
 
 
-def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
+def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[list[Figure], dict]:
     options.set_threads(args)
     loaded = loaded or load_model(args.model)
     out = Path(args.output)
@@ -245,7 +249,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> dict:
         "layers": layers,
     }
     stress_report.write(report, out)
-    return report
+    device = {"device": engine_device(engine_kwargs)}
+    return stress_report.figures(report), report | device
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -307,9 +312,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         helps={"num_kvcache_blocks": "KV pool size (default: 1,024 blocks)"},
     )
     options.add_threads_option(parser, default=2)
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("stress", run, PROGRAM))

@@ -151,17 +151,15 @@ def test_the_kernel_candidates_compute_the_same_product():
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc")
 @cpu_only  # the resident memory of the CPU's weight formats
 @pytest.mark.model
-def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys):
+def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys, tmp_path):
     """`etinfer bench memory` end to end on the default file, one mode in its own process: the
     resident set grows from load to steady state, over at least the file and the written pool,
     and none of the file's pages stays resident beside the prepared weights."""
-    from etinfer.bench.speed import memory
-    from etinfer.cli import build_parser
+    from etinfer.bench.common.results import Result
+    from etinfer.cli import main
 
-    args = build_parser().parse_args(
-        ["bench", "memory", "--modes", "gguf", "--steady-tokens", "16"]
-    )
-    assert memory.main(args) == 0
+    argv = ["bench", "memory", "--modes", "gguf", "--steady-tokens", "16"]
+    assert main([*argv, "--result", str(tmp_path / "memory.json")]) == 0
     out = capsys.readouterr().out
     figures = json.loads(out.split("gguf: ", 1)[1].splitlines()[0])
     after, budget = figures["after"], figures["file_mib"] + figures["kv_mib"]
@@ -169,6 +167,11 @@ def test_the_memory_bench_reports_each_mode_against_file_and_cache(capsys):
     assert budget < after["loaded"] <= after["steady"] < 2 * budget
     assert figures["file_pages_mib"] == 0
     assert "| gguf |" in out
+    result = Result.read(tmp_path / "memory.json")
+    assert result.details["modes"]["gguf"] == figures
+    steady = [f for f in result.figures if f.labels.get("point") == "steady"]
+    assert {f.unit for f in steady} == {"MiB", "x"}
+    assert all(f.labels["mode"] == "gguf" and f.labels["model_mib"] > 90 for f in steady)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +190,7 @@ def test_the_longcontext_bench_refuses_what_it_cannot_measure(argv, field, limit
 
     args = build_parser().parse_args(["longcontext", "--output-dir", "unused", *argv])
     with pytest.raises(SystemExit) as refused:
-        longcontext.main(args)
+        longcontext.run(args)
     assert field in str(refused.value) and limit in str(refused.value)
 
 

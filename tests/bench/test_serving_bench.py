@@ -18,6 +18,7 @@ import pytest
 
 from etinfer.bench.common import workload
 from etinfer.bench.common.driver import Request, RequestRecord, drive_server
+from etinfer.bench.common.results import Result
 from etinfer.bench.common.serving_metrics import METRICS, summarize
 from etinfer.bench.common.workload import TextPrompts, WorkloadRequest
 from etinfer.bench.serving import serving
@@ -225,8 +226,9 @@ def test_server_driver_streams_completions_and_chat_from_a_server():
 def test_bench_serving_end_to_end(tmp_path):
     """A few tiny requests on the real model through the command line, all at once under KV
     pressure (8 blocks of 16 tokens for 6 requests of up to 56 tokens), so that even with its
-    admission reserve the policy has to preempt."""
-    output = tmp_path / "result.json"
+    admission reserve the policy has to preempt. The requests' records go to ``--output``, the
+    figures to the run's result."""
+    output, recorded = tmp_path / "requests.json", tmp_path / "result.json"
     # Passive OpenMP threads: on a machine whose cores other work shares, spinning threads wait
     # on each other and a step takes seconds instead of tens of milliseconds.
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
@@ -234,7 +236,7 @@ def test_bench_serving_end_to_end(tmp_path):
         [sys.executable, "-m", "etinfer.cli", "bench", "serving", "--policy", "entropy",
          "--num-requests", "6", "--request-rate", "inf", "--seed", "1",
          "--max-output-tokens", "40", "--max-prompt-tokens", "16",
-         "--num-kvcache-blocks", "8", "--output", str(output)],
+         "--num-kvcache-blocks", "8", "--output", str(output), "--result", str(recorded)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -243,4 +245,10 @@ def test_bench_serving_end_to_end(tmp_path):
     assert figures["completed"] == 6 and figures["failed"] == 0
     assert figures["preemptions"] > 0 and figures["recomputed_tokens"] > 0
     assert 0 < figures["ttft_p50"] <= figures["e2e_p50"]
+    assert len(figures["requests"]) == 6
     assert "| e2e_mean |" in result.stdout
+    run = Result.read(recorded)
+    assert run.benchmark == "serving" and run.details["completed"] == 6
+    assert "requests" not in run.details  # the records stay in --output
+    throughput = [f for f in run.figures if f.subject == "throughput" and f.unit == "req/s"]
+    assert [f.labels for f in throughput] == [{"arm": "entropy"}]

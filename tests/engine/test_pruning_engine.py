@@ -99,8 +99,9 @@ def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     # bfloat16's (CUDA's default) logits (KL 0.0018 on an H200), though nothing is pruned.
     configs += " --no-enable-prefix-caching"
     command = [sys.executable, "-m", "studies", "fidelity"]
+    where = ["--output-dir", str(tmp_path), "--result", str(tmp_path / "result.json")]
     result = subprocess.run(
-        [*command, *toy.split(), *configs.split(), "--output-dir", str(tmp_path)],
+        [*command, *toy.split(), *configs.split(), *where],
         capture_output=True,
         text=True,
         timeout=600,
@@ -115,3 +116,9 @@ def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     assert fidelity["kl_max"] < 1e-6 and fidelity["blocks_kept"] == 1.0
     assert len(report["passkey"]) == 2 * 5  # two haystacks, five depths
     assert {"haystack", "length", "depth", "dense", "bound"} <= set(report["passkey"][0])
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["benchmark"] == "fidelity" and result["command"].startswith("python -m studies")
+    passkeys = [f["labels"] for f in result["figures"] if f["subject"] == "passkeys found"]
+    assert {(f["arm"], f["workload"]) for f in passkeys} == {
+        (arm, haystack) for arm in ("dense", "bound") for haystack in ("repeated", "varied")
+    }

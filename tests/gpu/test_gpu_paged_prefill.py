@@ -217,7 +217,8 @@ def test_the_prefill_attention_bench_times_both_paths_and_they_agree(cache):
 
     argv = ["bench", "prefill-attention", "--prefix", "96", "--queries", "32", "--repeats", "1"]
     argv += ["--cache-dtype", cache, "--tiles", "32x16x2"]
-    figures = prefill_attention.run(build_parser().parse_args(argv))
+    found, report = prefill_attention.run(build_parser().parse_args(argv))
+    figures = report["arms"]
     assert all(f["ms"] > 0 for f in figures.values())
     for tiles in ("", ", tiles 32x16x2"):
         assert figures[f"paged-prefill kernel, float32 dots{tiles}"]["max_difference"] < 1e-5
@@ -225,6 +226,9 @@ def test_the_prefill_attention_bench_times_both_paths_and_they_agree(cache):
             rounded = figures[f"paged-prefill kernel, 16-bit dots{tiles}"]["max_difference"]
             assert 0 < rounded < 2e-2
     assert len(figures) == (5 if cache == "float16" else 3)
+    # Each arm's time; each kernel arm's ratio to SDPA's and its largest difference.
+    assert len(found) == len(figures) + 2 * (len(figures) - 1)
+    assert {f.labels["kv_cache_dtype"] for f in found} == {cache}
 
 
 @pytest.mark.parametrize("value", ["64x64", "64x8x4", "48x64x4", "axbxc", "64x64x0"])

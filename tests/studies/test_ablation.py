@@ -142,7 +142,7 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
             str(tmp_path),
         ]
     )
-    report = ablation.run(args, loaded_model)
+    figures, report = ablation.run(args, loaded_model)
 
     for name in ("ablation.json", "ablation.md", "ablation_bars.png", "ablation_trace.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -153,6 +153,14 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
     assert "| Baseline | 1.00 | 1.00 | 1.00 | 1.00 |" in markdown
     assert f"'min_context': {ablation.QUICK_MIN_CONTEXT}" in markdown  # says it lowered it
     assert set(report["super_additivity"]) == {"latency", "throughput", "eta"}
+
+    # The result's figures: Table 1, each column per arm, and its ratio to the baseline.
+    arms = {f.labels["arm"] for f in figures}
+    assert arms == {"baseline", "sampling", "scheduling", "attention", "full", "etinfer full"}
+    assert {f.subject for f in figures} == {"latency", "throughput", "eta", "quality"}
+    ratios = [f for f in figures if f.unit == "x"]
+    assert all(f.labels["vs"] == "baseline" and f.labels["quick"] for f in ratios)
+    assert len(ratios) == 4 * 5  # the baseline is no ratio of its own
 
     runs = {r["config"]: r for r in report["runs"]}
     assert list(runs) == list(ablation.CONFIGS)

@@ -38,7 +38,8 @@ def report(loaded_model, tmp_path_factory):
     # faster than torch's int4 kernel where that is slow (held to AVX2 32 against 51 s). They are
     # CPU kernels; on CUDA the default weights serve.
     argv += ["--quantization", "auto" if ON_CUDA else "gguf"]
-    return stress.run(build_parser().parse_args(argv), loaded_model), out
+    figures, result = stress.run(build_parser().parse_args(argv), loaded_model)
+    return result | {"figures": figures}, out
 
 
 def figures(report: dict, arm: str, point: str) -> dict:
@@ -54,6 +55,12 @@ def test_the_grid_writes_its_report(report):
     assert (out / "stress.png").stat().st_size > 10_000
     expected = 1 + 2 * 2 + len(stress.ESTIMATORS)
     assert len(result["runs"]) == expected
+    # The result's figures: the tables' columns per arm and stress, the refitted temperatures.
+    read = [f.labels for f in result["figures"] if f.subject == "blocks read"]
+    blocks = {(labels["arm"], labels["stress"]) for labels in read}
+    assert ("no guards", "scale 2") in blocks and ("calibration", "none") in blocks
+    refitted = [f for f in result["figures"] if f.subject == "calibration temperature"]
+    assert {f.labels["stress"] for f in refitted} == {"none", "scale 2"}
 
 
 def test_over_confidence_prunes_harder_and_calibration_undoes_it(report):

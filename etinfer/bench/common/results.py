@@ -7,6 +7,16 @@ JSON) and vLLM's ``--save-result``: a figure is one number with the labels that 
 benchmark's own report rides along under ``details``. ``benchmarks/render.py`` builds
 BENCHMARKS.md from the results kept under ``benchmarks/results/``; a run writes under
 ``results/`` (ignored by git) unless ``--result`` names the file.
+
+Every command of ``etinfer bench`` and ``python -m studies`` writes through ``recorded``: its run
+function returns its figures and its report, and ``recorded`` stamps and writes them.
+
+Figures follow one convention, so that a page can select them across benchmarks: ``subject`` a
+short lowercase name of the quantity without its unit (``decode``, ``decode step``, ``top-1
+agreement``, ``latency``...), the same for the same quantity everywhere; a ratio its own figure
+with unit ``x`` and a ``vs`` label naming its reference, measured beside it in the same run;
+``labels`` only those that vary or that a reader needs (``engine``, ``model``, ``mode``,
+``batch``, ``context``, ``arm``, ``workload``...).
 """
 
 from __future__ import annotations
@@ -101,7 +111,7 @@ class Result:
     @classmethod
     def from_dict(cls, data: dict) -> Result:
         if data.get("schema") != SCHEMA:
-            raise ValueError(f"result schema must be {SCHEMA}, got {data.get('schema')!r}")
+            raise ValueError(f"a result's 'schema' must be {SCHEMA}, got {data.get('schema')!r}")
         data = dict(data)
         data["host"] = Host(**data["host"])
         data["figures"] = [Figure(**f) for f in data["figures"]]
@@ -172,6 +182,24 @@ def recorded(
         return 0
 
     return command
+
+
+def engine_device(engine_kwargs: dict) -> str:
+    """The device engines built with these settings run on (``cpu``, ``cuda``...), for a run
+    whose engines are gone by the time it is recorded."""
+    from etinfer.config import EngineConfig
+
+    return str(EngineConfig(device=engine_kwargs.get("device", "auto")).torch_device())
+
+
+def model_labels(path: Path) -> dict[str, Label]:
+    """The labels that name a model's file: a short name (``SmolLM2-135M-Instruct Q4_1``) and
+    its size in MiB; a folder's name alone."""
+    path = Path(path)
+    if path.is_dir():
+        return {"model": path.name}
+    name = path.stem.rsplit(".", 1)  # "SmolLM2-135M-Instruct.Q4_1": the model, its format
+    return {"model": " ".join(name), "model_mib": round(path.stat().st_size / 2**20, 1)}
 
 
 def checkout_commit() -> str | None:

@@ -1,11 +1,14 @@
 """The figures of a serving run, as vLLM's serving benchmark reports them (latencies in seconds),
-and their table."""
+their table, and the figures a result carries of them."""
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 
 from etinfer.bench.common.driver import RequestRecord
+from etinfer.bench.common.results import Figure, Label
 from etinfer.bench.common.stats import mean, percentile
 
 METRICS = (
@@ -29,6 +32,47 @@ METRICS = (
     "recomputed_tokens",
     "jain_fairness",
 )
+
+
+# The metrics a result carries: (metric, subject, unit, multiplier from seconds or counts, and
+# whether a ratio to the reference arm is its own figure: one throughput ratio, not two).
+RESULT_FIGURES = (
+    ("request_throughput", "throughput", "req/s", 1, True),
+    ("output_throughput", "throughput", "tok/s", 1, False),
+    ("ttft_p50", "ttft p50", "ms", 1000, True),
+    ("ttft_p99", "ttft p99", "ms", 1000, True),
+    ("tpot_mean", "tpot", "ms", 1000, True),
+    ("e2e_mean", "latency", "s", 1, True),
+    ("e2e_p99", "latency p99", "s", 1, True),
+    ("queue_mean", "queue time", "s", 1, True),
+    ("preemptions", "preemptions", "count", 1, False),
+)
+
+
+def result_figures(
+    arms: dict[str, list[dict]],
+    reference: str | None = None,
+    labels: dict[str, Label] | None = None,
+) -> list[Figure]:
+    """The figures a result carries of serving runs: per arm (its label ``arm``), each metric's
+    mean over the arm's runs (summaries of ``summarize``), with its sd where there are several;
+    for every other arm, its mean over ``reference``'s, each ratio its own figure."""
+    found = []
+    for name, runs in arms.items():
+        arm = (labels or {}) | {"arm": name}
+        against = None if reference is None or name == reference else arms[reference]
+        for metric, subject, unit, scale, compared in RESULT_FIGURES:
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            if not values:
+                continue
+            value = statistics.fmean(values)
+            spread = {"sd": scale * statistics.stdev(values)} if len(values) > 1 else None
+            found.append(Figure(subject, scale * value, unit, dict(arm), spread, len(values)))
+            base = [r[metric] for r in against or () if r.get(metric) is not None]
+            if compared and base and statistics.fmean(base):
+                ratio = value / statistics.fmean(base)
+                found.append(Figure(subject, ratio, "x", arm | {"vs": reference}, n=len(values)))
+    return found
 
 
 def summarize(

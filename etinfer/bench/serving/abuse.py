@@ -6,7 +6,10 @@ Each tree runs as ``etinfer serve`` in its own process with the same flags; ``--
 adds another checkout (say, the commit before the request limits) to the same run, so the two
 are compared side by side on the same machine and load.
 
-    etinfer bench abuse --baseline-tree /work/base --output results/abuse.json
+    etinfer bench abuse --baseline-tree /work/base
+
+The run's result holds each tree's figures (labelled ``arm``: ``this tree`` or ``baseline``), and
+its ``details`` the trees' rows.
 
 It needs the test extra's clients (httpx2, psutil), imported when it runs.
 """
@@ -17,17 +20,16 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from etinfer import options
 from etinfer.bench.common.local_server import LocalServer, local_server
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 
 MiB = 2**20
 STOP_COUNTS = (0, 1, 16, 1_000, 100_000)
@@ -210,23 +212,43 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--cases", nargs="+", help="a subset of the named requests")
     parser.add_argument("--max-waiting-requests", type=int, default=16)
     options.add_engine_options(parser, exclude=("seed",))
-    parser.add_argument("--output", help="write the figures as JSON here")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("abuse", run))
 
 
-def main(args: argparse.Namespace) -> int:
+def figures(result: TreeResult, arm: str) -> list[Figure]:
+    """What the tables print of one tree: latencies in seconds (a small request's median alone,
+    its slowest while a case is answered), memory, and the per-token cost of stop strings."""
+    found = [
+        Figure("small request", result.small_alone_s, "s", {"arm": arm, "request": "alone"}),
+        Figure("resident memory", result.rss_start_mib, "MiB", {"arm": arm, "request": "start"}),
+    ]
+    for case in result.cases:
+        labels = {"arm": arm, "request": case.name, "status": case.status}
+        found += [
+            Figure("answer time", case.answer_s, "s", labels),
+            Figure("small request max", case.small_max_s, "s", labels, n=case.small_count),
+            Figure("resident memory", case.rss_after_mib, "MiB", labels),
+        ]
+    burst = {"arm": arm, "request": "burst"}
+    found += [
+        Figure("burst time", result.burst["seconds"], "s", burst),
+        Figure("health check max", result.burst["health_max_s"], "s", burst),
+        *(
+            Figure("stop string cost", us / 1000, "ms", {"arm": arm, "count": int(count)})
+            for count, us in result.stop_us_per_token.items()
+        ),
+    ]
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     trees = [None] + ([args.baseline_tree] if args.baseline_tree else [])
     results = []
     for tree in trees:
         print(f"{tree or 'this tree'}:", flush=True)
         results.append(run_tree(tree, args))
     print_tables(results)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "machine": platform.processor() or platform.machine(),
-            "flags": options.engine_flags(args),
-            "trees": [asdict(r) for r in results],
-        }
-        Path(args.output).write_text(json.dumps(record, indent=2))
-    return 0
+    arms = ["this tree", "baseline"]
+    report = {"flags": options.engine_flags(args), "trees": [asdict(r) for r in results]}
+    return [f for r, arm in zip(results, arms, strict=False) for f in figures(r, arm)], report

@@ -17,7 +17,8 @@ from pathlib import Path
 from etinfer import options
 from etinfer.bench.common.driver import drive_server
 from etinfer.bench.common.local_server import local_server
-from etinfer.bench.common.serving_metrics import format_table, summarize
+from etinfer.bench.common.results import Figure
+from etinfer.bench.common.serving_metrics import format_table, result_figures, summarize
 from etinfer.bench.common.workload import TextPrompts, driver_requests, load_workload
 
 
@@ -62,7 +63,9 @@ def replica_shares(url: str) -> dict[str, float]:
     return shares
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
+    """Every arm on one trace: the figures of each, with ratios to the first arm's (one
+    replica, as ``--replicas 1 2`` asks), and the report (to ``--output`` too, if given)."""
     requests = load_workload(args)
     prompts = prompts_of(args, [r.prompt_tokens for r in requests])
     sent = driver_requests(requests, prompts)
@@ -80,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
             }
         print(format_table({label: results[label]}), flush=True)
     print(format_table(results))
+    report = {"cores": cores, "prompts": TextPrompts.SOURCE, "arms": results}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        report = {"cores": cores, "prompts": TextPrompts.SOURCE, "arms": results}
         Path(args.output).write_text(json.dumps(report, indent=2))
-    return 0
+    runs = {label: [summary] for label, summary in results.items()}
+    return result_figures(runs, reference=next(iter(results))), report

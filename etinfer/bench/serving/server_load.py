@@ -12,24 +12,25 @@ Without ``--url`` the benchmark starts ``etinfer serve`` in a subprocess on a fr
 port, with this command's engine options, so the server and this client do not share an
 interpreter (as in a real deployment; on a small machine they still share the cores).
 
-    etinfer bench server --rates 1 4 --num-requests 48 --output results/server_load.json
+    etinfer bench server --rates 1 4 --num-requests 48
+
+The run's result holds, per rate, the throughputs, TTFT p50 and p99, TPOT, ITL and latency
+(its ``details``: the settings and every rate's row).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 import random
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from etinfer import options
 from etinfer.bench.common.driver import Request, drive_server
 from etinfer.bench.common.local_server import local_server
 from etinfer.bench.common.prompts import instructions
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.bench.common.stats import summary
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
@@ -125,11 +126,35 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write the figures as JSON here")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("server", run))
 
 
-def main(args: argparse.Namespace) -> int:
+def figures(row: RateResult) -> list[Figure]:
+    labels = {"rate": row.rate}
+    n = row.completed
+    return [
+        Figure("throughput", row.request_throughput, "req/s", labels, n=n),
+        Figure("throughput", row.output_throughput, "tok/s", labels, n=n),
+        *(
+            Figure(subject, summary[key], "ms", labels, n=n)
+            for subject, summary, key in (
+                ("ttft p50", row.ttft_ms, "median"),
+                ("ttft p99", row.ttft_ms, "p99"),
+                ("tpot", row.tpot_ms, "mean"),
+                ("itl p50", row.itl_ms, "median"),
+            )
+            if summary[key] is not None
+        ),
+        *(
+            Figure(subject, row.e2e_ms[key] / 1000, "s", labels, n=n)
+            for subject, key in (("latency", "mean"), ("latency p99", "p99"))
+            if row.e2e_ms[key] is not None
+        ),
+    ]
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     if args.url:
         rows = run_all(args.url, args)
     else:
@@ -137,16 +162,8 @@ def main(args: argparse.Namespace) -> int:
         with local_server(flags) as server:
             rows = run_all(server.url, args)
     print_table(rows)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "machine": platform.processor() or platform.machine(),
-            "settings": {
-                k: v
-                for k, v in vars(args).items()
-                if k not in ("func", "api_key", "engine_options")
-            },
-            "rows": [asdict(r) for r in rows],
-        }
-        Path(args.output).write_text(json.dumps(record, indent=2))
-    return 0
+    settings = {
+        k: v for k, v in vars(args).items() if k not in ("func", "api_key", "engine_options")
+    }
+    report = {"settings": settings, "rows": [asdict(r) for r in rows]}
+    return [f for row in rows for f in figures(row)], report

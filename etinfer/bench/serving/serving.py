@@ -1,7 +1,7 @@
 """Serving benchmark: a seeded workload sent at wall-clock arrival times, latency and throughput.
 
     etinfer bench serving --policy entropy --num-requests 64 --request-rate 2 --seed 0 \\
-        --output result.json
+        --output requests.json
 
 The engine runs in this process on the wall clock (``bench/common/driver.py``): each request is
 added when its arrival time has passed, with that arrival time (a request that arrives while a step
@@ -15,6 +15,9 @@ benchmark: TTFT; TPOT excludes the first token; end-to-end latency; queue time f
 first scheduling. ``recomputed_tokens`` are tokens whose KV a preemption discarded, less those
 the prefix cache found again. ``jain_fairness`` is Jain's index over per-request output rates
 (output tokens over end-to-end latency): 1 when every request is served at the same rate.
+
+The run's result carries these figures (its ``details``: the summary, the policy); ``--output``
+writes them with every request's record.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from pathlib import Path
 
 from etinfer import options
 from etinfer.bench.common.driver import drive_engine, drive_server, warm_up
-from etinfer.bench.common.serving_metrics import format_table, summarize
+from etinfer.bench.common.results import Figure, add_result_option, recorded
+from etinfer.bench.common.serving_metrics import format_table, result_figures, summarize
 from etinfer.bench.common.workload import (
     TextPrompts,
     add_workload_args,
@@ -71,13 +75,13 @@ def wait_for_go(ready_file: str | None, go_file: str | None) -> None:
         time.sleep(0.01)
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     from etinfer.llm import LLM
 
     if args.replicas:
         from etinfer.bench.serving import replicas  # it builds on this module
 
-        return replicas.main(args)
+        return replicas.run(args)
     options.set_threads(args)
     requests = load_workload(args)
     lengths = [r.prompt_tokens for r in requests]
@@ -90,33 +94,37 @@ def main(args: argparse.Namespace) -> int:
             args.base_url, driver_requests(requests, prompts), model=args.served_model
         )
         result = summarize(records, duration)
+        device = {}  # the server's, which this client does not know
     else:
         engine = LLM(args.model, **engine_kwargs(args)).engine
         prompts = TextPrompts(engine.tokenizer).take(lengths, args.seed)
         warm_up(engine)
         wait_for_go(args.ready_file, args.go_file)
-        run = drive_engine(engine, driver_requests(requests, prompts))
-        records = run.records
+        driven = drive_engine(engine, driver_requests(requests, prompts))
+        records = driven.records
         scheduler = engine.scheduler
         result = summarize(
             records,
-            run.makespan,
+            driven.makespan,
             preemptions=scheduler.num_preemptions,
             recomputed_tokens=scheduler.num_recomputed_tokens,
         )
+        device = {"device": str(engine.config.torch_device())}
     label = f"server at {args.base_url}" if args.base_url else args.policy
     print(format_table({label: result}))
-    result = {
+    report = {
         "policy": label,
         "scheduling_config": args.scheduling_config,
         "prompts": TextPrompts.SOURCE,
         **result,
-        "requests": [asdict(r) for r in records],
+        **device,
     }
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2))
-    return 0
+        every = {"requests": [asdict(r) for r in records]}
+        Path(args.output).write_text(json.dumps(report | every, indent=2))
+    arm = "server" if args.base_url else args.policy
+    return result_figures({arm: [result]}), report
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -137,6 +145,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--ready-file", help="create this file when loaded and warmed up")
     parser.add_argument("--go-file", help="then start the workload once this file exists")
     parser.add_argument("--output", help="write the figures and per-request records as JSON")
+    add_result_option(parser)
     parser.add_argument(
         "--replicas",
         type=int,
@@ -151,4 +160,4 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help="with --replicas: every prompt opens with one of --num-prefixes texts this long",
     )
     parser.add_argument("--num-prefixes", type=positive_int, default=4)
-    parser.set_defaults(func=main)
+    parser.set_defaults(func=recorded("serving", run))

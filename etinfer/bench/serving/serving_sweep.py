@@ -20,6 +20,11 @@ Whatever else loads the machine loads both.
 
 ``--ablation`` pairs the full entropy policy with itself less one term at a time (all of them,
 or those named), in the busiest and the KV settings.
+
+The run's result holds each setting's figures per policy, with their sd over the repeats and
+their ratios to FCFS (to the full entropy policy under ``--ablation``); ``--output-dir`` keeps
+the workloads' traces, the tables (``serving.md``) and the report (``serving.json``, the
+result's ``details``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import numpy as np
 
 from etinfer import options
 from etinfer.bench.common import workload
-from etinfer.bench.common.serving_metrics import METRICS, format_table
+from etinfer.bench.common.results import Figure, add_result_option, recorded
+from etinfer.bench.common.serving_metrics import METRICS, format_table, result_figures
 from etinfer.bench.common.workload import TextPrompts
 from etinfer.bench.serving.serving import add_engine_options
 from etinfer.control.scheduling import SchedulingConfig
@@ -106,7 +112,8 @@ def run_pair(setting: Setting, variants: tuple[Variant, Variant], args) -> list[
                 "--policy", variant.policy, "--trace", str(setting.trace),
                 "--seed", str(args.seed), "--threads", "1",
                 "--ready-file", f"{tmp}/ready{i}", "--go-file", str(go),
-                "--output", f"{tmp}/out{i}.json", *options.engine_flags(engine_args),
+                "--output", f"{tmp}/out{i}.json", "--result", f"{tmp}/result{i}.json",
+                *options.engine_flags(engine_args),
             ]  # fmt: skip
             if variant.overrides:
                 command += ["--scheduling-config", json.dumps(variant.overrides)]
@@ -202,7 +209,15 @@ def report(settings: list[dict], ablation: bool) -> str:
     return "\n\n".join(parts)
 
 
-def main(args: argparse.Namespace) -> int:
+def figures(capacity: float, settings: list[dict], reference: str) -> list[Figure]:
+    """The capacity, and each setting's figures per variant, against ``reference``'s."""
+    found = [Figure("capacity", capacity, "req/s")]
+    for s in settings:
+        found += result_figures(s["runs"], reference, {"setting": s["name"]})
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity or measure_capacity(args)
@@ -235,7 +250,8 @@ def main(args: argparse.Namespace) -> int:
     name = "serving" if args.ablation is None else "ablation"
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     (out / f"{name}.md").write_text(text + "\n")
-    return 0
+    reference = FCFS.name if args.ablation is None else ENTROPY.name
+    return figures(capacity, results, reference), summary
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -261,4 +277,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help="switch off one term at a time: these (default: all)",
     )
     parser.add_argument("--output-dir", default="results/serving")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("serving-sweep", run))

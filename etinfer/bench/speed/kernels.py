@@ -8,12 +8,14 @@ values). ``--isa avx2`` runs the same in a second process with ATen and oneDNN h
 an AVX-512 host shows beside its own figures what an AVX2-only host's kernels do.
 
     etinfer bench kernels --rows 1 4 16 --isa avx2
+
+The run's result holds each kernel's milliseconds a step by rows and ISA (its ``details``: the
+tables by kernel and rows).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,8 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from etinfer.bench.common.child import child_figures
+from etinfer.bench.common.child import child_figures, with_child
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.model.linear import Linear
 from etinfer.options import positive_int
 
@@ -100,25 +103,28 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--isa", choices=sorted(ISA_ENV), help="also run held to this ISA")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    parser.set_defaults(func=main)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_result_option(parser)
+    parser.set_defaults(func=with_child(child, recorded("kernels", run)))
 
 
-def main(args: argparse.Namespace) -> int:
+def child(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The table of this process: the held-ISA child's part, and the parent's own."""
     torch.set_num_threads(args.threads)
-    table = measure(args.model, args.rows, args.repeats)
-    if args.json:  # the held-ISA child reports to its parent
-        print(json.dumps(table))
-        return 0
+    return measure(args.model, args.rows, args.repeats)
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
+    table = child(args)
     columns = {"native": table}
     if args.isa:
-        command = [sys.executable, "-m", "etinfer.cli", *sys.argv[1:], "--json"]
+        command = [sys.executable, "-m", "etinfer.cli", *sys.argv[1:], "--child"]
         command.remove("--isa")
         command.remove(args.isa)
         env = {**os.environ, **ISA_ENV[args.isa]}
         held = child_figures(command, f"held to {args.isa}", env)
         if held is None:
-            return 1
+            raise SystemExit(f"error: the kernels held to {args.isa} failed")
         columns[f"held to {args.isa}"] = held
     print(f"ms per decode step's weight matmuls, {args.threads} threads, torch {torch.__version__}")
     print(f"CPU flags: {cpu_flags()}")
@@ -128,4 +134,10 @@ def main(args: argparse.Namespace) -> int:
     for name in table:
         cells = [f"{t[name][str(r)]:,.1f}" for t in columns.values() for r in args.rows]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    return 0
+    figures = [
+        Figure("weight matmuls", ms, "ms", {"kernel": name, "rows": int(rows), "isa": isa})
+        for isa, kernels in columns.items()
+        for name, by_rows in kernels.items()
+        for rows, ms in by_rows.items()
+    ]
+    return figures, {"threads": args.threads, "columns": columns}

@@ -18,15 +18,15 @@ distinct text, at each batch size (the largest first, so that the smaller ones f
 prompts in the prefix cache), and the cache's bytes per token.
 
 Every engine is the default one but for its cache (weights in ``--quantization``), built one
-after another in this process: ratios are side by side in one run.
+after another in this process: ratios are side by side in one run. The run's result holds each
+type's KL, top-1 agreement, passkeys found and step time with its ratio to float32's (its
+``details``: the rows as printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-from pathlib import Path
 
 import torch
 
@@ -40,6 +40,7 @@ from etinfer.bench.common.fidelity import (
     passkey_cases,
 )
 from etinfer.bench.common.machine import cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, model_labels, recorded
 from etinfer.config import KV_CACHE_DTYPES
 from etinfer.model.kv_cache import kv_bytes_per_token
 from etinfer.model.loader import LoadedModel, load_model
@@ -119,7 +120,36 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
+def figures(rows: dict[str, dict], args: argparse.Namespace, model: dict) -> list[Figure]:
+    """Each type's figures, and those against float32 for the others; ``mode`` says which
+    weights computed them (float ones for fidelity)."""
+    found = []
+    for name, row in rows.items():
+        labels = {"kv_cache_dtype": name, "mode": args.quantization} | model
+        found += [
+            Figure("passkeys found", row["passkeys_found"], "count", labels, n=row["passkeys"]),
+            Figure("kv bytes per token", row["bytes_per_token"], "", labels),
+        ]
+        reference = name == "float32"
+        for batch, ms in row["step_ms"].items():
+            step = labels | {"batch": batch, "context": args.context}
+            found.append(Figure("decode step", ms, "ms", step, n=args.steps))
+            if not reference:
+                ratio = row["step_ratio"][batch]
+                found.append(Figure("decode step", ratio, "x", step | {"vs": "float32"}))
+        if reference:
+            continue
+        fidelity = labels | {"mode": args.fidelity_quantization, "vs": "float32"}
+        positions = row["positions"]
+        found += [
+            Figure("kl", row["kl_mean"], "nats", fidelity, n=positions),
+            Figure("kl max", row["kl_max"], "nats", fidelity, n=positions),
+            Figure("top-1 agreement", 100 * row["top1_agreement"], "%", fidelity, n=positions),
+        ]
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     runs = {}
@@ -133,9 +163,13 @@ def main(args: argparse.Namespace) -> int:
         f"{args.quantization} (passkeys, steps); CPU flags: {cpu_flags()}"
     )
     print(table(rows, args))
-    if args.output:
-        Path(args.output).write_text(json.dumps(rows, indent=2))
-    return 0
+    report = {
+        "threads": args.threads,
+        "quantization": args.quantization,
+        "fidelity_quantization": args.fidelity_quantization,
+        "rows": rows,
+    }
+    return figures(rows, args, model_labels(loaded.path)), report
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -167,5 +201,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--fidelity-steps", type=positive_int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--output", help="write the rows as JSON here")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("kv-cache", run))

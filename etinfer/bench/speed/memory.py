@@ -16,6 +16,9 @@ The target compares these with the file's size plus the KV pool's bytes. The poo
 written once at load, so that they count as they do once the pool has filled (untouched, they
 would not be resident and the figures would flatter). ``file pages`` is what of the GGUF mapping
 is resident at the end: the weights' prepared copy replaces it, so anything here is held twice.
+
+The run's result holds each mode's resident memory at the four points, its steady ratio to file
++ KV pool and its file pages (its ``details``: every mode's figures as the children print them).
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from etinfer.bench.common.child import child_figures
+from etinfer.bench.common.child import child_figures, with_child
 from etinfer.bench.common.machine import cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, model_labels, recorded
+from etinfer.model.catalog import resolve
 from etinfer.options import positive_int
 
 MiB = 2**20
@@ -101,29 +106,39 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.child:
-        print(json.dumps(child(args)))
-        return 0
+def figures(results: dict[str, dict], model: dict) -> list[Figure]:
+    found = []
+    for mode, r in results.items():
+        labels = {"mode": mode} | model
+        for point, mib in r["after"].items():
+            found.append(Figure("resident memory", mib, "MiB", labels | {"point": point}))
+        budget = r["file_mib"] + r["kv_mib"]
+        steady = labels | {"point": "steady", "vs": "file + kv pool"}
+        found.append(Figure("resident memory", r["after"]["steady"] / budget, "x", steady))
+        found.append(Figure("file pages resident", r["file_pages_mib"], "MiB", labels))
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     if not Path("/proc/self/pagemap").exists():
-        print(
-            "bench memory reads Linux's /proc/self/status and /proc/self/pagemap", file=sys.stderr
+        raise SystemExit(
+            "error: bench memory reads Linux's /proc/self/status and /proc/self/pagemap"
         )
-        return 1
     results = {}
     for mode in args.modes:
         command = [sys.executable, "-m", "etinfer.cli", "bench", "memory", "--child", mode]
         command += ["--kv-blocks", str(args.kv_blocks), "--threads", str(args.threads)]
         command += ["--steady-tokens", str(args.steady_tokens)]
         command += ["--model", args.model] if args.model else []
-        figures = child_figures(command, mode)
-        if figures is None:
-            return 1
-        results[mode] = figures
-        print(f"{mode}: {json.dumps(figures)}", flush=True)
+        measured = child_figures(command, mode)
+        if measured is None:
+            raise SystemExit(f"error: the {mode} engine failed")
+        results[mode] = measured
+        print(f"{mode}: {json.dumps(measured)}", flush=True)
     print(f"\nMiB over `import torch, etinfer`, {args.threads} threads, CPU flags: {cpu_flags()}")
     print(table(results))
-    return 0
+    report = {"threads": args.threads, "kv_blocks": args.kv_blocks, "modes": results}
+    return figures(results, model_labels(resolve(args.model))), report
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -134,4 +149,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--steady-tokens", type=positive_int, default=512)
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=with_child(child, recorded("memory", run)))

@@ -10,16 +10,18 @@ shapes.
     ETINFER_DEVICE=cuda etinfer bench prefill-attention --prefix 6144 --queries 2048
 
 Without a GPU it runs in Triton's interpreter at a toy size only (``TRITON_INTERPRET=1``).
+The run's result holds each arm's time a call, its ratio to SDPA's and its largest difference
+(its ``details``: the device and the arms' figures by name).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 
 import torch
 
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.bench.common.timing import median_ms
 from etinfer.config import KV_CACHE_DTYPES, EngineConfig
 from etinfer.model import gpu
@@ -29,8 +31,10 @@ from etinfer.model.gpu.paged_prefill import SIXTEEN_BIT, PrefillTiles, paged_pre
 from etinfer.model.kv_cache import KVCache
 from etinfer.options import positive_int
 
+SDPA = "sdpa over the gathered prefix"
 
-def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     if not gpu.available():
         raise SystemExit("bench prefill-attention needs Triton (the GPU's kernel)")
     device = EngineConfig(device=args.device).torch_device()
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             q, keys, values, *scales, slots, scale, tensor_cores=tensor_cores, tiles=tiles
         )
 
-    arms: dict[str, Callable[[], torch.Tensor]] = {"sdpa over the gathered prefix": sdpa}
+    arms: dict[str, Callable[[], torch.Tensor]] = {SDPA: sdpa}
     dots = ["float32"] + (["16-bit"] if cache.dtype in SIXTEEN_BIT else [])
     for tiles in [None, *args.tiles]:
         shape = "" if tiles is None else f", tiles {tiles.queries}x{tiles.keys}x{tiles.warps}"
@@ -86,12 +90,21 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         }
         print(f"{name}: {figures[name]['ms']:.3f} ms a call, "
               f"largest difference from SDPA {figures[name]['max_difference']:.1e}")  # fmt: skip
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(
-                vars(args) | {"device": str(device), "figures": figures}, f, indent=1, default=str
-            )
-    return figures
+    return arm_figures(figures, args), {"device": str(device), "arms": figures}
+
+
+def arm_figures(arms: dict[str, dict[str, float]], args: argparse.Namespace) -> list[Figure]:
+    """Each arm's time a call, its ratio to SDPA's and its largest difference from SDPA's."""
+    setting = {"prefix": args.prefix, "queries": args.queries, "kv_cache_dtype": args.cache_dtype}
+    found = []
+    for name, arm in arms.items():
+        labels = {"arm": name} | setting
+        found.append(Figure("prefill attention", arm["ms"], "ms", labels, n=args.repeats))
+        if name != SDPA:
+            ratio = arm["ms"] / arms[SDPA]["ms"]
+            found.append(Figure("prefill attention", ratio, "x", labels | {"vs": "sdpa"}))
+            found.append(Figure("largest difference", arm["max_difference"], "", labels))
+    return found
 
 
 def tiles_option(text: str) -> PrefillTiles:
@@ -122,10 +135,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         "--tiles", nargs="*", type=tiles_option, default=[], metavar="QxKxW",
         help="more launch shapes of the kernel: queries a program, keys an iteration, warps",
     )  # fmt: skip
-    parser.add_argument("--output", help="write the figures as JSON here")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("prefill-attention", run))

@@ -11,6 +11,9 @@ a shared, noisy machine allows. llama.cpp runs through ``llama-cpp-python`` in w
 ``--llama-cpp-python`` names (build it in a separate environment: it is not our dependency).
 
     etinfer bench quantization --llama-cpp-python ../llamacpp-venv/bin/python
+
+The run's result holds every engine's figures (``quantization_figures.py``), its ``details``
+every round and the best of them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from pathlib import Path
 import torch
 
 from etinfer import LLM, SamplingParams
-from etinfer.bench.common.child import child_figures, run_child
+from etinfer.bench.common.child import child_figures, run_child, with_child
 from etinfer.bench.common.decode_steps import context_prompts, ours_decode_step_ms
 from etinfer.bench.common.fidelity import logit_agreement
 from etinfer.bench.common.machine import ISA_ENV, cpu_flags
+from etinfer.bench.common.results import Figure, add_result_option, model_labels, recorded
 from etinfer.bench.speed.llama_cpp_driver import DECODE_CONTEXT, LLAMA_CPP
+from etinfer.bench.speed.quantization_figures import figures
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
@@ -233,10 +238,7 @@ def table(results: dict[str, dict], batches: list[int], prompt_len: int) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.child:
-        print(json.dumps(child(args)))
-        return 0
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     engines = [*args.modes]
     if not args.skip_transformers:
         engines.append("transformers")
@@ -272,7 +274,9 @@ def main(args: argparse.Namespace) -> int:
             f"llama.cpp one token a call against its batched logits: top-1 {r['self_top1']:.2%}, "
             f"KL {r['self_kl']:.5f}"
         )
-    return 0
+    setting = {"threads": args.threads, "isa": args.isa, "prompt_len": args.prompt_len}
+    found = figures(rounds, results, setting, model_labels(Path(model_path(args))))
+    return found, setting | {"rounds": rounds, "best": results}
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -296,4 +300,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--top-tokens-out", help=argparse.SUPPRESS)
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=with_child(child, recorded("quantization", run)))

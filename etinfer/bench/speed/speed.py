@@ -13,26 +13,28 @@
 Transformers runs on the engine's device in the engine's weight dtype (float32 on the CPU,
 bfloat16 on CUDA), from the same file or folder.
 
-    etinfer bench speed --output results/speed.json
+    etinfer bench speed --batch-sizes 1 16 --contexts 2048 8000
+
+The run's result holds each figure of both engines and our ratio to transformers (its
+``details``: the rows as printed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from etinfer import options
 from etinfer.bench.common.decode_steps import context_prompts, decode_budget, ours_decode_step_ms
 from etinfer.bench.common.prompts import TOPICS
+from etinfer.bench.common.results import Figure, add_result_option, model_labels, recorded
 from etinfer.bench.common.timing import synchronized_clock
 from etinfer.llm import LLM
+from etinfer.model.catalog import resolve
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
 
@@ -157,8 +159,6 @@ def load_transformers_model(
     own loader, on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    from etinfer.model.catalog import resolve
-
     path = resolve(model)
     if path.is_dir():
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -169,7 +169,27 @@ def load_transformers_model(
     return reference.to(device or torch.device("cpu")).eval()
 
 
-def run(args: argparse.Namespace) -> dict:
+def row_figures(row: ThroughputRow | StepRow | PrefillRow, model: dict) -> list[Figure]:
+    """Both engines' figure of a row, and ours over transformers' (``model``: its labels)."""
+    if isinstance(row, ThroughputRow):
+        subject, unit, ours, theirs = "throughput", "tok/s", row.ours_tok_s, row.transformers_tok_s
+        labels = {"batch": row.batch, "tokens": row.output_len}
+    elif isinstance(row, StepRow):
+        subject, unit, ours, theirs = "decode step", "ms", row.ours_ms, row.transformers_ms
+        labels = {"batch": row.batch, "context": row.context}
+    else:
+        subject, unit, ours, theirs = "prefill", "tok/s", row.ours_tok_s, row.transformers_tok_s
+        labels = {"context": row.context}
+    labels |= model
+    found = [Figure(subject, ours, unit, {"engine": "etinfer"} | labels)]
+    if theirs is not None:
+        found.append(Figure(subject, theirs, unit, {"engine": "transformers"} | labels))
+        versus = {"engine": "etinfer", "vs": "transformers"} | labels
+        found.append(Figure(subject, row.ratio, "x", versus))
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     torch.manual_seed(0)
     chunk = args.max_num_batched_tokens
     batch, context = max(args.context_batches), max(args.contexts)
@@ -213,23 +233,16 @@ def run(args: argparse.Namespace) -> dict:
         theirs = None if reference is None else transformers_prefill_tok_s(reference, llm, context)
         prefill_rows.append(PrefillRow(context, ours, theirs))
         print_row(prefill_rows[-1])
-    result = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, {device_name(llm)}",
-        "date": time.strftime("%Y-%m-%d"),
+    report = {
+        "device": str(config.torch_device()),
+        "threads": torch.get_num_threads(),
         "throughput": [asdict(r) | {"ratio": r.ratio} for r in throughput],
         "decode_step": [asdict(r) | {"ratio": r.ratio} for r in step_rows],
         "prefill": [asdict(r) | {"ratio": r.ratio} for r in prefill_rows],
     }
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2))
-    return result
-
-
-def device_name(llm: LLM) -> str:
-    device = llm.engine.config.torch_device()
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    rows = [*throughput, *step_rows, *prefill_rows]
+    model = model_labels(resolve(args.model))
+    return [f for row in rows for f in row_figures(row, model)], report
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -278,10 +291,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[])
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--output", help="write the figures as JSON here")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("speed", run))

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from etinfer import options
 from etinfer.bench.common.prompts import TOPICS
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from etinfer.sampling_params import SamplingParams
@@ -33,9 +34,19 @@ SCALAR_READ_EVENTS = ("aten::item",)
 PROFILER_OWN_SYNC = "cudaDeviceSynchronize"
 COPY_EVENTS = ("Memcpy HtoD", "Memcpy DtoH", "Memcpy DtoD")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+# Each figure a step: its subject, and its unit.
+SUBJECTS = {
+    "host ms a step": ("host time a step", "ms"),
+    "device ms a step": ("device time a step", "ms"),
+    "kernel launches a step": ("kernel launches a step", "count"),
+    "host-device copies a step": ("host-device copies a step", "count"),
+    "host syncs a step": ("host syncs a step", "count"),
+    "scalar reads a step": ("scalar reads a step", "count"),
+}
 
 
-def run(args: argparse.Namespace) -> dict[str, float]:
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
+    """The figures a decode step, and the report: the device, and each figure by its name."""
     llm = LLM(args.model, max_num_seqs=args.batch, **options.engine_kwargs(args))
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 8, ignore_eos=True)
@@ -76,7 +87,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print(f"{engine.config.torch_device()}, batch {args.batch}, {args.steps} decode steps:")
     for name, value in figures.items():
         print(f"  {name}: {value:.1f}")
-    return figures
+    found = []
+    for name, value in figures.items():
+        subject, unit = SUBJECTS[name]
+        found.append(Figure(subject, value, unit, {"batch": args.batch}, n=args.steps))
+    report = {"device": str(engine.config.torch_device()), "steps": args.steps, "per_step": figures}
+    return found, report
 
 
 @contextlib.contextmanager
@@ -108,9 +124,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=8, help="steps run before profiling")
     parser.add_argument("--steps", type=positive_int, default=10, help="decode steps profiled")
     parser.add_argument("--rows", type=positive_int, default=25, help="operators listed")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    run(args)
-    return 0
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("step-profile", run))

@@ -11,13 +11,15 @@ In one run, on the twenty schemas of ``schemas.py``:
 - through the ``openai`` client against ``etinfer serve``: ``--requests`` chat requests over
   the schemas (half streamed) mixed with free completions, each constrained reply parsed and
   validated with ``jsonschema``.
+
+The run's result holds the compile times, the decode rates with their ratios to free decoding,
+the mask's cost and the valid replies (its ``details``: every row).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,7 @@ import torch
 
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.machine import machine
+from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.bench.structured.schemas import SCHEMAS, schema_format
 from etinfer.model.loader import load_model
 from etinfer.options import positive_int
@@ -154,7 +157,32 @@ def served(requests: int, model: str | None, concurrency: int) -> dict:
         }
 
 
-def main(args: argparse.Namespace) -> None:
+def figures(times: list[float], rows: list[dict]) -> list[Figure]:
+    median = sorted(times)[len(times) // 2]  # as printed: one schema's own time
+    found = [
+        Figure("compile time", 1000 * median, "ms", {"statistic": "median"}, n=len(times)),
+        Figure("compile time", 1000 * max(times), "ms", {"statistic": "max"}, n=len(times)),
+    ]
+    for row in rows:
+        if "batch" not in row:  # through the server
+            valid = 100 * row["valid"] / row["requests"]
+            found.append(Figure("valid replies", valid, "%", n=row["requests"]))
+            continue
+        batch, n = row["batch"], row["tokens"]
+        for arm, rate, ratio in (
+            ("constrained", "constrained_tok_s", "ratio"),
+            ("jump-forward", "jump_forward_tok_s", "jump_forward_ratio"),
+        ):
+            labels = {"arm": arm, "batch": batch}
+            found.append(Figure("decode", row[rate], "tok/s", labels, n=n))
+            # Free time over constrained time: the constrained rate over the free one.
+            found.append(Figure("decode", row[ratio], "x", labels | {"vs": "free"}, n=n))
+        found.append(Figure("decode", row["free_tok_s"], "tok/s", {"arm": "free", "batch": batch}))
+        found.append(Figure("mask cost", row["mask_ms_per_token"], "ms", {"batch": batch}, n=n))
+    return found
+
+
+def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     torch.set_num_threads(args.threads)
     print(json.dumps(machine()))
     loaded = load_model(args.model)
@@ -184,10 +212,9 @@ def main(args: argparse.Namespace) -> None:
             f"beside {result['free_requests']} free requests, in {result['seconds']:.0f} s"
         )
         rows.append(result)
-    if args.output:
-        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump({"machine": machine(), "compile_s": times, "rows": rows}, f, indent=1)
+    device = str(llm.engine.config.torch_device())
+    report = {"threads": args.threads, "device": device, "compile_s": times, "rows": rows}
+    return figures(times, rows), report
 
 
 def add_command(kinds: argparse._SubParsersAction) -> None:
@@ -198,5 +225,5 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--requests", type=int, default=200, help="through the server (0: skip)")
     parser.add_argument("--concurrency", type=positive_int, default=16)
     parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--output", help="write the figures as JSON here")
-    parser.set_defaults(func=main)
+    add_result_option(parser)
+    parser.set_defaults(func=recorded("structured", run))

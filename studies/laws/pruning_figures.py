@@ -1,0 +1,78 @@
+"""The figures a pruning (or fidelity) run's result carries, from its report's parts: per
+configuration (``arm``) its decode step against dense's and the blocks it kept (timed on the
+report's ``clock``); teacher-forced KL, top-1 agreement, perplexity and step time against dense
+(``workload`` ``teacher-forced``, CPU time); passkeys found per haystack; KL with the first
+layers dense."""
+
+from __future__ import annotations
+
+from etinfer.bench.common.results import Figure
+
+DENSE = {"vs": "dense"}
+
+
+def figures(report: dict, steps: int) -> list[Figure]:
+    """``steps``: the decode steps timed for each point of the speed part."""
+    return [
+        *speed_figures(report.get("speed", []), steps, report["clock"]),
+        *fidelity_figures(report.get("fidelity", [])),
+        *passkey_figures(report.get("passkey", [])),
+        *layer_figures(report.get("dense_layers", [])),
+    ]
+
+
+def speed_figures(rows: list[dict], steps: int, clock: str) -> list[Figure]:
+    found = []
+    for row in rows:
+        setting = {"batch": row["batch"], "context": row["context"]}
+        for name, arm in row.items():
+            if name in setting:
+                continue
+            labels = {"arm": name} | setting | {"clock": clock}
+            found += [
+                Figure("decode step", arm["ms"], "ms", labels, n=steps),
+                Figure("decode step", arm["ratio"], "x", labels | DENSE, n=steps),
+                Figure("blocks kept", 100 * arm["blocks_kept"], "%", labels, n=steps),
+            ]
+    return found
+
+
+def fidelity_figures(rows: list[dict]) -> list[Figure]:
+    found = []
+    for row in rows:
+        labels = {"arm": row["scorer"], "batch": row["batch"], "context": row["context"]}
+        labels["workload"] = "teacher-forced"
+        n = row["steps"]
+        found += [
+            Figure("kl", row["kl_mean"], "nats", labels | DENSE, n=n),
+            Figure("kl max", row["kl_max"], "nats", labels | DENSE, n=n),
+            Figure("top-1 agreement", 100 * row["top1_agreement"], "%", labels | DENSE, n=n),
+            Figure("perplexity", row["perplexity_ratio"], "x", labels | DENSE, n=n),
+            Figure("blocks kept", 100 * row["blocks_kept"], "%", labels, n=n),
+            Figure("decode step", row["step_ratio"], "x", labels | DENSE, n=n),
+        ]
+    return found
+
+
+def passkey_figures(rows: list[dict]) -> list[Figure]:
+    """Passkeys found per configuration (dense too) and haystack, over every length and
+    depth."""
+    found: dict[tuple[str, str], list[bool]] = {}
+    for row in rows:
+        for name, hit in row.items():
+            if name not in ("haystack", "length", "depth"):
+                found.setdefault((name, row["haystack"]), []).append(hit)
+    return [
+        Figure(
+            "passkeys found", sum(hits), "count", {"arm": arm, "workload": haystack}, n=len(hits)
+        )
+        for (arm, haystack), hits in found.items()
+    ]
+
+
+def layer_figures(rows: list[dict]) -> list[Figure]:
+    found = []
+    for row in rows:
+        labels = {"arm": "bound", "dense_layers": row["dense_layers"], "workload": "teacher-forced"}
+        found.append(Figure("kl", row["kl_mean"], "nats", labels | DENSE))
+    return found
