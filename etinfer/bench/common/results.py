@@ -106,7 +106,7 @@ class Result:
     schema: int = SCHEMA
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False) + "\n"
+        return compact_json(dataclasses.asdict(self)) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict) -> Result:
@@ -120,6 +120,35 @@ class Result:
     @classmethod
     def read(cls, path: Path) -> Result:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def compact_json(value: object, indent: str = "") -> str:
+    """JSON with each record on one line (a figure, the host: a mapping of plain values or of
+    lists and mappings of plain values) and anything else under 100 characters; the rest nested,
+    one space a level. A kept result reads as a table of figures, and a changed figure is one
+    changed line of a diff."""
+    flat = json.dumps(value)
+    if not isinstance(value, dict | list) or not value or _is_record(value):
+        return flat
+    if len(indent) + len(flat) <= 100:
+        return flat
+    inner = indent + " "
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(k)}: {compact_json(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    items = [inner + compact_json(v, inner) for v in value]
+    return "[\n" + ",\n".join(items) + f"\n{indent}]"
+
+
+def _is_record(value: object) -> bool:
+    def plain(v: object) -> bool:
+        return not isinstance(v, dict | list)
+
+    def shallow(v: object) -> bool:
+        members = v.values() if isinstance(v, dict) else v if isinstance(v, list) else [v]
+        return all(plain(m) for m in members)
+
+    return isinstance(value, dict) and all(shallow(v) for v in value.values())
 
 
 def new_result(
