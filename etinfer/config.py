@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from etinfer.compatibility import check_compatible
 from etinfer.control.config import ControlConfig
 from etinfer.control.drafting import SpeculativeConfig
 from etinfer.control.scheduling import SCHEDULING_POLICIES
@@ -162,7 +163,7 @@ class EngineConfig:
         default=False,
         metadata={
             "help": "structured output: verify a grammar's forced continuation in one step "
-            "(off under control.switching and control.kv_compression)"
+            "(not with control.switching or control.kv_compression)"
         },
     )
     stress: StressConfig | None = field(
@@ -202,49 +203,19 @@ class EngineConfig:
         self._check_draft_model()
         if self.control.sparse_prefill_config is not None:
             self.control.sparse_prefill_config.check_block_size(self.block_size)
-        self._check_batch_invariant()
-        if self.control.kv_compression_config is not None and (
-            self.speculative is not None or self.control.switching_config is not None
-        ):
-            # Both compute several positions of a sequence in one step or roll it back, which a
-            # compressed cache (fewer entries than positions) does not support yet.
-            raise ValueError(
-                "control.kv_compression cannot be combined with speculative or switching yet"
-            )
-
-    def _check_batch_invariant(self) -> None:
-        """Layers that choose per step which blocks a row reads decide for decode rows; taking
-        prefill rows through them too would change what they are."""
-        if not self.batch_invariant:
-            return
-        for name in ("sparse_prefill", "pruning"):
-            if getattr(self.control, f"{name}_config") is not None:
-                raise ValueError(
-                    f"batch_invariant and control.{name} cannot be combined: {name} chooses "
-                    "which blocks a row reads, so a row's result depends on its step anyway"
-                )
+        check_compatible(self)
 
     def _check_draft_model(self) -> None:
         method = None if self.speculative is None else self.speculative.method
-        if self.speculative is not None and self.step_shaper != "plain":
-            raise ValueError(
-                f"speculative decoding shapes the steps itself: step_shaper must stay 'plain', "
-                f"got {self.step_shaper!r}"
-            )
         if method == "draft" and self.draft_model is None:
             raise ValueError("speculative method 'draft' needs a draft_model ('self:N' or a path)")
-        if self.control.switching_config is not None:
-            # The catch-up reuses the small model's layers: it must be the model's own.
-            if self.draft_model is None or not self.draft_model.startswith("self:"):
-                raise ValueError(
-                    f"control.switching needs draft_model='self:N' (the small model), got "
-                    f"{self.draft_model!r}"
-                )
-            if self.speculative is not None:
-                raise ValueError("control.switching and speculative cannot be combined yet")
-            if self.control.sparse_prefill_config is not None:
-                # Its catch-up chunks are prefill over generated tokens: they must stay exact.
-                raise ValueError("control.switching and sparse_prefill cannot be combined yet")
+        # Switching's catch-up reuses the small model's layers: it must be the model's own.
+        own = self.draft_model is not None and self.draft_model.startswith("self:")
+        if self.control.switching_config is not None and not own:
+            raise ValueError(
+                f"control.switching needs draft_model='self:N' (the small model), got "
+                f"{self.draft_model!r}"
+            )
 
     @property
     def policy_name(self) -> str:

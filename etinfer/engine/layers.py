@@ -7,14 +7,16 @@ the layers with engine-side mechanics from their own folders: ``engine/kv_compre
 ``engine/speculative/`` (drafting with verification, and Entropy Adaptive Decoding), and
 structured output's jump-forward (``structured/jump_forward.py``). Each layer that is on also
 gives every request entering the engine its state object (``start_layers``), hung on the
-sequence under the layer's name. Removing such a layer is removing its folder, its lines here
-and its switch in ``config.py``.
+sequence under the layer's name. Which layers combine with each other and with the model is
+``etinfer/compatibility.py``'s table, checked here first. Removing such a layer is removing its
+folder, its lines here, its rows in that table and its switch in ``config.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from etinfer.compatibility import check_compatible
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
@@ -58,6 +60,7 @@ class EngineLayers:
         max_model_len: int,
         calibration: Calibration | None,
     ) -> EngineLayers:
+        check_compatible(config, loaded.config)  # the model's features are known now
         control = config.control
         policy = SCHEDULING_POLICIES.create(
             config.policy_name,
@@ -97,8 +100,7 @@ class EngineLayers:
         if config.speculative is not None:
             speculator = Speculator(config, runner, kv, loaded.tokenizer)
         jump_forward = None
-        # The switcher's small-model rows and a compressed cache take no drafts.
-        if config.jump_forward and switcher is None and compressor is None:
+        if config.jump_forward:
             jump_forward = JumpForward(
                 kv,
                 loaded.tokenizer,

@@ -57,14 +57,10 @@ class KVCompressor:
         kv: KVCacheManager,
         device: torch.device,
     ) -> None:
-        if model.uniform_window is not None:
-            raise ValueError(
-                "kv_compression needs layers that see the whole context: every layer of this "
-                f"model slides (window {model.uniform_window}) and reads no more than that"
-            )
-        # Where some layers slide (Gemma 3), those keep their most recent positions: their
-        # window then reads the same keys as before compaction, which needs a budget that
-        # holds it (the cache's last entries are the last positions, in order).
+        # A window on every layer is refused (etinfer/compatibility.py). Where some layers
+        # slide (Gemma 3), those keep their most recent positions: their window then reads the
+        # same keys as before compaction, which needs a budget that holds it (the cache's last
+        # entries are the last positions, in order).
         self.local_layers = model.local_layers
         if self.local_layers and config.budget < model.sliding_window:
             raise ValueError(

@@ -45,19 +45,10 @@ class ModelRunner:
         selector can be installed later, ``set_selector``) or sparse prefill is on.
         ``query_capturer``: the layer that keeps some rows' queries, if one is on."""
         config, sparse_prefill = model.config, options.sparse_prefill
-        if config.attention_softcap is not None and (
-            selector.needs_summaries or sparse_prefill is not None or query_capturer is not None
-        ):
-            raise ValueError(
-                "pruning, sparse_prefill and kv_compression rank attention scores without "
-                "Gemma 2's soft cap: they do not support this model yet"
-            )
         prefill_selector = None
         if sparse_prefill is not None:
             # Where only some layers slide (Gemma 3), those read their window densely and the
             # others are narrowed; a window on every layer (Mistral) leaves nothing to narrow.
-            if config.uniform_window is not None:
-                raise ValueError("sparse_prefill does not support sliding-window attention yet")
             prefill_selector = SparsePrefillSelector(
                 sparse_prefill,
                 num_layers=config.num_layers,
