@@ -86,7 +86,7 @@ FULL = Sizes(
     max_tokens={"retrieval": 10, "continuation": 64, "free": 128, "instruction": 64, "chat": 96},
     rate=0.36,
 )
-# The paper's regime (issue 37): distinct documents of 4-7.5K tokens (the model's context is
+# The paper's regime: distinct documents of 4-7.5K tokens (the model's context is
 # 8,192, and each request must fit with its output), passkeys at the same lengths, decodes of
 # 128 and 512 tokens. At 0.04 req/s the baseline engine stepped 379 of the run's 455 CPU-clock
 # seconds (two threads, 2026-11-26): its capacity is about 0.047 req/s, so requests arrive a

@@ -40,7 +40,7 @@ from studies import PROGRAM
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per engine step, fitted to two cores of this CPU (BENCHMARKS, issue 2): a decode
+    """Seconds per engine step, fitted to two cores of this CPU (BENCHMARKS.md, "Serving"): a decode
     step takes 34 ms at batch 1, 55 ms at 16 and 96 ms at 32; decode attention adds about 3 us
     per row and context token; a prefill chunk of 1,024 tokens takes about a third of a second.
     ``speed`` divides everything (0.5: a machine half as fast)."""

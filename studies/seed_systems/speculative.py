@@ -1,4 +1,4 @@
-"""Speculative decoding against plain decoding, side by side in one run (issue 16).
+"""Speculative decoding against plain decoding, side by side in one run.
 
 Two workloads, both chat-templated: ``chat`` (the instructions of ``bench/common/prompts.py``) and
 ``copy`` (rewrite a passage of Python's own reference documentation, ``pydoc_data``, shipped with

@@ -1,4 +1,4 @@
-"""Entropy Adaptive Decoding's curve (issue 16): large-model share against quality, over
+"""Entropy Adaptive Decoding's curve: large-model share against quality, over
 thresholds, and what it costs, against the large model alone in the same run.
 
 The workload is the ablation's greedy tasks (``bench/common/mixed_workload.py``): passkey retrieval

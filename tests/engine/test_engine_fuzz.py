@@ -1,7 +1,7 @@
 """A stateful fuzz of the engine: requests added, aborted and stepped at random on a tiny
 random-weight model, with each layer that allocates, shares, rolls back or rewrites KV blocks
 switched on in turn, and the engine's invariants checked after every rule. It found nothing
-the tests before it had not; the prefix-cache eviction it was written alongside (issue 39) is
+the tests before it had not; the prefix-cache eviction it was written alongside is
 held by tests/engine/test_block_pool.py.
 
 CI runs a short profile; ``pytest tests/engine/test_engine_fuzz.py --hypothesis-profile=fuzz-long``

@@ -122,7 +122,7 @@ def test_a_prompt_gives_the_same_tokens_and_logprobs_alone_and_in_a_batch(gguf_l
 @cpu_only
 def test_16_bit_activations_follow_the_float_model_closer(make_llm, float_llm):
     """``gguf-a16`` on 1,024 positions of real text: 99.9 % top-1 agreement measured on 2,048
-    (issue 35's target 98 %), KL 6e-7 nat; row-invariant as ``gguf`` is."""
+    (the target was 98 %), KL 6e-7 nat; row-invariant as ``gguf`` is."""
     precise = make_llm(quantization="gguf-a16", max_num_seqs=16)
     head = precise.engine.runner.model.lm_head.layer
     assert isinstance(head, BlockLinear) and head.product.precise

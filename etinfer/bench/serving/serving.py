@@ -50,8 +50,8 @@ def add_engine_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...]
         parser,
         exclude=("control", "scheduling_policy", "seed", *exclude),
         # 16 sequences are near this CPU's throughput knee (293 tok/s against 332 at 32,
-        # BENCHMARKS issue 2): more only stretches every request, and fewer let a queue form past
-        # saturation.
+        # BENCHMARKS.md, "Serving"): more only stretches every request, and fewer let a queue
+        # form past saturation.
         defaults={"max_num_seqs": 16},
     )
 

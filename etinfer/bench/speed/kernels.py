@@ -1,5 +1,5 @@
 """Weight-matmul kernels for one decode step of the default model, side by side: what a quantized
-weight path can gain on this machine before any of it is built (issue 15).
+weight path can gain on this machine before any of it is built.
 
 Each candidate multiplies ``rows`` activation rows by every weight of one step: per layer the
 fused q/k/v, the output projection, the fused gate/up and the down projection, and the output

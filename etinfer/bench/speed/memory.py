@@ -1,4 +1,4 @@
-"""Resident memory of an engine against its file and KV cache (issue 35's "memory as loaded").
+"""Resident memory of an engine against its file and KV cache ("memory as loaded").
 
     etinfer bench memory --modes auto gguf none
 

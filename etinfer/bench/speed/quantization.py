@@ -1,4 +1,4 @@
-"""The weight formats side by side (issue 15): for each ``quantization`` mode of our engine,
+"""The weight formats side by side: for each ``quantization`` mode of our engine,
 transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 decode rate, the
 prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
 logits follow the float model's on real text (llama.cpp's too, as a reference: its logits on

@@ -8,7 +8,7 @@ free and holds nothing cached. On the CPU, decode attention reads a sequence's b
 and consecutive blocks read about 1.7x faster than scattered ones (the hardware prefetcher keeps
 streaming). A cached block is never taken for that: when prompts share an opening, every
 sequence's table starts with the same block and the block after it holds another prompt's
-second block, so taking it evicted that prompt's whole chain (issue 39: four 7K-token prompts
+second block, so taking it evicted that prompt's whole chain (four 7K-token prompts
 with a shared 25-token opening, sent again, found 16 tokens cached where 6,992 were).
 """
 

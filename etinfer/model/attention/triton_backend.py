@@ -3,12 +3,12 @@ holds them. Decode rows go through the paged decode kernel, which reads the bloc
 (no per-step pattern, so a plain decode step can be a CUDA graph) and takes a selector's blocks
 as its mask. Prefill goes through the paged prefill kernel where a chunk follows a cached
 prefix in a 16-bit cache, whose dots run on tensor cores (on an H200, 0.40 ms a layer against
-SDPA's 2.2 for 2,048 queries after 6,144 positions; BENCHMARKS.md, "The CUDA path on an H200,
-fifth session"); over a float32 or int8 cache such a chunk keeps SDPA over the gathered prefix
-(the kernel's IEEE float32 dots took 3.9), and a chunk with no prefix SDPA's flash kernel,
-which needs no cache at all. Sparse prefill's pieces always take the kernel, which reads the
-kept positions in place. The CUDA device's choice; elsewhere it runs in Triton's interpreter,
-which its tests use."""
+SDPA's 2.2 for 2,048 queries after 6,144 positions; BENCHMARKS.md, "The CUDA path on an H200:
+prefill on tensor cores"); over a float32 or int8 cache such a chunk keeps SDPA over the
+gathered prefix (the kernel's IEEE float32 dots took 3.9), and a chunk with no prefix SDPA's
+flash kernel, which needs no cache at all. Sparse prefill's pieces always take the kernel, which
+reads the kept positions in place. The CUDA device's choice; elsewhere it runs in Triton's
+interpreter, which its tests use."""
 
 from __future__ import annotations
 

@@ -28,8 +28,9 @@ class PrefillTiles(NamedTuple):
 
 # Launch shapes per kind of dot and head dimension, the fastest measured on an H200 (one layer,
 # 2,048 queries after 6,144 positions in shuffled blocks of a bfloat16 cache; BENCHMARKS.md, "The
-# CUDA path on an H200, fifth session"), save at head dim 64 with tensor cores: 64x64x4 took
-# 0.40 ms and 64x32x4 0.38, within the run's noise, and the engine's figures ran the first.
+# CUDA path on an H200: prefill on tensor cores"), save at head dim 64 with tensor cores:
+# 64x64x4 took 0.40 ms and 64x32x4 0.38, within the run's noise, and the engine's figures ran
+# the first.
 # Tensor-core dots took 0.40 ms at head dim 64 (SDPA over the gathered prefix 2.2), 1.8 at 128
 # (7.9), 0.83 at 256 (2.3); float32 dots lost to SDPA at every shape (3.9, 40, 15). Register
 # spills did not predict the times: float32 dots of 16 queries in 4 warps spill 372 bytes a

@@ -1,8 +1,8 @@
 /* Block-sparse decode, the parts around the attention kernel (model/block_kernels.py calls
  * them): the CSR pattern of the blocks each decode row reads, and the key-bound score of every
  * block for every query head. In torch each is some twenty operations a layer, which at 8K
- * tokens cost more than the attention that pruning saves (BENCHMARKS.md, issue 37); here each is
- * one pass over what it writes. Both compute exactly what their torch forms in decode_pattern.py
+ * tokens cost more than the attention that pruning saves (BENCHMARKS.md, "Entropic pruning"); here each is
+ * one pass over what it writes. Both compute exactly what their torch forms in model/attention/pattern.py
  * and control/block_selection.py compute (the pattern bit for bit; the scores up to the order of
  * a dot product's additions).
  */
@@ -16,7 +16,7 @@
  * 0 for none. Writes visible [rows, kv_heads, width] (1 where read), crow [rows * kv_heads *
  * group + 1], and cols and outside (one entry a slot of every read block: its cache row
  * kv_head * num_slots + slot, and 1 where the slot is outside the context). A query row
- * (row, kv_head, j) reads its blocks in order, as decode_pattern.build_decode_pattern lays them
+ * (row, kv_head, j) reads its blocks in order, as model/attention/pattern.py lays them
  * out. Returns the entries written, or -1 (nothing valid written) if they would pass
  * `capacity`, or a block id is outside [0, num_blocks). */
 int64_t decode_pattern(const int64_t *tables, const int64_t *lens, const uint8_t *mask,

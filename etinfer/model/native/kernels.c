@@ -5,7 +5,7 @@
  *
  * Decode attention runs over a CSR pattern of cache rows: scores, masking, softmax and the
  * weighted sum of values. The query heads that share a KV head read the same entries
- * (decode_pattern.py repeats a KV head's runs for each of them), so they are taken together:
+ * (model/attention/pattern.py repeats a KV head's runs for each of them), so they are taken together:
  * each key is loaded once for the group's dot products. Every row is still computed on its own,
  * in entry order, with a fixed order of additions: a row's result depends neither on the other
  * rows of the call nor on how they are split among threads (batching invariance). Vectors are 8
