@@ -7,7 +7,9 @@ the device and the KV cache's dtype. Every pair that does not combine is a ``Pai
 computes it, what then runs eagerly). ``check_compatible`` is the one place a combination is
 refused: ``EngineConfig`` calls it for what the config decides, the engine's build again once
 the model is known. The README's table is ``render_markdown()``
-(``python -m etinfer.compatibility`` prints it).
+(``python -m etinfer.compatibility`` prints it). Which attention backend runs where is not a
+pair of this table but each backend's ``refusal`` (``model/attention/``): it turns on what this
+host has (the native library built, Triton installed or interpreted), not only on settings.
 """
 
 from __future__ import annotations
