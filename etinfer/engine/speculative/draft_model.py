@@ -39,6 +39,7 @@ class _Shadow:
     num_registered_blocks: int = 0
     kv_offset: int = 0  # never compressed
     kv_compressed: bool = False
+    kv_compression: None = None  # the layer's state: its cache is never compressed
 
 
 class DraftModelProposer:
