@@ -214,13 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Run the command ``argv`` names; a ValueError (bad input) is one line and exit status 2."""
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from etinfer.cli import run_command
+
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, as etinfer's own commands are: a study's --help needs only its own module.
@@ -28,12 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":
