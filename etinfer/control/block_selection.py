@@ -20,7 +20,12 @@ meant to save, so two proxies are offered:
 - ``bound-value``: the key bound with a value factor. Dropping a block changes the attention
   output by about its mass times the distance between its mean value and the output, so the
   score is ``log(bound mass) + log ||v_b - o||``, with ``o`` the output the bounds themselves
-  predict (their softmax over the blocks' mean values, which the cache keeps as sums).
+  predict (their softmax over the blocks' mean values, which the cache keeps as sums);
+- ``reused-mass`` (after TidalDecode): a few selection layers attend densely, and attention
+  records the exact mass each block got there (free: the dense weights are computed anyway);
+  every later layer keeps the blocks the last selection layer weighed most (the most any of its
+  heads gave), until the next one. Exact where it ranks, it needs no key bounds at all; a layer
+  that pruned this way certifies nothing it dropped (its dropped mass reads 1).
 
 **Per-head budgets** (``head_budgets``, after EntropyInfer and AdaKV): the sequence's budget,
 times its KV heads, is shared among the heads by one ranking of every (head, block) pair by the
@@ -47,87 +52,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from etinfer.control.block_budgets import PruningConfig, plan_budget, selection_layers
+from etinfer.control.block_scores import best_of, key_bound_scores, value_weighted
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
-from etinfer.model import block_kernels
 from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
-from etinfer.validation import check_choice, check_float, check_int
-
-SCORERS = ("bound", "bound-value", "mass")
-
-
-@dataclass(frozen=True)
-class PruningConfig:
-    scorer: str = "bound"
-    min_context: int = 1024  # tokens; shorter contexts attend densely
-    dense_layers: int = 2  # the first layers stay dense (Quest keeps two; measured here too)
-    min_blocks: int = 8
-    sink_blocks: int = 1
-    recent_blocks: int = 2
-    entropy_floor: float = 0.5  # nats
-    entropy_high: float = 4.0  # at and above it the budget is budget_high
-    budget_low: float = 0.125  # fraction of blocks kept at (or below) the floor
-    budget_high: float = 0.5
-    max_shrink: float = 0.25  # a budget loses at most this fraction per step
-    refresh_interval: int = 16  # mass scorer: a dense step this often
-    head_budgets: bool = False  # share the budget among KV heads by where their attention lies
-    head_floor: float = 0.5  # share of the budget each head keeps by its own ranking first
-
-    def __post_init__(self) -> None:
-        check_choice("scorer", self.scorer, SCORERS)
-        check_int("min_context", self.min_context, low=0)
-        check_int("dense_layers", self.dense_layers, low=0)
-        check_int("sink_blocks", self.sink_blocks, low=0)
-        check_int("recent_blocks", self.recent_blocks, low=0)
-        # The always-kept blocks fit in every budget, so none of them is ever cut.
-        check_int("min_blocks", self.min_blocks, low=max(1, self.sink_blocks + self.recent_blocks))
-        check_float("entropy_floor", self.entropy_floor, low=0.0)
-        check_float("entropy_high", self.entropy_high, low=self.entropy_floor, low_open=True)
-        check_float("budget_low", self.budget_low, low=0.0, high=1.0, low_open=True)
-        check_float("budget_high", self.budget_high, low=self.budget_low, high=1.0)
-        check_float("max_shrink", self.max_shrink, low=0.0, high=1.0)
-        check_int("refresh_interval", self.refresh_interval, low=1)
-        check_float("head_floor", self.head_floor, low=0.0, high=1.0)
-
-
-def block_budget(
-    predictive_entropy_upper: float, num_blocks: int, previous: int | None, config: PruningConfig
-) -> int:
-    """How many blocks a sequence keeps this step, from the upper side of its predictive
-    entropy estimate (conservative: an underestimate would prune harder)."""
-    h = max(predictive_entropy_upper, config.entropy_floor)
-    span = config.entropy_high - config.entropy_floor
-    weight = min(1.0, (h - config.entropy_floor) / span)
-    fraction = config.budget_low + (config.budget_high - config.budget_low) * weight
-    budget = max(config.min_blocks, math.ceil(fraction * num_blocks))
-    if previous is not None and config.max_shrink < 1:
-        # At least one block per step, or a small budget rounds back to itself for good.
-        shrink = 0 if config.max_shrink == 0 else max(1, math.floor(previous * config.max_shrink))
-        budget = max(budget, previous - shrink)
-    return min(budget, num_blocks)
-
-
-def plan_budget(
-    predictive_entropy_upper: float | None,
-    context_len: int,
-    previous: int | None,
-    refresh: bool,
-    config: PruningConfig,
-    block_size: int,
-) -> int:
-    """The blocks a decoding sequence keeps this step: its whole context where it attends
-    densely (no entropy measured yet, a context under ``min_context``, a mass refresh step),
-    else its entropy's budget. A dense step counts as the previous budget, so the rate limit
-    also holds where pruning starts."""
-    in_context = -(-context_len // block_size)
-    if predictive_entropy_upper is None or context_len < config.min_context or refresh:
-        return in_context
-    previous = in_context if previous is None else previous
-    return block_budget(predictive_entropy_upper, in_context, previous, config)
 
 
 class BlockSelector(AttentionSelector):
@@ -157,13 +89,28 @@ class DenseSelector(BlockSelector):
 class EntropicSelector(BlockSelector):
     needs_summaries = True
 
-    def __init__(self, config: PruningConfig | None = None, scale: float | None = None) -> None:
+    def __init__(
+        self,
+        config: PruningConfig | None = None,
+        scale: float | None = None,
+        full_layers: Sequence[int] | None = None,
+    ) -> None:
         """``scale``: attention's score scale, where the model's is not head_dim ** -0.5
         (Gemma's query_pre_attn_scalar): the head budgets and the bound-value scorer turn key
-        bounds into attention logits with it."""
-        self.config = config or PruningConfig()
-        self.observes_mass = self.config.scorer == "mass"
+        bounds into attention logits with it. ``full_layers``: the model's layers that see the
+        whole context (the others slide over a window and are never pruned), where the
+        reused-mass scorer's selection layers must lie."""
+        self.config = config = config or PruningConfig()
+        self.observes_mass = config.scorer in ("mass", "reused-mass")
         self.scale = scale
+        self.selection_layers: tuple[int, ...] = ()
+        if config.scorer == "reused-mass":
+            self.selection_layers = selection_layers(config, full_layers)
+
+    def observes(self, layer: int) -> bool:
+        if self.config.scorer == "reused-mass":
+            return layer in self.selection_layers
+        return self.observes_mass
 
     def plan_budgets(
         self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
@@ -181,7 +128,7 @@ class EntropicSelector(BlockSelector):
             )
             budgets.append(
                 plan_budget(
-                    entry.predictive_entropy_upper if decoding_token else None,
+                    self._entropy(entry.predictive_entropy_upper) if decoding_token else None,
                     context,
                     entry.block_budget,
                     refresh,
@@ -191,9 +138,17 @@ class EntropicSelector(BlockSelector):
             )
         return budgets
 
+    def _entropy(self, upper: float | None) -> float | None:
+        """The entropy the budget reads: the top-p law's cap is budget_high at every entropy."""
+        if upper is None or self.config.budget_law == "entropy":
+            return upper
+        return self.config.entropy_high
+
     def select(self, layer, query, blocks, summaries) -> Selection | None:
         if layer < self.config.dense_layers or blocks.budgets is None:
             return None
+        if self.config.scorer == "reused-mass":
+            return self.reuse(layer, query, blocks, summaries)
         bounds = key_bound_scores(query, summaries, blocks.block_tables)
         scores = self.block_scores(layer, query, blocks, summaries, bounds)
         budgets = None
@@ -217,6 +172,40 @@ class EntropicSelector(BlockSelector):
         if self.config.scorer == "bound-value":
             return value_weighted(bound * self._scale(query), summaries, blocks)
         return bound
+
+    def reuse(
+        self, layer: int, query: torch.Tensor, blocks: DecodeBlocks, summaries: BlockSummaries
+    ) -> Selection | None:
+        """A selection layer attends densely, its mass recorded in place as attention runs
+        (``observes``); a later layer keeps what the last one weighed most, the same blocks for
+        every KV head (a head of this layer has no counterpart there), ranked once a step."""
+        if layer in self.selection_layers:
+            blocks.derived[("reused-mass",)] = (layer, summaries.mass)
+            return None
+        if ("reused-mass",) not in blocks.derived:
+            return None  # before the first selection layer: dense
+        source, mass = blocks.derived[("reused-mass",)]
+        key = ("reused-mask", source)
+        if key not in blocks.derived:
+            weighed = mass[:, blocks.block_tables].amax(0)  # [seqs, max_blocks]
+            kv_heads = mass.shape[0]
+            scores = weighed[:, None].expand(-1, kv_heads, -1)
+            budgets = None
+            if self.config.budget_law == "top-p":
+                budgets = self.top_p_budgets(weighed, blocks)[:, None].expand(-1, kv_heads)
+            blocks.derived[key] = self.keep_best(scores, blocks, budgets)
+        return Selection(blocks.derived[key])
+
+    def top_p_budgets(self, weighed: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """Per row, the sink and recent blocks and the fewest others whose share of the
+        ``weighed`` mass [seqs, max_blocks] reaches ``top_p`` of theirs, within the row's planned
+        budget (the cap) and at least ``min_blocks``."""
+        forced = self.forced_blocks(blocks)
+        others = weighed.masked_fill(forced | ~blocks.present, 0.0).nan_to_num(posinf=0.0)
+        share = others.sort(-1, descending=True).values.cumsum(-1)
+        needed = (share < self.config.top_p * share[:, -1:]).sum(-1) + 1
+        counts = needed + (forced & blocks.present).sum(-1)
+        return counts.clamp(min=self.config.min_blocks).minimum(blocks.budgets)
 
     def _scale(self, query: torch.Tensor) -> float:
         return self.scale or query.shape[-1] ** -0.5
@@ -269,7 +258,7 @@ class EntropicSelector(BlockSelector):
             values.masked_fill_(forced, torch.inf).masked_fill_(~present, -torch.inf)
             blocks.derived[key] = ((forced | ~present)[:, None], values[:, None])
         overridden, values = blocks.derived[key]
-        if self.config.scorer == "mass":
+        if self.observes_mass:
             scores = scores.clamp(max=torch.finfo(scores.dtype).max)
         return torch.where(overridden, values, scores)
 
@@ -285,71 +274,3 @@ class EntropicSelector(BlockSelector):
         else:
             mask = best_of(scores, head_budgets, None)
         return mask & blocks.present[:, None, :]
-
-
-def best_of(scores: torch.Tensor, budgets: torch.Tensor, largest: int | None) -> torch.Tensor:
-    """The mask of the ``budgets`` best of each row of ``scores`` [..., width] (``budgets``
-    broadcast to [...]), ``largest`` the largest of them where the host knows it (None: it may
-    be any width). Natively where the kernels run; else one top-k at the largest budget, each
-    row keeping its own budget's worth of it (no host sync for the largest)."""
-    mask = block_kernels.keep_largest(scores, budgets)
-    if mask is not None:
-        return mask
-    top = scores.topk(min(largest or scores.shape[-1], scores.shape[-1]), dim=-1).indices
-    taken = torch.arange(top.shape[-1], device=scores.device) < budgets[..., None]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
-
-
-def signed_parts(query: torch.Tensor) -> torch.Tensor:
-    """``[q+, q-]`` along the last axis: against ``[M, m]``, the per-channel key maxima and
-    minima of a block, it gives ``sum_c max(q_c M_c, q_c m_c)``, the largest ``q.k`` there."""
-    return torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
-
-
-def value_weighted(
-    logits: torch.Tensor, summaries: BlockSummaries, blocks: DecodeBlocks
-) -> torch.Tensor:
-    """``log(bound mass) + log ||v_b - o||`` per row, KV head and block: ``logits`` [seqs,
-    kv_heads, max_blocks] are the scaled key bounds; ``o`` is the output they predict."""
-    tokens = blocks.block_tokens  # [seqs, max_blocks]
-    sums = summaries.value_sums[:, blocks.block_tables].transpose(0, 1)  # [seqs, kv, b, dim]
-    means = sums / tokens.clamp(min=1)[:, None, :, None]
-    mass = logits + tokens.log()[:, None, :]  # a block's bound times its tokens, in logs
-    output = (mass.softmax(-1)[..., None] * means).sum(-2, keepdim=True)
-    return mass + torch.log((means - output).norm(dim=-1) + 1e-6)
-
-
-def key_bound_scores(
-    query: torch.Tensor, summaries: BlockSummaries, tables: torch.Tensor
-) -> torch.Tensor:
-    """Upper bounds of ``q.k`` over each block, per query head: [seqs, kv_heads, group, blocks].
-
-    ``sum_c max(q_c M_c, q_c m_c) = [q+, q-] . [M, m]`` with ``q+``/``q-`` the positive and
-    negative parts of the query. Each query row meets only its own sequence's blocks (padding
-    included, so that the answer is a plain view): a sampled matmul on exactly those pairs reads
-    the bounds in place, where gathering them first and a batched matmul cost 2-3x as much (two
-    extra passes over the gathered copy, and a BLAS shape of three rows). Natively, where the
-    kernels run, it is one pass over the blocks' bounds: a fifth of the time at 8K tokens.
-    """
-    native = block_kernels.key_bound_scores(query, summaries.key_bounds, tables)
-    if native is not None:
-        return native
-    seqs, heads, dim = query.shape
-    kv_heads, num_blocks = summaries.key_bounds.shape[:2]
-    group, width = heads // kv_heads, tables.shape[1]
-    # Column of (kv head, block) in the bounds viewed as [kv_heads * num_blocks, 2 * dim].
-    cols = torch.arange(kv_heads, device=tables.device)[:, None] * num_blocks + tables[:, None]
-    cols = cols[:, :, None].expand(seqs, kv_heads, group, width).reshape(-1).int()
-    rows = seqs * heads
-    crow = torch.arange(0, rows * width + 1, width, device=tables.device, dtype=torch.int32)
-    structure = torch.sparse_csr_tensor(
-        crow,
-        cols,
-        query.new_zeros(cols.numel()),
-        (rows, kv_heads * num_blocks),
-        check_invariants=False,
-    )
-    q = signed_parts(query).view(rows, 2 * dim)
-    bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim).to(query.dtype)
-    scores = torch.sparse.sampled_addmm(structure, q, bounds.t(), beta=0.0).values()
-    return scores.view(seqs, kv_heads, group, width)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from etinfer.control.block_selection import signed_parts
+from etinfer.control.block_scores import signed_parts
 from etinfer.model.block_layout import (
     BlockSummaries,
     PrefillContext,

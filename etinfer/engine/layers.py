@@ -33,6 +33,7 @@ from etinfer.engine.runner.options import RunnerOptions
 from etinfer.engine.sequence import Sequence
 from etinfer.engine.speculative.speculator import Speculator
 from etinfer.engine.speculative.switching import ModelSwitcher
+from etinfer.model.config import ModelConfig
 from etinfer.model.loader import LoadedModel
 from etinfer.structured.jump_forward import JumpForward
 from etinfer.structured.masks import StructuredState
@@ -71,7 +72,7 @@ class EngineLayers:
         selector = (
             BLOCK_SELECTORS.create("dense")
             if pruning is None
-            else BLOCK_SELECTORS.create("entropic", config=pruning, scale=loaded.config.scale)
+            else pruning_selector(pruning, loaded.config)
         )
         shaper = (
             SpeculativeShaper(config.speculative)
@@ -118,6 +119,15 @@ class EngineLayers:
             speculator,
             jump_forward,
         )
+
+
+def pruning_selector(config: PruningConfig, model: ModelConfig) -> BlockSelector:
+    """The entropic selector for ``config`` on ``model``: its score scale, and the layers that
+    see the whole context (where the reused-mass scorer's selection layers lie)."""
+    full_layers = [layer for layer in range(model.num_layers) if layer not in model.local_layers]
+    return BLOCK_SELECTORS.create(
+        "entropic", config=config, scale=model.scale, full_layers=full_layers
+    )
 
 
 def start_layers(config: EngineConfig, seq: Sequence) -> None:

@@ -25,11 +25,11 @@ from collections.abc import Iterator
 import torch
 
 from etinfer.config import EngineConfig
-from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
+from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
 from etinfer.control.record import TARGET_MODEL, ControlRecord, StepDecisions
 from etinfer.engine.kv_cache.manager import KVCacheManager
-from etinfer.engine.layers import EngineLayers
+from etinfer.engine.layers import EngineLayers, pruning_selector
 from etinfer.engine.observer import Observers, StepObserver, StepRecord
 from etinfer.engine.request_intake import RequestIntake
 from etinfer.engine.request_validator import Prompt, RequestValidator
@@ -181,10 +181,7 @@ class LLMEngine:
                 "(control=ControlConfig(pruning=...))"
             )
         if config is not None:
-            entropic = BLOCK_SELECTORS.create(
-                "entropic", config=config, scale=self.model_config.scale
-            )
-            self.runner.set_selector(selector or entropic)
+            self.runner.set_selector(selector or pruning_selector(config, self.model_config))
             self.selector = self.runner.attention.selector
         self.pruning = config
 

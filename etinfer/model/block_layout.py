@@ -74,6 +74,10 @@ class AttentionSelector(ABC):
     # It never narrows attention (a decode step may then be a captured CUDA graph).
     reads_everything = False
 
+    def observes(self, layer: int) -> bool:
+        """Whether attention records the blocks' mass at ``layer`` (``observes_mass`` layers)."""
+        return self.observes_mass
+
     @abstractmethod
     def select(
         self,

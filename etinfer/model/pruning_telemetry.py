@@ -15,7 +15,9 @@ class PrunedLayer:
     """What one pruned layer's attention computed, as the bound needs it."""
 
     layer: int
-    bounds: torch.Tensor  # [seqs, kv_heads, group, blocks] upper bounds of q.k per block
+    # [seqs, kv_heads, group, blocks] upper bounds of q.k per block; None where the selector
+    # ranked without them (then the layer certifies nothing it dropped: a dropped mass of 1)
+    bounds: torch.Tensor | None
     visible: torch.Tensor  # [seqs, kv_heads, blocks] the blocks read
     row_max: torch.Tensor  # [seqs * heads] each query row's largest score (scaled)
     denominators: torch.Tensor  # [seqs * heads] its softmax denominator over the kept entries
@@ -82,14 +84,21 @@ class PruningTelemetry:
     def _computed(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._figures is None:
             kept, dropped = self.read.clone(), torch.zeros_like(self.total)
-            if self.pruned:
-                layers = torch.tensor([p.layer for p in self.pruned], device=kept.device)
-                visible = torch.stack([p.visible for p in self.pruned])
-                bounds = torch.stack([p.bounds for p in self.pruned])  # [pruned, seqs, kv, g, b]
-                shape = (*bounds.shape[:4], 1)
-                row_max = torch.stack([p.row_max for p in self.pruned]).view(shape)
-                log_kept = torch.stack([p.denominators for p in self.pruned]).log().view(shape)
+            unbounded = [p for p in self.pruned if p.bounds is None]
+            if unbounded:  # no certificate: 1 where any block was dropped
+                layers = torch.tensor([p.layer for p in unbounded], device=kept.device)
+                visible = torch.stack([p.visible for p in unbounded])
                 kept[layers] = visible.sum((2, 3)).float()
+                dropped[layers] = (self.in_context & ~visible).flatten(2).any(2).float()
+            bounded = [p for p in self.pruned if p.bounds is not None]
+            if bounded:
+                layers = torch.tensor([p.layer for p in bounded], device=kept.device)
+                visible = torch.stack([p.visible for p in bounded])
+                kept[layers] = visible.sum((2, 3)).float()
+                bounds = torch.stack([p.bounds for p in bounded])  # [pruned, seqs, kv, g, b]
+                shape = (*bounds.shape[:4], 1)
+                row_max = torch.stack([p.row_max for p in bounded]).view(shape)
+                log_kept = torch.stack([p.denominators for p in bounded]).log().view(shape)
                 relative = bounds * self.scale
                 relative += self.log_tokens[:, None, None, :]
                 relative -= row_max

@@ -60,6 +60,12 @@ CONFIGS = {
     "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
     "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
     "heads": PruningConfig(head_budgets=True),
+    # Blocks ranked by the exact mass two dense selection layers gave them this step.
+    "reused": PruningConfig(scorer="reused-mass"),
+    "reused-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="reused-mass"),
+    "reused-quarter": PruningConfig(budget_low=0.25, budget_high=0.25, scorer="reused-mass"),
+    # The fewest blocks that carry 95 % of the measured mass, at most half of them.
+    "reused-top-p": PruningConfig(scorer="reused-mass", budget_law="top-p"),
 }
 
 

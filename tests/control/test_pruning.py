@@ -9,15 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etinfer.control.block_selection import (
-    DenseSelector,
-    EntropicSelector,
-    PruningConfig,
-    block_budget,
-    key_bound_scores,
-    plan_budget,
-    value_weighted,
-)
+from etinfer.control.block_budgets import PruningConfig, block_budget, plan_budget
+from etinfer.control.block_scores import key_bound_scores, value_weighted
+from etinfer.control.block_selection import DenseSelector, EntropicSelector
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.pattern import build_decode_pattern, visible_blocks
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks

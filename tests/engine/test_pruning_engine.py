@@ -31,8 +31,9 @@ def test_control_switches_select_the_attention_layer(make_llm):
     assert make_llm(control=ControlConfig.full()).engine.config.control.pruning_config is not None
 
 
-def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, texts):
-    keep_all = PruningConfig(**EAGER | dict(budget_low=1.0, budget_high=1.0))
+@pytest.mark.parametrize("scorer", ["bound", "reused-mass"])
+def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, texts, scorer):
+    keep_all = PruningConfig(**EAGER | dict(budget_low=1.0, budget_high=1.0, scorer=scorer))
     pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=keep_all))
     prompts = [t[:CONTEXT] for t in texts]
     dense_out = llm.generate(prompts, GREEDY)
@@ -43,8 +44,9 @@ def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, te
         assert max(p.dropped_mass) == 0.0
 
 
-def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts):
-    config = PruningConfig(**EAGER)
+@pytest.mark.parametrize("scorer", ["bound", "reused-mass"])
+def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts, scorer):
+    config = PruningConfig(**EAGER, scorer=scorer)
     pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=config))
     stats = teacher_forced(pruned, texts, CONTEXT, 24, config)
     assert stats.steps == 2 * 23  # every forced token after the first ran as a decode step

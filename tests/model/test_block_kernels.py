@@ -5,7 +5,7 @@ blocks exactly."""
 import pytest
 import torch
 
-from etinfer.control.block_selection import best_of, key_bound_scores, signed_parts
+from etinfer.control.block_scores import best_of, key_bound_scores, signed_parts
 from etinfer.model import block_kernels, native_kernels
 from etinfer.model.attention.pattern import build_decode_pattern, decode_pattern, visible_blocks
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from etinfer.control.block_selection import PruningConfig, block_budget
+from etinfer.control.block_budgets import PruningConfig, block_budget
 from etinfer.control.config import ControlConfig
 from etinfer.control.record import ControlRecord
 from studies.__main__ import build_parser

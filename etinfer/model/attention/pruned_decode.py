@@ -43,7 +43,7 @@ class PrunedDecode(BackendDecorator):
         if layer not in self.options.local_layers:
             selection = selector.select(layer, q, meta.decode_blocks, summaries)
         observing = summaries is not None and summaries.mass is not None
-        observing = observing and selector.observes_mass
+        observing = observing and selector.observes(layer)
         backend = self.weighing if observing else self.inner
         mask = None if selection is None else selection.mask
         attended = backend.decode(layer, q, cache, meta, window, mask)

@@ -1,0 +1,127 @@
+"""Pruning's configuration and its budget laws: how many KV blocks a decoding sequence keeps
+(pure functions of the configuration and the step's record; the selector that picks the blocks
+is ``block_selection.py``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from etinfer.validation import check_choice, check_float, check_int
+
+SCORERS = ("bound", "bound-value", "mass", "reused-mass")
+# How many blocks a row keeps: "entropy", the paper's law (its predictive entropy between the
+# floor and the high mark sets a share between budget_low and budget_high); "top-p", the fewest
+# blocks that carry top_p of the mass the selection layer measured (after Twilight), at most
+# budget_high of them, whatever the entropy.
+BUDGET_LAWS = ("entropy", "top-p")
+
+
+@dataclass(frozen=True)
+class PruningConfig:
+    scorer: str = "bound"
+    min_context: int = 1024  # tokens; shorter contexts attend densely
+    dense_layers: int = 2  # the first layers stay dense (Quest keeps two; measured here too)
+    min_blocks: int = 8
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+    entropy_floor: float = 0.5  # nats
+    entropy_high: float = 4.0  # at and above it the budget is budget_high
+    budget_low: float = 0.125  # fraction of blocks kept at (or below) the floor
+    budget_high: float = 0.5
+    max_shrink: float = 0.25  # a budget loses at most this fraction per step
+    refresh_interval: int = 16  # mass scorer: a dense step this often
+    head_budgets: bool = False  # share the budget among KV heads by where their attention lies
+    head_floor: float = 0.5  # share of the budget each head keeps by its own ranking first
+    # reused-mass: the layers that attend densely and rank blocks for the layers after them;
+    # None: the first layer pruning reaches and the middle one of those that see the whole
+    # context (TidalDecode's choice for 32 layers: 2 and 13)
+    selection_layers: tuple[int, ...] | None = None
+    budget_law: str = "entropy"
+    top_p: float = 0.95  # the top-p law's share of the measured mass
+
+    def __post_init__(self) -> None:
+        check_choice("scorer", self.scorer, SCORERS)
+        check_choice("budget_law", self.budget_law, BUDGET_LAWS)
+        check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.budget_law == "top-p" and self.scorer != "reused-mass":
+            raise ValueError(
+                "budget_law 'top-p' counts blocks by their measured mass: it needs scorer "
+                f"'reused-mass', got {self.scorer!r}"
+            )
+        check_int("min_context", self.min_context, low=0)
+        check_int("dense_layers", self.dense_layers, low=0)
+        check_int("sink_blocks", self.sink_blocks, low=0)
+        check_int("recent_blocks", self.recent_blocks, low=0)
+        # The always-kept blocks fit in every budget, so none of them is ever cut.
+        check_int("min_blocks", self.min_blocks, low=max(1, self.sink_blocks + self.recent_blocks))
+        check_float("entropy_floor", self.entropy_floor, low=0.0)
+        check_float("entropy_high", self.entropy_high, low=self.entropy_floor, low_open=True)
+        check_float("budget_low", self.budget_low, low=0.0, high=1.0, low_open=True)
+        check_float("budget_high", self.budget_high, low=self.budget_low, high=1.0)
+        check_float("max_shrink", self.max_shrink, low=0.0, high=1.0)
+        check_int("refresh_interval", self.refresh_interval, low=1)
+        check_float("head_floor", self.head_floor, low=0.0, high=1.0)
+        if self.selection_layers is not None:
+            layers = tuple(self.selection_layers)
+            for layer in layers:
+                check_int("selection_layers", layer, low=0)
+            if not layers or list(layers) != sorted(set(layers)):
+                raise ValueError(
+                    f"selection_layers must be distinct layers in ascending order, got {layers!r}"
+                )
+
+
+def block_budget(
+    predictive_entropy_upper: float, num_blocks: int, previous: int | None, config: PruningConfig
+) -> int:
+    """How many blocks a sequence keeps this step, from the upper side of its predictive
+    entropy estimate (conservative: an underestimate would prune harder)."""
+    h = max(predictive_entropy_upper, config.entropy_floor)
+    span = config.entropy_high - config.entropy_floor
+    weight = min(1.0, (h - config.entropy_floor) / span)
+    fraction = config.budget_low + (config.budget_high - config.budget_low) * weight
+    budget = max(config.min_blocks, math.ceil(fraction * num_blocks))
+    if previous is not None and config.max_shrink < 1:
+        # At least one block per step, or a small budget rounds back to itself for good.
+        shrink = 0 if config.max_shrink == 0 else max(1, math.floor(previous * config.max_shrink))
+        budget = max(budget, previous - shrink)
+    return min(budget, num_blocks)
+
+
+def plan_budget(
+    predictive_entropy_upper: float | None,
+    context_len: int,
+    previous: int | None,
+    refresh: bool,
+    config: PruningConfig,
+    block_size: int,
+) -> int:
+    """The blocks a decoding sequence keeps this step: its whole context where it attends
+    densely (no entropy measured yet, a context under ``min_context``, a mass refresh step),
+    else its entropy's budget. A dense step counts as the previous budget, so the rate limit
+    also holds where pruning starts."""
+    in_context = -(-context_len // block_size)
+    if predictive_entropy_upper is None or context_len < config.min_context or refresh:
+        return in_context
+    previous = in_context if previous is None else previous
+    return block_budget(predictive_entropy_upper, in_context, previous, config)
+
+
+def selection_layers(config: PruningConfig, full_layers: Sequence[int] | None) -> tuple[int, ...]:
+    """The reused-mass scorer's selection layers for a model whose layers ``full_layers`` see
+    the whole context: the configured ones, checked to be among them, or the default."""
+    full = sorted(full_layers) if full_layers is not None else None
+    if config.selection_layers is not None:
+        chosen = tuple(config.selection_layers)
+        if full is not None and not set(chosen) <= set(full):
+            raise ValueError(
+                f"control.pruning.selection_layers {list(chosen)}: a selection layer must see the "
+                f"whole context; this model's such layers are {full}"
+            )
+        return chosen
+    if full is None:
+        raise ValueError("control.pruning.selection_layers: give them, the model's are unknown")
+    reached = [layer for layer in full if layer >= config.dense_layers] or full[-1:]
+    return tuple(sorted({reached[0], reached[len(reached) // 2]}))
