@@ -16,6 +16,7 @@ SCORERS = ("bound", "bound-value", "mass", "reused-mass")
 # blocks that carry top_p of the mass the selection layer measured (after Twilight), at most
 # budget_high of them, whatever the entropy.
 BUDGET_LAWS = ("entropy", "top-p")
+SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth in the model
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class PruningConfig:
     head_budgets: bool = False  # share the budget among KV heads by where their attention lies
     head_floor: float = 0.5  # share of the budget each head keeps by its own ranking first
     # reused-mass: the layers that attend densely and rank blocks for the layers after them;
-    # None: the first layer pruning reaches and the middle one of those that see the whole
-    # context (TidalDecode's choice for 32 layers: 2 and 13)
+    # None: the first layer pruning reaches and the one at SELECTION_DEPTH of the model, among
+    # those that see the whole context (TidalDecode's choice for 32 layers was 2 and 13)
     selection_layers: tuple[int, ...] | None = None
     budget_law: str = "entropy"
     top_p: float = 0.95  # the top-p law's share of the measured mass
@@ -124,4 +125,8 @@ def selection_layers(config: PruningConfig, full_layers: Sequence[int] | None) -
     if full is None:
         raise ValueError("control.pruning.selection_layers: give them, the model's are unknown")
     reached = [layer for layer in full if layer >= config.dense_layers] or full[-1:]
-    return tuple(sorted({reached[0], reached[len(reached) // 2]}))
+    # The second where 60 % of the model's layers lie behind it: on SmolLM2 (30 layers) a
+    # selection at layer 18 kept every passkey dense attention found, at 14 or 16 it lost some
+    # (BENCHMARKS.md, "Entropic pruning").
+    deep = min(reached, key=lambda layer: abs(layer - SELECTION_DEPTH * (full[-1] + 1)))
+    return tuple(sorted({reached[0], deep}))

@@ -40,11 +40,11 @@ def test_later_layers_keep_the_blocks_the_selection_layer_weighed_most():
     assert selector.select(4, query, blocks, cache.summaries(0)).mask is mask
 
 
-def test_default_selection_layers_are_the_first_pruned_and_the_middle_full_layer():
+def test_default_selection_layers_are_the_first_pruned_and_one_at_three_fifths_depth():
     config = PruningConfig(**REUSED | {"dense_layers": 2})
-    assert selection_layers(config, range(30)) == (2, 16)
+    assert selection_layers(config, range(30)) == (2, 18)
     assert selection_layers(config, [5, 11, 17]) == (5, 11)  # Gemma 3: its global layers
-    assert EntropicSelector(config, full_layers=range(30)).selection_layers == (2, 16)
+    assert EntropicSelector(config, full_layers=range(30)).selection_layers == (2, 18)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,8 @@ PRUNING = {
     "dense": ControlConfig(),
     "pruned": ControlConfig(pruning=EAGER),
     "mass": ControlConfig(pruning=dataclasses.replace(EAGER, scorer="mass")),
+    # One mask for several layers: their pattern is built once and shared.
+    "reused": ControlConfig(pruning=dataclasses.replace(EAGER, scorer="reused-mass")),
 }
 
 

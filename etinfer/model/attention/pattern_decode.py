@@ -40,19 +40,33 @@ class PatternDecode(SdpaPrefill):
         options = self.options
         pattern, visible = meta.dense_pattern, None
         if block_mask is not None or pattern is None:  # None: the step built none
-            visible, pattern = decode_pattern(
-                meta.decode_blocks,
-                options.num_kv_heads,
-                options.group,
-                cache.num_slots,
-                block_mask,
-                window,
-            )
+            visible, pattern = self.masked_pattern(meta.decode_blocks, cache, block_mask, window)
         rows = q.shape[0] * options.num_heads
         attended = self.attend(layer, q.reshape(rows, options.head_dim), cache, pattern)
         out, row_max, denominators, weights = attended
         out = out.view(-1, options.num_heads, options.head_dim)
         return Attended(out, row_max, denominators, visible, pattern, weights)
+
+    def masked_pattern(
+        self,
+        blocks: DecodeBlocks,
+        cache: KVCache,
+        block_mask: torch.Tensor | None,
+        window: int | None,
+    ) -> tuple[torch.Tensor, DecodePattern]:
+        """The pattern of ``block_mask``: built once for consecutive layers handed the same mask
+        (a selector that reuses one layer's choice), as the mask object is kept for the step."""
+        key = ("pattern", window)
+        last = blocks.derived.get(key)
+        if block_mask is not None and last is not None and last[0] is block_mask:
+            return last[1], last[2]
+        options = self.options
+        visible, pattern = decode_pattern(
+            blocks, options.num_kv_heads, options.group, cache.num_slots, block_mask, window
+        )
+        if block_mask is not None:
+            blocks.derived[key] = (block_mask, visible, pattern)
+        return visible, pattern
 
     @abstractmethod
     def attend(
