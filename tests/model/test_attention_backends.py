@@ -28,7 +28,9 @@ PRUNING = {
     "pruned": ControlConfig(pruning=EAGER),
     "mass": ControlConfig(pruning=dataclasses.replace(EAGER, scorer="mass")),
     # One mask for several layers: their pattern is built once and shared.
-    "reused": ControlConfig(pruning=dataclasses.replace(EAGER, scorer="reused-mass")),
+    "reused": ControlConfig(
+        pruning=dataclasses.replace(EAGER, scorer="reused-mass", selection_layers=(0,))
+    ),
 }
 
 
