@@ -67,6 +67,11 @@ CONFIGS = {
     # The fewest blocks that carry 95 % of the measured mass, at most half of them.
     "reused-top-p": PruningConfig(scorer="reused-mass", budget_law="top-p"),
 }
+# Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
+for layers in ((2, 16), (14,), (18,), (2, 10, 18)):
+    CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(
+        budget_low=0.25, budget_high=0.25, scorer="reused-mass", selection_layers=layers
+    )
 
 
 def fidelity_rows(
