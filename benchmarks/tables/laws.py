@@ -251,7 +251,7 @@ REUSED_STEP = Table(
     tuple(
         Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
         for b in (1, 8)
-        for c in (4096, 8000)
+        for c in (1024, 2048, 4096, 8000)
     ),
     PRUNING.under(
         Pick(kind=AVX512, subject="decode step", unit="x", labels={"vs": "dense", "clock": "wall"})
