@@ -84,27 +84,28 @@ class PruningTelemetry:
     def _computed(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._figures is None:
             kept, dropped = self.read.clone(), torch.zeros_like(self.total)
-            unbounded = [p for p in self.pruned if p.bounds is None]
-            if unbounded:  # no certificate: 1 where any block was dropped
-                layers = torch.tensor([p.layer for p in unbounded], device=kept.device)
-                visible = torch.stack([p.visible for p in unbounded])
+            if self.pruned:
+                layers = torch.tensor([p.layer for p in self.pruned], device=kept.device)
+                visible = torch.stack([p.visible for p in self.pruned])
                 kept[layers] = visible.sum((2, 3)).float()
-                dropped[layers] = (self.in_context & ~visible).flatten(2).any(2).float()
-            bounded = [p for p in self.pruned if p.bounds is not None]
-            if bounded:
-                layers = torch.tensor([p.layer for p in bounded], device=kept.device)
-                visible = torch.stack([p.visible for p in bounded])
-                kept[layers] = visible.sum((2, 3)).float()
-                bounds = torch.stack([p.bounds for p in bounded])  # [pruned, seqs, kv, g, b]
-                shape = (*bounds.shape[:4], 1)
-                row_max = torch.stack([p.row_max for p in bounded]).view(shape)
-                log_kept = torch.stack([p.denominators for p in bounded]).log().view(shape)
-                relative = bounds * self.scale
-                relative += self.log_tokens[:, None, None, :]
-                relative -= row_max
-                gone = self.in_context & ~visible
-                relative.masked_fill_(~gone[:, :, :, None, :], -torch.inf)
-                mass = torch.sigmoid(relative.logsumexp(-1, keepdim=True) - log_kept)
-                dropped[layers] = mass.amax((2, 3, 4))
+                gone = self.in_context & ~visible  # [pruned, seqs, kv, blocks]
+                # One selector prunes every layer of a step: all with key bounds, or none.
+                if self.pruned[0].bounds is None:  # no certificate: 1 where any was dropped
+                    dropped[layers] = gone.flatten(2).any(2).float()
+                else:
+                    dropped[layers] = self._bounded_mass(gone)
             self._figures = kept, dropped
         return self._figures
+
+    def _bounded_mass(self, gone: torch.Tensor) -> torch.Tensor:
+        """[pruned, seqs]: the bound on the dropped mass (see ``dropped_mass``), the largest
+        over the query heads, for the ``gone`` blocks of each pruned layer."""
+        bounds = torch.stack([p.bounds for p in self.pruned])  # [pruned, seqs, kv, g, b]
+        shape = (*bounds.shape[:4], 1)
+        row_max = torch.stack([p.row_max for p in self.pruned]).view(shape)
+        log_kept = torch.stack([p.denominators for p in self.pruned]).log().view(shape)
+        relative = bounds * self.scale
+        relative += self.log_tokens[:, None, None, :]
+        relative -= row_max
+        relative.masked_fill_(~gone[:, :, :, None, :], -torch.inf)
+        return torch.sigmoid(relative.logsumexp(-1, keepdim=True) - log_kept).amax((2, 3, 4))
