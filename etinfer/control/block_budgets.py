@@ -11,11 +11,19 @@ from dataclasses import dataclass
 from etinfer.validation import check_choice, check_float, check_int
 
 SCORERS = ("bound", "bound-value", "mass", "reused-mass")
-# How many blocks a row keeps: "entropy", the paper's law (its predictive entropy between the
-# floor and the high mark sets a share between budget_low and budget_high); "top-p", the fewest
-# blocks that carry top_p of the mass the selection layer measured (after Twilight), at most
-# budget_high of them, whatever the entropy.
-BUDGET_LAWS = ("entropy", "top-p")
+# How many blocks a row keeps:
+# - "entropy", the paper's law: its predictive entropy between the floor and the high mark sets
+#   a share between budget_low and budget_high;
+# - "fixed" (Quest): token_budget tokens' worth of blocks, whatever the entropy and context;
+# - "top-p" (Twilight): the fewest blocks that carry top_p of the mass the selection layer
+#   measured, at most budget_high of them;
+# - "attention-entropy" (EntropyInfer's signal): the entropy of that measured mass over the
+#   row's blocks, as a fraction of its largest (all blocks alike), sets the share between
+#   budget_low and budget_high;
+# - "entropy+top-p": top-p within the cap the paper's law sets.
+# The last three count measured mass: they need the reused-mass scorer.
+BUDGET_LAWS = ("entropy", "fixed", "top-p", "attention-entropy", "entropy+top-p")
+MEASURED_LAWS = ("top-p", "attention-entropy", "entropy+top-p")
 SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth in the model
 
 
@@ -40,16 +48,18 @@ class PruningConfig:
     # those that see the whole context (TidalDecode's choice for 32 layers was 2 and 13)
     selection_layers: tuple[int, ...] | None = None
     budget_law: str = "entropy"
-    top_p: float = 0.95  # the top-p law's share of the measured mass
+    top_p: float = 0.95  # the top-p laws' share of the measured mass
+    token_budget: int = 1024  # the fixed law's tokens per row (Quest's budgets: 1-4K)
 
     def __post_init__(self) -> None:
         check_choice("scorer", self.scorer, SCORERS)
         check_choice("budget_law", self.budget_law, BUDGET_LAWS)
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        if self.budget_law == "top-p" and self.scorer != "reused-mass":
+        check_int("token_budget", self.token_budget, low=1)
+        if self.budget_law in MEASURED_LAWS and self.scorer != "reused-mass":
             raise ValueError(
-                "budget_law 'top-p' counts blocks by their measured mass: it needs scorer "
-                f"'reused-mass', got {self.scorer!r}"
+                f"budget_law {self.budget_law!r} counts blocks by their measured mass: it needs "
+                f"scorer 'reused-mass', got {self.scorer!r}"
             )
         check_int("min_context", self.min_context, low=0)
         check_int("dense_layers", self.dense_layers, low=0)
@@ -72,6 +82,15 @@ class PruningConfig:
                 raise ValueError(
                     f"selection_layers must be distinct layers in ascending order, got {layers!r}"
                 )
+
+
+def check_context(config: PruningConfig, max_model_len: int) -> None:
+    """Refuse a fixed token budget no context of the engine can exceed: it would never prune."""
+    if config.budget_law == "fixed" and config.token_budget >= max_model_len:
+        raise ValueError(
+            f"control.pruning.token_budget must be below max_model_len {max_model_len} (the "
+            f"longest context), got {config.token_budget}"
+        )
 
 
 def block_budget(
@@ -106,6 +125,8 @@ def plan_budget(
     in_context = -(-context_len // block_size)
     if predictive_entropy_upper is None or context_len < config.min_context or refresh:
         return in_context
+    if config.budget_law == "fixed":
+        return min(in_context, max(config.min_blocks, -(-config.token_budget // block_size)))
     previous = in_context if previous is None else previous
     return block_budget(predictive_entropy_upper, in_context, previous, config)
 

@@ -24,8 +24,12 @@ meant to save, so two proxies are offered:
 - ``reused-mass`` (after TidalDecode): a few selection layers attend densely, and attention
   records the exact mass each block got there (free: the dense weights are computed anyway);
   every later layer keeps the blocks the last selection layer weighed most (the most any of its
-  heads gave), until the next one. Exact where it ranks, it needs no key bounds at all; a layer
-  that pruned this way certifies nothing it dropped (its dropped mass reads 1).
+  heads gave), plus what the next selection layer weighed most one step before, until the next
+  one. The second term is free too (the cache keeps every layer's last mass) and carries what a
+  deep layer retrieves to the layers before it: with the first layer's mass alone a passkey
+  dense attention found was lost, with both it was kept (BENCHMARKS.md). Exact where it ranks,
+  it needs no key bounds at all; a layer that pruned this way certifies nothing it dropped (its
+  dropped mass reads 1).
 
 **Per-head budgets** (``head_budgets``, after EntropyInfer and AdaKV): the sequence's budget,
 times its KV heads, is shared among the heads by one ranking of every (head, block) pair by the
@@ -55,7 +59,12 @@ from collections.abc import Sequence
 
 import torch
 
-from etinfer.control.block_budgets import PruningConfig, plan_budget, selection_layers
+from etinfer.control.block_budgets import (
+    MEASURED_LAWS,
+    PruningConfig,
+    plan_budget,
+    selection_layers,
+)
 from etinfer.control.block_scores import best_of, key_bound_scores, value_weighted
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
@@ -139,8 +148,9 @@ class EntropicSelector(BlockSelector):
         return budgets
 
     def _entropy(self, upper: float | None) -> float | None:
-        """The entropy the budget reads: the top-p law's cap is budget_high at every entropy."""
-        if upper is None or self.config.budget_law == "entropy":
+        """The entropy the budget reads: a law that counts measured mass alone plans
+        budget_high, its cap, at every entropy."""
+        if upper is None or self.config.budget_law in ("entropy", "entropy+top-p", "fixed"):
             return upper
         return self.config.entropy_high
 
@@ -180,32 +190,56 @@ class EntropicSelector(BlockSelector):
         (``observes``); a later layer keeps what the last one weighed most, the same blocks for
         every KV head (a head of this layer has no counterpart there), ranked once a step."""
         if layer in self.selection_layers:
-            blocks.derived[("reused-mass",)] = (layer, summaries.mass)
+            blocks.derived[("reused-mass",)] = (layer, summaries)
             return None
         if ("reused-mass",) not in blocks.derived:
             return None  # before the first selection layer: dense
-        source, mass = blocks.derived[("reused-mass",)]
+        source, measured = blocks.derived[("reused-mass",)]
         key = ("reused-mask", source)
         if key not in blocks.derived:
-            weighed = mass[:, blocks.block_tables].amax(0)  # [seqs, max_blocks]
-            kv_heads = mass.shape[0]
+            weighed = self.weighed(source, measured, blocks)
+            kv_heads = measured.mass.shape[0]
             scores = weighed[:, None].expand(-1, kv_heads, -1)
             budgets = None
-            if self.config.budget_law == "top-p":
-                budgets = self.top_p_budgets(weighed, blocks)[:, None].expand(-1, kv_heads)
+            if self.config.budget_law in MEASURED_LAWS:
+                budgets = self.measured_budgets(weighed, blocks)[:, None].expand(-1, kv_heads)
             blocks.derived[key] = self.keep_best(scores, blocks, budgets)
         return Selection(blocks.derived[key])
 
-    def top_p_budgets(self, weighed: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
-        """Per row, the sink and recent blocks and the fewest others whose share of the
-        ``weighed`` mass [seqs, max_blocks] reaches ``top_p`` of theirs, within the row's planned
-        budget (the cap) and at least ``min_blocks``."""
-        forced = self.forced_blocks(blocks)
+    def weighed(self, source: int, measured: BlockSummaries, blocks: DecodeBlocks) -> torch.Tensor:
+        """Each row's blocks [seqs, max_blocks] by the share of attention selection layer
+        ``source`` gave them this step (the most any of its KV heads gave), plus the share the
+        next selection layer gave them the step before (it has not run yet in this one)."""
+        tables = blocks.block_tables
+        weighed = measured.mass[:, tables].amax(0)
+        later = [layer for layer in self.selection_layers if layer > source]
+        if later and measured.layer_masses is not None:
+            ahead = measured.layer_masses[later[0]][:, tables].amax(0)
+            # +inf: written since that layer last ran (or never decoded): this step's share alone
+            weighed = weighed + ahead.masked_fill(ahead.isinf(), 0.0)
+        return weighed
+
+    def measured_budgets(self, weighed: torch.Tensor, blocks: DecodeBlocks) -> torch.Tensor:
+        """Per row, the blocks a law that counts measured mass keeps, from the ``weighed`` mass
+        [seqs, max_blocks]: the sink and recent blocks and, of the others, the fewest whose
+        share reaches ``top_p`` of theirs (top-p), or a share of them between budget_low and
+        budget_high that follows the entropy of their mass (attention-entropy); within the
+        row's planned budget (the cap) and at least ``min_blocks``."""
+        config = self.config
+        forced = self.forced_blocks(blocks) & blocks.present
         others = weighed.masked_fill(forced | ~blocks.present, 0.0).nan_to_num(posinf=0.0)
-        share = others.sort(-1, descending=True).values.cumsum(-1)
-        needed = (share < self.config.top_p * share[:, -1:]).sum(-1) + 1
-        counts = needed + (forced & blocks.present).sum(-1)
-        return counts.clamp(min=self.config.min_blocks).minimum(blocks.budgets)
+        if config.budget_law == "attention-entropy":
+            candidates = (blocks.present & ~forced).sum(-1)
+            probs = others / others.sum(-1, keepdim=True).clamp(min=1e-30)
+            entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+            spread = (entropy / candidates.clamp(min=2).log()).clamp(max=1.0)  # 1: all alike
+            share = config.budget_low + (config.budget_high - config.budget_low) * spread
+            needed = (share * candidates - 1e-4).ceil().long()  # not a block for rounding
+        else:
+            share = others.sort(-1, descending=True).values.cumsum(-1)
+            needed = (share < config.top_p * share[:, -1:]).sum(-1) + 1
+        counts = needed + forced.sum(-1)
+        return counts.clamp(min=config.min_blocks).minimum(blocks.budgets)
 
     def _scale(self, query: torch.Tensor) -> float:
         return self.scale or query.shape[-1] ** -0.5

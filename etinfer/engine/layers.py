@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from etinfer.compatibility import check_compatible
 from etinfer.config import EngineConfig
+from etinfer.control.block_budgets import check_context
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
 from etinfer.control.drafting import SpeculationState, SpeculativeShaper
@@ -72,7 +73,7 @@ class EngineLayers:
         selector = (
             BLOCK_SELECTORS.create("dense")
             if pruning is None
-            else pruning_selector(pruning, loaded.config)
+            else pruning_selector(pruning, loaded.config, max_model_len)
         )
         shaper = (
             SpeculativeShaper(config.speculative)
@@ -121,9 +122,12 @@ class EngineLayers:
         )
 
 
-def pruning_selector(config: PruningConfig, model: ModelConfig) -> BlockSelector:
+def pruning_selector(
+    config: PruningConfig, model: ModelConfig, max_model_len: int
+) -> BlockSelector:
     """The entropic selector for ``config`` on ``model``: its score scale, and the layers that
     see the whole context (where the reused-mass scorer's selection layers lie)."""
+    check_context(config, max_model_len)
     full_layers = [layer for layer in range(model.num_layers) if layer not in model.local_layers]
     return BLOCK_SELECTORS.create(
         "entropic", config=config, scale=model.scale, full_layers=full_layers

@@ -181,7 +181,9 @@ class LLMEngine:
                 "(control=ControlConfig(pruning=...))"
             )
         if config is not None:
-            self.runner.set_selector(selector or pruning_selector(config, self.model_config))
+            self.runner.set_selector(
+                selector or pruning_selector(config, self.model_config, self.max_model_len)
+            )
             self.selector = self.runner.attention.selector
         self.pruning = config
 

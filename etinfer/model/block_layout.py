@@ -54,6 +54,9 @@ class BlockSummaries:
     key_bounds: torch.Tensor
     mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
     value_sums: torch.Tensor | None = None  # [kv_heads, num_blocks, head_dim]
+    # [layers, kv_heads, num_blocks]: every layer's last observed mass, so that a selector may
+    # read a later layer's from the step before (it has not run yet in this one)
+    layer_masses: torch.Tensor | None = None
 
 
 @dataclass

@@ -165,7 +165,9 @@ class KVCache:
     def summaries(self, layer: int) -> BlockSummaries | None:
         if self.key_bounds is None:
             return None
-        return BlockSummaries(self.key_bounds[layer], self.mass[layer], self.value_sums[layer])
+        return BlockSummaries(
+            self.key_bounds[layer], self.mass[layer], self.value_sums[layer], self.mass
+        )
 
     def write(
         self,

@@ -39,11 +39,10 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.options import positive_int
-from etinfer.sampling_params import SamplingParams
 from studies import PROGRAM
-from studies.common.plots import pyplot
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.pruning_figures import figures
+from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
 from studies.laws.pruning_speed import speed_rows
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
@@ -67,6 +66,21 @@ CONFIGS = {
     # The fewest blocks that carry 95 % of the measured mass, at most half of them.
     "reused-top-p": PruningConfig(scorer="reused-mass", budget_law="top-p"),
 }
+# The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
+REUSED = PruningConfig(scorer="reused-mass")
+for share in (0.125, 0.2, 0.35):
+    CONFIGS[f"bound-share-{share}"] = PruningConfig(budget_low=share, budget_high=share)
+    CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
+for tokens in (512, 1024, 2048):
+    CONFIGS[f"bound-fixed-{tokens}"] = PruningConfig(budget_law="fixed", token_budget=tokens)
+    CONFIGS[f"reused-fixed-{tokens}"] = replace(REUSED, budget_law="fixed", token_budget=tokens)
+for p in (0.8, 0.9, 0.99):
+    CONFIGS[f"reused-top-p-{p}"] = replace(REUSED, budget_law="top-p", top_p=p)
+    CONFIGS[f"reused-entropy+top-p-{p}"] = replace(REUSED, budget_law="entropy+top-p", top_p=p)
+for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
+    law = replace(REUSED, budget_law="attention-entropy", budget_low=low, budget_high=high)
+    CONFIGS[f"reused-attention-entropy-{low}-{high}"] = law
+    CONFIGS[f"reused-entropy-{low}-{high}"] = replace(REUSED, budget_low=low, budget_high=high)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18)):
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(
@@ -179,30 +193,6 @@ def dense_layer_sweep(
     return rows
 
 
-def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, path: Path) -> dict:
-    plt = pyplot()
-
-    out = pruned.generate(
-        [corpus[:context]], SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
-    )[0]
-    # The first token comes from the prefill; every later one from a decode step whose budget
-    # followed the entropy of the token before it.
-    entropies, kept = out.entropies[:-1], out.blocks_kept
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    left.plot(entropies, label="entropy of the previous token (nats)", linewidth=1)
-    left.plot([10 * b for b in kept], label="blocks kept (x10 share)", linewidth=1)
-    left.set_xlabel("decode step")
-    left.legend()
-    right.scatter(entropies, kept, s=6)
-    right.set_xlabel("entropy of the previous token (nats)")
-    right.set_ylabel("share of blocks kept")
-    fig.suptitle(f"Entropic pruning over one generation after {context} tokens of context")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return {"entropies": out.entropies, "blocks_kept": out.blocks_kept}
-
-
 def engine(args: argparse.Namespace) -> LLM:
     """One engine for every comparison, built with pruning on so that its cache keeps the key
     bounds; ``set_pruning`` switches it between dense and each configuration. Its batch and pool
@@ -255,6 +245,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             args.fidelity_steps,
             args.oracle,
         )
+        plot_bytes_against_kl(report["fidelity"], report["pruning"], out_dir / "bytes_vs_kl.png")
         save()
     if "passkey" in parts:
         print("passkey retrieval", flush=True)

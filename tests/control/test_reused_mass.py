@@ -6,7 +6,7 @@ import torch
 
 from etinfer.control.block_budgets import PruningConfig, selection_layers
 from etinfer.control.block_selection import EntropicSelector
-from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
 from etinfer.model.pruning_telemetry import PrunedLayer, PruningTelemetry
 from tests.control.test_pruning import DIM, HEADS, KV_HEADS, filled_cache
 
@@ -38,6 +38,31 @@ def test_later_layers_keep_the_blocks_the_selection_layer_weighed_most():
     assert torch.equal(mask[0, 0], mask[0, 1])  # one choice for every KV head
     # Ranked once a step: a later layer of the same step reuses the same mask object.
     assert selector.select(4, query, blocks, cache.summaries(0)).mask is mask
+
+
+def test_layers_between_selections_also_keep_what_the_next_one_weighed_a_step_before():
+    cache, tables, blocks = step([80], [4])
+    masses = torch.zeros(4, KV_HEADS, cache.key_bounds.shape[2])  # [layers, kv_heads, blocks]
+    summaries = [
+        BlockSummaries(cache.key_bounds[0], masses[layer], layer_masses=masses)
+        for layer in range(4)
+    ]
+    selector = EntropicSelector(PruningConfig(**REUSED, selection_layers=(1, 3)))
+    query = torch.zeros(1, HEADS, DIM)
+    table = tables[0].tolist()
+    masses[3, 0, table[5]] = 0.9  # the deep selection layer, the step before
+    masses[3, 1, table[9]] = torch.inf  # written since it last ran: no say
+    assert selector.select(1, query, blocks, summaries[1]) is None
+    masses[1, 1, table[12]] = 0.5  # the first selection layer, this step
+    kept = selector.select(2, query, blocks, summaries[2]).mask[0, 0]
+    assert kept.nonzero().flatten().tolist() == [0, 5, 12, 19]
+    # After the last selection layer only its own mass counts.
+    assert selector.select(3, query, blocks, summaries[3]) is None
+    masses[3].zero_()
+    masses[3, 0, table[7]] = 0.4
+    masses[3, 1, table[2]] = 0.3
+    kept = selector.select(4, query, blocks, summaries[3]).mask[0, 0]
+    assert kept.nonzero().flatten().tolist() == [0, 2, 7, 19]
 
 
 def test_default_selection_layers_are_the_first_pruned_and_one_at_three_fifths_depth():
@@ -102,7 +127,7 @@ def test_the_top_p_law_keeps_the_fewest_blocks_that_carry_the_mass_within_the_ca
 def test_the_top_p_law_needs_measured_masses():
     with pytest.raises(ValueError, match=r"budget_law 'top-p'.*reused-mass"):
         PruningConfig(budget_law="top-p")
-    with pytest.raises(ValueError, match="budget_law must be one of 'entropy', 'top-p'"):
+    with pytest.raises(ValueError, match="budget_law must be one of 'entropy', 'fixed', 'top-p'"):
         PruningConfig(budget_law="quest")
     with pytest.raises(ValueError, match="top_p"):
         PruningConfig(scorer="reused-mass", budget_law="top-p", top_p=0.0)

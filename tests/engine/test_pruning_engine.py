@@ -44,9 +44,17 @@ def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, te
         assert max(p.dropped_mass) == 0.0
 
 
-@pytest.mark.parametrize("scorer", ["bound", "reused-mass"])
-def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts, scorer):
-    config = PruningConfig(**EAGER, scorer=scorer)
+@pytest.mark.parametrize(
+    ("scorer", "law"),
+    [
+        ("bound", "entropy"),
+        ("reused-mass", "entropy"),
+        ("bound", "fixed"),
+        ("reused-mass", "attention-entropy"),
+    ],
+)
+def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts, scorer, law):
+    config = PruningConfig(**EAGER, scorer=scorer, budget_law=law, token_budget=160)
     pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=config))
     stats = teacher_forced(pruned, texts, CONTEXT, 24, config)
     assert stats.steps == 2 * 23  # every forced token after the first ran as a decode step
@@ -57,7 +65,11 @@ def test_pruning_reads_fewer_blocks_and_stays_close_to_dense(make_llm, texts, sc
     assert 0.9 < stats.perplexity_ratio < 1.2
     # Back to dense on the same engine: what it computes is dense attention again.
     same = teacher_forced(
-        pruned, texts, CONTEXT, 24, replace(config, budget_low=1.0, budget_high=1.0)
+        pruned,
+        texts,
+        CONTEXT,
+        24,
+        replace(config, budget_low=1.0, budget_high=1.0, budget_law="entropy"),
     )
     # (Not bit for bit: the prompt's last, partial block is recomputed in a chunk of its own.)
     assert same.kl_max < 1e-4

@@ -1,0 +1,71 @@
+"""The pruning study's plots: blocks kept against entropy over one generation, and the KV
+bytes each configuration read against its KL from dense attention (the frontier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from etinfer.llm import LLM
+from etinfer.sampling_params import SamplingParams
+from studies.common.plots import pyplot
+
+
+def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, path: Path) -> dict:
+    plt = pyplot()
+
+    out = pruned.generate(
+        [corpus[:context]], SamplingParams(temperature=1.0, seed=0, max_tokens=256, ignore_eos=True)
+    )[0]
+    # The first token comes from the prefill; every later one from a decode step whose budget
+    # followed the entropy of the token before it.
+    entropies, kept = out.entropies[:-1], out.blocks_kept
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.plot(entropies, label="entropy of the previous token (nats)", linewidth=1)
+    left.plot([10 * b for b in kept], label="blocks kept (x10 share)", linewidth=1)
+    left.set_xlabel("decode step")
+    left.legend()
+    right.scatter(entropies, kept, s=6)
+    right.set_xlabel("entropy of the previous token (nats)")
+    right.set_ylabel("share of blocks kept")
+    fig.suptitle(f"Entropic pruning over one generation after {context} tokens of context")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"entropies": out.entropies, "blocks_kept": out.blocks_kept}
+
+
+def curve(name: str, config: dict) -> str:
+    """The curve an arm lies on: its scorer and its budget law (a share fixed at every entropy
+    is the paper's law with its two ends equal), the oracle's apart."""
+    law = config["budget_law"]
+    if law == "entropy" and config["budget_low"] == config["budget_high"]:
+        law = "fixed share"
+    label = f"{config['scorer']}, {'fixed tokens' if law == 'fixed' else law}"
+    return f"{label}, oracle ranking" if name.endswith(" oracle") else label
+
+
+def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path) -> None:
+    """KL from dense against the share of KV bytes read, one curve per scorer and budget law
+    (each point a configuration, every batch of the run its own panel)."""
+    plt = pyplot()
+    batches = sorted({row["batch"] for row in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(7 * len(batches), 5), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for row in rows:
+            if row["batch"] == batch:
+                config = configs[row["scorer"].removesuffix(" oracle")]
+                point = (100 * row["blocks_kept"], row["kl_mean"])
+                curves.setdefault(curve(row["scorer"], config), []).append(point)
+        for label, points in sorted(curves.items()):
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV bytes read, % of dense")
+        ax.set_ylabel("KL(dense || pruned), nats per token")
+        ax.set_title(f"batch {batch}, context {rows[0]['context']} tokens, teacher-forced")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
