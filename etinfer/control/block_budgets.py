@@ -25,12 +25,20 @@ SCORERS = ("bound", "bound-value", "mass", "reused-mass")
 BUDGET_LAWS = ("entropy", "fixed", "top-p", "attention-entropy", "entropy+top-p")
 MEASURED_LAWS = ("top-p", "attention-entropy", "entropy+top-p")
 SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth in the model
+# Per scorer, the context from which pruning costs less than it saves at batch 1, where its
+# fixed cost per step weighs most: the shortest measured length whose pruned step was below
+# dense's (BENCHMARKS.md, "Entropic pruning": 1.15-1.18x at 2K and 0.97x at 4K for the key
+# bounds, 1.01-1.03x at 1K and 0.92x at 2K for reused masses, on an AVX-512 Xeon). At batch 8
+# both pay from about half of it; the batch-1 figure keeps every batch at or below dense.
+PAYING_CONTEXT = {"bound": 4096, "bound-value": 4096, "mass": 4096, "reused-mass": 2048}
 
 
 @dataclass(frozen=True)
 class PruningConfig:
     scorer: str = "bound"
-    min_context: int = 1024  # tokens; shorter contexts attend densely
+    # tokens; shorter contexts attend densely. None: where the scorer starts to pay at batch 1
+    # (PAYING_CONTEXT)
+    min_context: int | None = None
     dense_layers: int = 2  # the first layers stay dense (Quest keeps two; measured here too)
     min_blocks: int = 8
     sink_blocks: int = 1
@@ -61,7 +69,8 @@ class PruningConfig:
                 f"budget_law {self.budget_law!r} counts blocks by their measured mass: it needs "
                 f"scorer 'reused-mass', got {self.scorer!r}"
             )
-        check_int("min_context", self.min_context, low=0)
+        if self.min_context is not None:
+            check_int("min_context", self.min_context, low=0)
         check_int("dense_layers", self.dense_layers, low=0)
         check_int("sink_blocks", self.sink_blocks, low=0)
         check_int("recent_blocks", self.recent_blocks, low=0)
@@ -82,6 +91,13 @@ class PruningConfig:
                 raise ValueError(
                     f"selection_layers must be distinct layers in ascending order, got {layers!r}"
                 )
+
+
+def dense_below(config: PruningConfig) -> int:
+    """The context, in tokens, under which a sequence attends densely."""
+    if config.min_context is None:
+        return PAYING_CONTEXT[config.scorer]
+    return config.min_context
 
 
 def check_context(config: PruningConfig, max_model_len: int) -> None:
@@ -123,7 +139,7 @@ def plan_budget(
     else its entropy's budget. A dense step counts as the previous budget, so the rate limit
     also holds where pruning starts."""
     in_context = -(-context_len // block_size)
-    if predictive_entropy_upper is None or context_len < config.min_context or refresh:
+    if predictive_entropy_upper is None or context_len < dense_below(config) or refresh:
         return in_context
     if config.budget_law == "fixed":
         return min(in_context, max(config.min_blocks, -(-config.token_budget // block_size)))

@@ -44,7 +44,7 @@ from studies.common import mixed_workload as ablation_workload
 from studies.common.mixed_workload import AblationRequest
 
 CONFIGS = ("baseline", "sampling", "scheduling", "attention", "full", "etinfer")
-# Quick mode's contexts (384-512 tokens) are below the default PruningConfig.min_context (1,024),
+# Quick mode's contexts (384-512 tokens) are below where pruning starts by default (2-4K),
 # so it lowers the threshold to keep pruning in play.
 QUICK_MIN_CONTEXT = 256
 # KV pools that hold the requests of the mode's workload that run at once, so no figure hangs

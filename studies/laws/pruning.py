@@ -82,7 +82,7 @@ for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
     CONFIGS[f"reused-attention-entropy-{low}-{high}"] = law
     CONFIGS[f"reused-entropy-{low}-{high}"] = replace(REUSED, budget_low=low, budget_high=high)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
-for layers in ((2, 16), (14,), (18,), (2, 10, 18)):
+for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(
         budget_low=0.25, budget_high=0.25, scorer="reused-mass", selection_layers=layers
     )
