@@ -1,7 +1,18 @@
 """The page's table definitions, by subject; each module lists its tables in ``TABLES``."""
 
 from benchmarks.layout import Table
-from benchmarks.tables import claims, cpu, formats, gpu, headline, laws, seeds, serving, table1
+from benchmarks.tables import (
+    claims,
+    cpu,
+    formats,
+    gpu,
+    headline,
+    laws,
+    pruning_laws,
+    seeds,
+    serving,
+    table1,
+)
 
 
 def _by_name(*modules) -> dict[str, Table]:
@@ -14,4 +25,4 @@ def _by_name(*modules) -> dict[str, Table]:
     return tables
 
 
-TABLES = _by_name(headline, claims, cpu, gpu, formats, laws, table1, seeds, serving)
+TABLES = _by_name(headline, claims, cpu, gpu, formats, laws, pruning_laws, table1, seeds, serving)

@@ -180,62 +180,6 @@ HEADS = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
 )
 
-FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
-
-
-def forced(subject: str, unit: str, decimals: int, **labels) -> Pick:
-    """A figure of the teacher-forced run at ``FORCED``'s setting."""
-    return Pick(subject=subject, unit=unit, labels=FORCED | labels, decimals=decimals)
-
-
-REUSED_ARMS = (
-    "bound-fifth",
-    "reused-fifth",
-    "bound-quarter",
-    "reused-quarter",
-    "bound",
-    "reused",
-    "reused-top-p",
-    "bound-fifth oracle",
-    "bound-quarter oracle",
-)
-NO_PASSKEYS = {"repeated": NOT_MEASURED, "varied": NOT_MEASURED}
-REUSED = Table(
-    "pruning_reused",
-    ("configuration",),
-    (
-        Column("blocks read", forced("blocks kept", "%", 0, vs=None)),
-        Column("KL mean (nats)", forced("kl", "nats", 4)),
-        Column("top-1 vs dense", forced("top-1 agreement", "%", 1)),
-        Column("perplexity ratio", forced("perplexity", "x", 3)),
-        Column("step vs dense", forced("decode step", "x", 2), "step"),
-        Column(
-            "passkeys, repeated",
-            figure("passkeys found", "count", workload="repeated", vs=None),
-            "repeated",
-        ),
-        Column("varied", figure("passkeys found", "count", workload="varied", vs=None), "varied"),
-    ),
-    (
-        Row(
-            ("dense",),
-            Pick(labels={"arm": "dense"}),
-            {c: NOT_MEASURED for c in ("blocks read", "KL mean (nats)", "top-1 vs dense")}
-            | {"perplexity ratio": NOT_MEASURED, "step": NOT_MEASURED},
-        ),
-        *(
-            Row((arm,), Pick(labels={"arm": arm}), NO_PASSKEYS if arm.startswith("bound-") else {})
-            for arm in REUSED_ARMS
-            if "oracle" not in arm
-        ),
-        *(
-            Row((arm,), Pick(labels={"arm": arm}), NO_PASSKEYS | {"step": NOT_MEASURED})
-            for arm in REUSED_ARMS
-            if "oracle" in arm
-        ),
-    ),
-    Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
-)
 REUSED_STEP = Table(
     "pruning_reused_speed",
     ("batch", "context"),
@@ -311,7 +255,6 @@ TABLES = (
     PRUNED_FIDELITY,
     PRUNED_FIDELITY_GPU,
     PASSKEYS,
-    REUSED,
     REUSED_STEP,
     HEADS,
     SCHEDULING,

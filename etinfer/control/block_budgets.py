@@ -35,7 +35,9 @@ PAYING_CONTEXT = {"bound": 4096, "bound-value": 4096, "mass": 4096, "reused-mass
 
 @dataclass(frozen=True)
 class PruningConfig:
-    scorer: str = "bound"
+    # reused-mass: at equal decode cost the closest to dense of the scorers, and it keeps the
+    # passkeys dense attention finds (BENCHMARKS.md, "Entropic pruning")
+    scorer: str = "reused-mass"
     # tokens; shorter contexts attend densely. None: where the scorer starts to pay at batch 1
     # (PAYING_CONTEXT)
     min_context: int | None = None
@@ -64,6 +66,11 @@ class PruningConfig:
         check_choice("budget_law", self.budget_law, BUDGET_LAWS)
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_int("token_budget", self.token_budget, low=1)
+        if self.head_budgets and self.scorer == "reused-mass":
+            raise ValueError(
+                "head_budgets shares a budget among KV heads by their key bounds: it needs scorer "
+                "'bound', 'bound-value' or 'mass', got 'reused-mass' (one choice for all heads)"
+            )
         if self.budget_law in MEASURED_LAWS and self.scorer != "reused-mass":
             raise ValueError(
                 f"budget_law {self.budget_law!r} counts blocks by their measured mass: it needs "

@@ -64,8 +64,10 @@ class Arm:
 
 def arms(pruning: PruningConfig) -> dict[str, Arm]:
     """The paper's five rows, and ``etinfer``: every layer that removes work and is meant to
-    keep quality (the three laws with per-head budgets, sparse prefill, prompt-lookup
-    speculation). KV compression stays out: it cannot run beside speculation yet."""
+    keep quality (the three laws, sparse prefill, prompt-lookup speculation; with key-bound
+    pruning, per-head budgets too: reused masses make one choice for every head). KV
+    compression stays out: it cannot run beside speculation yet."""
+    ours = pruning if pruning.scorer == "reused-mass" else replace(pruning, head_budgets=True)
     return {
         "baseline": Arm(ControlConfig.baseline()),
         "sampling": Arm(ControlConfig(sampling=True)),
@@ -75,7 +77,7 @@ def arms(pruning: PruningConfig) -> dict[str, Arm]:
         "etinfer": Arm(
             ControlConfig(
                 sampling=True,
-                pruning=replace(pruning, head_budgets=True),
+                pruning=ours,
                 scheduling=True,
                 sparse_prefill=True,
             ),

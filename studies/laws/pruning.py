@@ -46,19 +46,20 @@ from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_a
 from studies.laws.pruning_speed import speed_rows
 
 # Named pruning configurations; each part of the benchmark runs the ones it is given.
+BOUND = PruningConfig(scorer="bound")
 CONFIGS = {
-    "bound": PruningConfig(),
+    "bound": BOUND,
     "mass": PruningConfig(scorer="mass"),
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
-    "bound-fifth": PruningConfig(budget_low=0.2, budget_high=0.2),
-    "bound-quarter": PruningConfig(budget_low=0.25, budget_high=0.25),
-    "bound-half": PruningConfig(budget_low=0.5, budget_high=0.5),
+    "bound-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2),
+    "bound-quarter": replace(BOUND, budget_low=0.25, budget_high=0.25),
+    "bound-half": replace(BOUND, budget_low=0.5, budget_high=0.5),
     # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
-    "heads-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, head_budgets=True),
-    "heads-half": PruningConfig(budget_low=0.5, budget_high=0.5, head_budgets=True),
+    "heads-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2, head_budgets=True),
+    "heads-half": replace(BOUND, budget_low=0.5, budget_high=0.5, head_budgets=True),
     "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
     "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
-    "heads": PruningConfig(head_budgets=True),
+    "heads": replace(BOUND, head_budgets=True),
     # Blocks ranked by the exact mass two dense selection layers gave them this step.
     "reused": PruningConfig(scorer="reused-mass"),
     "reused-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="reused-mass"),
@@ -69,10 +70,10 @@ CONFIGS = {
 # The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
 REUSED = PruningConfig(scorer="reused-mass")
 for share in (0.125, 0.2, 0.35):
-    CONFIGS[f"bound-share-{share}"] = PruningConfig(budget_low=share, budget_high=share)
+    CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
     CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
 for tokens in (512, 1024, 2048):
-    CONFIGS[f"bound-fixed-{tokens}"] = PruningConfig(budget_law="fixed", token_budget=tokens)
+    CONFIGS[f"bound-fixed-{tokens}"] = replace(BOUND, budget_law="fixed", token_budget=tokens)
     CONFIGS[f"reused-fixed-{tokens}"] = replace(REUSED, budget_law="fixed", token_budget=tokens)
 for p in (0.8, 0.9, 0.99):
     CONFIGS[f"reused-top-p-{p}"] = replace(REUSED, budget_law="top-p", top_p=p)
@@ -175,7 +176,7 @@ def dense_layer_sweep(
     dense = forced_log_probs(llm, texts, context, steps)
     for n in counts:
         stats = teacher_forced(
-            llm, texts, context, steps, replace(CONFIGS["bound"], dense_layers=n), dense
+            llm, texts, context, steps, replace(BOUND, dense_layers=n), dense
         )
         rows.append(
             {

@@ -45,27 +45,39 @@ def curve(name: str, config: dict) -> str:
 
 
 def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path) -> None:
-    """KL from dense against the share of KV bytes read, one curve per scorer and budget law
-    (each point a configuration, every batch of the run its own panel)."""
+    """KL from dense against the share of KV bytes read (left) and against the decode step
+    over dense's (right), one curve per scorer and budget law (each point a configuration; a
+    row of panels per batch of the run). The oracle's steps are not drawn: its ranking costs
+    a dense attention more."""
     plt = pyplot()
     batches = sorted({row["batch"] for row in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(7 * len(batches), 5), squeeze=False)
-    for ax, batch in zip(axes[0], batches, strict=True):
-        curves: dict[str, list[tuple[float, float]]] = {}
+    fig, axes = plt.subplots(len(batches), 2, figsize=(14, 5 * len(batches)), squeeze=False)
+    for (by_bytes, by_time), batch in zip(axes, batches, strict=True):
+        curves: dict[str, list[tuple[float, float, float]]] = {}
         for row in rows:
             if row["batch"] == batch:
                 config = configs[row["scorer"].removesuffix(" oracle")]
-                point = (100 * row["blocks_kept"], row["kl_mean"])
+                point = (100 * row["blocks_kept"], row["step_ratio"], row["kl_mean"])
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
+        laws = sorted({label.split(", ")[1] for label in curves})
+        colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))
         for label, points in sorted(curves.items()):
-            xs, ys = zip(*sorted(points), strict=True)
-            ax.plot(xs, ys, marker="o", label=label)
-        ax.set_yscale("log")
-        ax.set_xlabel("KV bytes read, % of dense")
-        ax.set_ylabel("KL(dense || pruned), nats per token")
-        ax.set_title(f"batch {batch}, context {rows[0]['context']} tokens, teacher-forced")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+            reads, steps, kl = zip(*sorted(points), strict=True)
+            scorer, law = label.split(", ")[:2]
+            # Colour: the law; line: the ranking (the oracle's dotted, reused masses dashed).
+            style = ":" if "oracle" in label else "--" if scorer == "reused-mass" else "-"
+            drawn = dict(marker="o", color=colours[law], label=label)
+            by_bytes.plot(reads, kl, style, **drawn)
+            if "oracle" not in label:
+                by_time.plot(steps, kl, style, **drawn)
+        by_bytes.set_xlabel("KV bytes read, % of dense")
+        by_time.set_xlabel("decode step over dense's (CPU time)")
+        for ax in (by_bytes, by_time):
+            ax.set_yscale("log")
+            ax.set_ylabel("KL(dense || pruned), nats per token")
+            ax.set_title(f"batch {batch}, context {rows[0]['context']} tokens, teacher-forced")
+            ax.grid(True, which="both", alpha=0.3)
+        by_bytes.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

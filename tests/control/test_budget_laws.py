@@ -38,7 +38,7 @@ def test_a_token_budget_the_context_cannot_pass_is_refused_naming_the_field():
 @pytest.mark.parametrize("law", ["attention-entropy", "entropy+top-p"])
 def test_laws_that_count_measured_mass_need_it(law):
     with pytest.raises(ValueError, match=re.escape(f"budget_law '{law}'") + ".*reused-mass"):
-        PruningConfig(budget_law=law)
+        PruningConfig(scorer="bound", budget_law=law)
 
 
 def test_the_attention_entropy_law_keeps_few_blocks_where_the_mass_is_sharp():

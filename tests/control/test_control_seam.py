@@ -54,7 +54,7 @@ def decoding_seq(context: int, generated: int) -> Sequence:
 
 
 def test_block_budgets_follow_the_predictive_entropy_in_the_record():
-    config = PruningConfig(min_context=0, min_blocks=4, max_shrink=1.0)
+    config = PruningConfig(scorer="bound", min_context=0, min_blocks=4, max_shrink=1.0)
     selector = EntropicSelector(config)
     calm, unsure, fresh = decoding_seq(1024, 3), decoding_seq(1024, 3), decoding_seq(1024, 0)
     calm.profile.update(0.2)
@@ -150,7 +150,9 @@ def test_logits_reach_only_observers_that_ask(make_llm):
 
 
 def test_an_observer_of_a_pruned_step_sees_the_blocks_read_and_the_budgets(make_llm):
-    config = PruningConfig(min_context=0, min_blocks=4, recent_blocks=1, dense_layers=1)
+    config = PruningConfig(
+        scorer="bound", min_context=0, min_blocks=4, recent_blocks=1, dense_layers=1
+    )
     llm = make_llm(control=ControlConfig(pruning=config))
     steps = []
     prompt = " ".join(PROMPTS) * 6

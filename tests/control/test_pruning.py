@@ -75,7 +75,12 @@ def test_key_bounds_are_upper_bounds_of_every_score_in_the_block(dtype, lengths,
 
 def test_budget_follows_entropy_and_respects_every_floor():
     config = PruningConfig(
-        min_blocks=8, budget_low=0.125, budget_high=0.5, entropy_floor=0.5, entropy_high=4.0
+        scorer="bound",
+        min_blocks=8,
+        budget_low=0.125,
+        budget_high=0.5,
+        entropy_floor=0.5,
+        entropy_high=4.0,
     )
     assert block_budget(0.0, 512, None, config) == 64  # below the floor: the floor's budget
     assert block_budget(0.5, 512, None, config) == 64
@@ -88,7 +93,9 @@ def test_budget_follows_entropy_and_respects_every_floor():
             0.0,
             1,
             None,
-            PruningConfig(min_blocks=1, sink_blocks=0, recent_blocks=1, budget_low=0.001),
+            PruningConfig(
+                scorer="bound", min_blocks=1, sink_blocks=0, recent_blocks=1, budget_low=0.001
+            ),
         )
         == 1
     )  # never 0
@@ -97,17 +104,17 @@ def test_budget_follows_entropy_and_respects_every_floor():
 
 
 def test_budget_shrinks_at_a_limited_rate_and_grows_at_once():
-    config = PruningConfig(max_shrink=0.25)
+    config = PruningConfig(scorer="bound", max_shrink=0.25)
     assert block_budget(0.0, 512, 256, config) == 192  # wanted 64: at most a quarter less
     assert block_budget(9.0, 512, 64, config) == 256  # growing is immediate
     # A small budget still shrinks by a block a step instead of rounding back to itself.
-    slow = PruningConfig(max_shrink=0.05, min_blocks=8)
+    slow = PruningConfig(scorer="bound", max_shrink=0.05, min_blocks=8)
     assert block_budget(0.0, 64, 19, slow) == 18
-    assert block_budget(0.0, 64, 19, PruningConfig(max_shrink=0.0)) == 19
+    assert block_budget(0.0, 64, 19, PruningConfig(scorer="bound", max_shrink=0.0)) == 19
 
 
 def test_plan_budget_attends_densely_where_the_guards_say():
-    config = PruningConfig(min_context=100, min_blocks=3, max_shrink=0.5)
+    config = PruningConfig(scorer="bound", min_context=100, min_blocks=3, max_shrink=0.5)
     plan = partial(plan_budget, config=config, block_size=BLOCK)
     assert plan(None, 120, None, False) == 30  # no entropy measured yet
     assert plan(0.0, 60, None, False) == 15  # a context under min_context
@@ -150,7 +157,9 @@ def select(lengths, budgets, config, layer=5, seed=0):
 
 
 def test_selector_keeps_sink_recent_and_budget_per_head():
-    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=2)
+    config = PruningConfig(
+        scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=2
+    )
     mask, _ = select([120, 61], [6, 4], config)  # 30 and 16 blocks
     assert mask.shape == (2, KV_HEADS, 30)
     assert mask.sum(-1).tolist() == [[6, 6], [4, 4]]
@@ -160,7 +169,7 @@ def test_selector_keeps_sink_recent_and_budget_per_head():
 
 
 def test_selector_is_dense_in_the_first_layers_and_keeps_each_sequences_budget():
-    config = PruningConfig(min_context=100, dense_layers=2)
+    config = PruningConfig(scorer="bound", min_context=100, dense_layers=2)
     assert select([120], [4], config, layer=1)[0] is None  # a dense layer
     mask, _ = select([60, 120], [15, 4], config)
     assert mask[0].sum(-1).tolist() == [15, 15]  # a dense budget keeps all 15 blocks
@@ -168,7 +177,9 @@ def test_selector_is_dense_in_the_first_layers_and_keeps_each_sequences_budget()
 
 
 def test_head_budgets_give_the_spread_head_more_blocks_at_the_same_total():
-    config = PruningConfig(min_context=0, head_budgets=True, head_floor=0.0, min_blocks=4)
+    config = PruningConfig(
+        scorer="bound", min_context=0, head_budgets=True, head_floor=0.0, min_blocks=4
+    )
     cache, tables = filled_cache([120])  # 30 blocks
     blocks = DecodeBlocks(tables, torch.tensor([120]), BLOCK, torch.tensor([10]), 10)
     # KV head 0's queries are zero (uniform attention over every block), head 1's large: its
@@ -185,9 +196,11 @@ def test_a_full_head_floor_gives_every_head_the_rows_budget():
     cache, tables = filled_cache([120])
     blocks = DecodeBlocks(tables, torch.tensor([120]), BLOCK, torch.tensor([10]), 10)
     query = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(2))
-    shared = EntropicSelector(PruningConfig(min_context=0, min_blocks=4))
+    shared = EntropicSelector(PruningConfig(scorer="bound", min_context=0, min_blocks=4))
     floored = EntropicSelector(
-        PruningConfig(min_context=0, min_blocks=4, head_budgets=True, head_floor=1.0)
+        PruningConfig(
+            scorer="bound", min_context=0, min_blocks=4, head_budgets=True, head_floor=1.0
+        )
     )
     summaries = cache.summaries(0)
     assert torch.equal(
@@ -268,7 +281,9 @@ def decode_inputs(lengths: list[int], budgets: list[int], seed: int):
 def test_dropped_mass_bound_holds_and_certifies():
     lengths = [64, 40]
     cache, tables, blocks, query, last, keys, values, dense = decode_inputs(lengths, [5, 3], 7)
-    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
+    config = PruningConfig(
+        scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1
+    )
     attention = paged_attention(EntropicSelector(config))
     visible = visible_blocks(blocks, KV_HEADS)
     telemetry = PruningTelemetry.empty(1, blocks, visible, DIM**-0.5)
@@ -290,7 +305,9 @@ def test_dropped_mass_bound_holds_and_certifies():
 
 def test_keeping_every_block_equals_dense_exactly():
     cache, _, blocks, query, last, keys, values, dense = decode_inputs([64, 40], [16, 10], 3)
-    everything = PruningConfig(min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0)
+    everything = PruningConfig(
+        scorer="bound", min_context=0, dense_layers=0, budget_low=1.0, budget_high=1.0
+    )
     outs = []
     for selector in (EntropicSelector(everything), None):
         attention = paged_attention(selector or DenseSelector())
@@ -322,7 +339,9 @@ def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
     lengths, budgets = [37, 22], [5, 3]
     cache, tables = filled_cache(lengths, seed=7)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
-    config = PruningConfig(min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1)
+    config = PruningConfig(
+        scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1
+    )
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), 5)
     mask = OracleSelector(config, cache).select(0, query, blocks, cache.summaries(0)).mask
     for i, n in enumerate(lengths):

@@ -126,7 +126,7 @@ def test_the_top_p_law_keeps_the_fewest_blocks_that_carry_the_mass_within_the_ca
 
 def test_the_top_p_law_needs_measured_masses():
     with pytest.raises(ValueError, match=r"budget_law 'top-p'.*reused-mass"):
-        PruningConfig(budget_law="top-p")
+        PruningConfig(scorer="bound", budget_law="top-p")
     with pytest.raises(ValueError, match="budget_law must be one of 'entropy', 'fixed', 'top-p'"):
         PruningConfig(budget_law="quest")
     with pytest.raises(ValueError, match="top_p"):

@@ -74,7 +74,7 @@ def test_requests_joining_a_running_batch(loaded_model) -> None:
 def test_layers_that_shape_decode_steps_run_eagerly(loaded_model) -> None:
     pruned = LLM(
         loaded_model,
-        control=ControlConfig(pruning=PruningConfig()),
+        control=ControlConfig(pruning=PruningConfig(scorer="bound")),
         num_kvcache_blocks=64,
         **ENGINE_DEFAULTS,
     )

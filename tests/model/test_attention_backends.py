@@ -22,7 +22,9 @@ CPU = torch.device("cpu")
 OPTIONS = AttentionOptions(num_heads=4, num_kv_heads=2, head_dim=16)
 needs_native = pytest.mark.skipif(not native_kernels.available(), reason="no native kernels")
 # Pruning from the first decode step on, down to two blocks of the prompts' five or six.
-EAGER = PruningConfig(min_context=0, dense_layers=0, min_blocks=2, recent_blocks=1, max_shrink=1)
+EAGER = PruningConfig(
+    scorer="bound", min_context=0, dense_layers=0, min_blocks=2, recent_blocks=1, max_shrink=1
+)
 PRUNING = {
     "dense": ControlConfig(),
     "pruned": ControlConfig(pruning=EAGER),

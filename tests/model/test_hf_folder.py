@@ -218,7 +218,9 @@ def test_gemma3_windows_hold_in_chunked_prefill_and_over_the_prefix_cache(tmp_pa
     every = dict(min_context=8, dense_layers=0, min_blocks=2, sink_blocks=1, recent_blocks=1)
     kept = {}
     for budget in (1.0, 0.25):
-        config = PruningConfig(**every, budget_low=budget, budget_high=budget, max_shrink=1.0)
+        config = PruningConfig(
+            scorer="bound", **every, budget_low=budget, budget_high=budget, max_shrink=1.0
+        )
         pruned = LLM(str(tmp_path), block_size=2, control=ControlConfig(pruning=config), **exact)
         # Head budgets and the bound-value scorer scale key bounds by the model's own scale.
         assert pruned.engine.selector.scale == pruned.engine.model_config.scale

@@ -281,7 +281,9 @@ def test_soak_with_random_disconnects(server: ServerThread, engine: LLMEngine) -
 @pytest.fixture(scope="module")
 def small_server(loaded_model: LoadedModel):
     """One sequence at a time, one waiting, and block pruning on from the first token."""
-    pruning = PruningConfig(min_context=0, min_blocks=2, recent_blocks=1, dense_layers=2)
+    pruning = PruningConfig(
+        scorer="bound", min_context=0, min_blocks=2, recent_blocks=1, dense_layers=2
+    )
     engine = make_engine(loaded_model, max_num_seqs=1, control=ControlConfig(pruning=pruning))
     with ServerThread(create_app(engine, api_key=API_KEY, max_waiting_requests=1)) as running:
         yield running, engine

@@ -1,0 +1,99 @@
+"""The pruning section's tables of scorers and budget laws side by side: teacher-forced
+fidelity at their measured reads and cost, and the passkeys each keeps."""
+
+from benchmarks.layout import Column, Pick, Row, Table
+from benchmarks.tables.common import AVX512, figure
+
+FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
+
+
+def forced(subject: str, unit: str, decimals: int, **labels) -> Pick:
+    """A figure of the teacher-forced run at ``FORCED``'s setting."""
+    return Pick(subject=subject, unit=unit, labels=FORCED | labels, decimals=decimals)
+
+
+# (scorer, budget law, its setting) and the study's name for the arm
+LAW_ARMS = (
+    *(("`bound`", "entropy (paper)", "12.5-50 %", "bound"),),
+    *(("`bound`", "fixed share", f"{s * 100:g} %", f"bound-share-{s}") for s in (0.125, 0.2, 0.35)),
+    *(("`bound`", "fixed tokens (Quest)", f"{t}", f"bound-fixed-{t}") for t in (512, 1024, 2048)),
+    *(
+        ("oracle ranking", law, setting, f"{arm} oracle")
+        for law, setting, arm in (
+            ("entropy (paper)", "12.5-50 %", "bound"),
+            ("fixed share", "12.5 %", "bound-share-0.125"),
+            ("fixed share", "20 %", "bound-share-0.2"),
+            ("fixed tokens (Quest)", "1024", "bound-fixed-1024"),
+        )
+    ),
+    *(
+        (
+            "`reused-mass`",
+            "entropy (paper)",
+            f"{lo * 100:g}-{hi * 100:g} %",
+            f"reused-entropy-{lo}-{hi}",
+        )
+        for lo, hi in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6))
+    ),
+    *(
+        ("`reused-mass`", "fixed share", f"{s * 100:g} %", f"reused-share-{s}")
+        for s in (0.125, 0.2, 0.35)
+    ),
+    *(
+        ("`reused-mass`", "fixed tokens (Quest)", f"{t}", f"reused-fixed-{t}")
+        for t in (512, 1024, 2048)
+    ),
+    *(
+        ("`reused-mass`", "top-p (Twilight)", f"p {p}", f"reused-top-p-{p}")
+        for p in (0.8, 0.9, 0.99)
+    ),
+    *(
+        ("`reused-mass`", "entropy + top-p", f"p {p}", f"reused-entropy+top-p-{p}")
+        for p in (0.8, 0.9, 0.99)
+    ),
+    *(
+        ("`reused-mass`", "attention entropy", f"{lo * 100:g}-{hi * 100:g} %", name)
+        for lo, hi in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6))
+        for name in (f"reused-attention-entropy-{lo}-{hi}",)
+    ),
+)
+BUDGET_LAWS = Table(
+    "pruning_budget_laws",
+    ("ranking", "budget law", "setting"),
+    (
+        Column("KV bytes read", forced("blocks kept", "%", 0, vs=None)),
+        Column("KL mean (nats)", forced("kl", "nats", 4)),
+        Column("top-1 vs dense", forced("top-1 agreement", "%", 1)),
+        Column("perplexity ratio", forced("perplexity", "x", 3)),
+        Column("step vs dense", forced("decode step", "x", 2), "step"),
+    ),
+    tuple(
+        Row(
+            (scorer, law, setting),
+            Pick(labels={"arm": arm}),
+            {"step": "-"} if scorer == "oracle ranking" else {},
+        )
+        for scorer, law, setting, arm in LAW_ARMS
+    ),
+    Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
+)
+PASSKEY_ARMS = (
+    ("dense", "dense"),
+    ("`bound`, entropy law (default until now)", "bound"),
+    ("`bound`, a fifth", "bound-share-0.2"),
+    ("`reused-mass`, entropy law (default)", "reused"),
+    ("`reused-mass`, an eighth", "reused-share-0.125"),
+    ("`reused-mass`, entropy law 5-30 %", "reused-entropy-0.05-0.3"),
+    ("`reused-mass`, top-p 0.9", "reused-top-p-0.9"),
+)
+PASSKEYS_BY_LAW = Table(
+    "pruning_passkeys_by_law",
+    ("configuration",),
+    (
+        Column("repeated haystack", figure("passkeys found", "count", workload="repeated")),
+        Column("real prose", figure("passkeys found", "count", workload="varied")),
+    ),
+    tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in PASSKEY_ARMS),
+    Pick(benchmark="fidelity", kind=AVX512),
+)
+TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW)
