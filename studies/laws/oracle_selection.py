@@ -1,11 +1,19 @@
-"""The best any block scorer could do: blocks ranked by the attention mass they carry this step.
+"""Rankings that read the keys themselves, to measure what a block scorer could reach.
 
-A measurement tool, not a serving path: finding each block's exact mass costs a full dense
-attention over the context (more than attending to every block). It keeps exactly the blocks,
-and as many, as the entropic selector would (the same budgets, sink and recent blocks first),
-ranking the rest by ``max over the group's heads of sum_{i in b} softmax(q.k)_i``. Fidelity at
-a budget under this oracle is the ceiling for every scorer that picks whole blocks at that
-budget; the gap to the key-bound scorer is what a better cheap score could still win.
+``OracleSelector`` is the best any block scorer could do: blocks ranked by the attention mass
+they carry this step. Finding each block's exact mass costs a full dense attention over the
+context (more than attending to every block), so it is a measurement tool, not a serving path.
+It keeps exactly the blocks, and as many, as the entropic selector would (the same budgets, sink
+and recent blocks first), ranking the rest by ``max over the group's heads of sum_{i in b}
+softmax(q.k)_i``. Fidelity at a budget under this oracle is the ceiling for every scorer that
+picks whole blocks at that budget.
+
+With ``channels`` it is a token-level sketch instead (after SparQ): each query head's
+``channels`` largest query components, against the same components of every key, give
+approximate scores (the softmax's temperature corrected by the share of the query's L1 norm they
+carry), aggregated per block as above. It reads ``channels / head_dim`` of the keys, a fraction
+``channels / (2 * head_dim)`` of the KV bytes more in every pruned layer: whether that is worth
+reading is what it measures (in torch here: its time is not a kernel's).
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ from etinfer.model.kv_cache import KVCache
 
 
 class OracleSelector(EntropicSelector):
-    def __init__(self, config: PruningConfig, cache: KVCache) -> None:
+    def __init__(self, config: PruningConfig, cache: KVCache, channels: int | None = None) -> None:
         super().__init__(config)
         self.cache = cache
+        self.channels = channels
 
     def block_scores(self, layer, query, blocks, summaries, bounds) -> torch.Tensor:
-        """Each block's exact attention mass this step, the most any head of its group gives
-        it: [seqs, kv_heads, max_blocks]."""
+        """Each block's attention mass this step (exact, or by the sketch), the most any head
+        of its group gives it: [seqs, kv_heads, max_blocks]."""
         seqs, heads, dim = query.shape
         tables, bs = blocks.block_tables, blocks.block_size
         kv_heads = self.cache.keys.shape[1]
@@ -31,12 +40,29 @@ class OracleSelector(EntropicSelector):
         slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(seqs, -1)
         keys = self.cache.read(layer, slots)[0]  # [kv_heads, seqs, width * bs, dim]
         q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-        logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
+        if self.channels is None:
+            logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
+        else:
+            logits = self.sketched_logits(q, keys)
         inside = torch.arange(width * bs, device=tables.device) < blocks.context_lens[:, None]
         logits.masked_fill_(~inside[None, :, None, :], -torch.inf)
         mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, bs).sum(-1)
         return mass.amax(2).transpose(0, 1)  # [seqs, kv_heads, width]
 
+    def sketched_logits(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``q`` [kv_heads, seqs, group, dim] against ``keys`` [kv_heads, seqs, tokens, dim] on
+        each query's largest components only: [kv_heads, seqs, group, tokens]."""
+        dim = q.shape[-1]
+        top = q.abs().topk(self.channels, dim=-1).indices  # [kv, seqs, group, channels]
+        picked = q.gather(-1, top)
+        tokens = keys.shape[2]
+        expanded = keys[:, :, None].expand(-1, -1, q.shape[2], -1, -1)
+        index = top[:, :, :, None, :].expand(-1, -1, -1, tokens, -1)
+        sketch = expanded.gather(-1, index)  # [kv, seqs, group, tokens, channels]
+        share = picked.abs().sum(-1, keepdim=True) / q.abs().sum(-1, keepdim=True).clamp(min=1e-9)
+        scores = torch.einsum("ksgc,ksgtc->ksgt", picked, sketch)
+        return scores / (dim * share).sqrt()
+
     def head_mass(self, logits, scores, blocks) -> torch.Tensor:
-        """Per-head budgets from the exact masses too: the ceiling of that allocation."""
+        """Per-head budgets from the same masses too: the ceiling of that allocation."""
         return scores

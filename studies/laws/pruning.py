@@ -97,9 +97,11 @@ def fidelity_rows(
     context: int,
     steps: int,
     oracle: bool = False,
+    sketches: tuple[int, ...] = (),
 ) -> list[dict]:
     """Teacher-forced fidelity of each configuration; with ``oracle``, also of the same budgets
-    with blocks ranked by their exact attention mass (the ceiling of any block scorer)."""
+    with blocks ranked by their exact attention mass (the ceiling of any block scorer), and for
+    each of ``sketches``, by that many channels of each query (``OracleSelector``)."""
     rows = []
     for batch in batches:
         stride = (len(corpus) - context - steps) // batch
@@ -107,15 +109,21 @@ def fidelity_rows(
         llm.engine.set_pruning(None)
         dense = forced_log_probs(llm, texts, context, steps)
         runs = [(name, config, None) for name, config in configs.items()]
-        if oracle:
-            cache = llm.engine.runner.cache
-            runs += [
-                (f"{name} oracle", config, OracleSelector(config, cache))
-                for name, config in configs.items()
-                if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
-            ]
+        cache = llm.engine.runner.cache
+        rankings = [("oracle", None)] if oracle else []
+        rankings += [(f"sketch-{channels}", channels) for channels in sketches]
+        runs += [
+            (f"{name} {ranking}", config, OracleSelector(config, cache, channels))
+            for ranking, channels in rankings
+            for name, config in configs.items()
+            if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
+        ]
+        model = llm.engine.model_config
         for name, config, selector in runs:
             stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
+            # A sketch reads its channels of every key in each pruned layer, besides the blocks.
+            channels = getattr(selector, "channels", None) or 0
+            pruned = (model.num_layers - config.dense_layers) / model.num_layers
             rows.append(
                 {
                     "batch": batch,
@@ -124,6 +132,7 @@ def fidelity_rows(
                     **asdict(stats),
                     "perplexity_ratio": stats.perplexity_ratio,
                     "step_ratio": stats.step_ratio,
+                    "sketch_reads": channels / (2 * model.head_dim) * pruned,
                 }
             )
             print(
@@ -175,9 +184,7 @@ def dense_layer_sweep(
     llm.engine.set_pruning(None)
     dense = forced_log_probs(llm, texts, context, steps)
     for n in counts:
-        stats = teacher_forced(
-            llm, texts, context, steps, replace(BOUND, dense_layers=n), dense
-        )
+        stats = teacher_forced(llm, texts, context, steps, replace(BOUND, dense_layers=n), dense)
         rows.append(
             {
                 "dense_layers": n,
@@ -245,6 +252,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             args.fidelity_context,
             args.fidelity_steps,
             args.oracle,
+            tuple(args.sketch_channels),
         )
         plot_bytes_against_kl(report["fidelity"], report["pruning"], out_dir / "bytes_vs_kl.png")
         save()
@@ -314,6 +322,13 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             "--oracle",
             action="store_true",
             help="fidelity also with blocks ranked by their exact attention mass (slow)",
+        )
+        parser.add_argument(
+            "--sketch-channels",
+            type=positive_int,
+            nargs="+",
+            default=[],
+            help="fidelity also with blocks ranked by this many channels of each query (slow)",
         )
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")

@@ -49,6 +49,13 @@ def fidelity_figures(rows: list[dict]) -> list[Figure]:
             Figure("top-1 agreement", 100 * row["top1_agreement"], "%", labels | DENSE, n=n),
             Figure("perplexity", row["perplexity_ratio"], "x", labels | DENSE, n=n),
             Figure("blocks kept", 100 * row["blocks_kept"], "%", labels, n=n),
+            Figure(
+                "kv bytes read",
+                100 * (row["blocks_kept"] + row.get("sketch_reads", 0)),
+                "%",
+                labels,
+                n=n,
+            ),
             Figure("decode step", row["step_ratio"], "x", labels | DENSE, n=n),
         ]
     return found

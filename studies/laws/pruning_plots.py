@@ -40,8 +40,12 @@ def curve(name: str, config: dict) -> str:
     law = config["budget_law"]
     if law == "entropy" and config["budget_low"] == config["budget_high"]:
         law = "fixed share"
-    label = f"{config['scorer']}, {'fixed tokens' if law == 'fixed' else law}"
-    return f"{label}, oracle ranking" if name.endswith(" oracle") else label
+    scorer = config["scorer"]
+    if name.endswith(" oracle"):
+        scorer = "oracle ranking"
+    elif " sketch-" in name:
+        scorer = name[name.index(" sketch-") + 1 :]
+    return f"{scorer}, {'fixed tokens' if law == 'fixed' else law}"
 
 
 def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path) -> None:
@@ -56,20 +60,24 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
         curves: dict[str, list[tuple[float, float, float]]] = {}
         for row in rows:
             if row["batch"] == batch:
-                config = configs[row["scorer"].removesuffix(" oracle")]
-                point = (100 * row["blocks_kept"], row["step_ratio"], row["kl_mean"])
+                config = configs[row["scorer"].split(" ")[0]]
+                read = row["blocks_kept"] + row.get("sketch_reads", 0.0)
+                point = (100 * read, row["step_ratio"], row["kl_mean"])
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
         laws = sorted({label.split(", ")[1] for label in curves})
         colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))
         for label, points in sorted(curves.items()):
             reads, steps, kl = zip(*sorted(points), strict=True)
             scorer, law = label.split(", ")[:2]
-            # Colour: the law; line: the ranking (the oracle's dotted, reused masses dashed).
-            style = ":" if "oracle" in label else "--" if scorer == "reused-mass" else "-"
+            # Colour: the law; line: the ranking (the oracle's dotted, reused masses dashed,
+            # sketches dash-dotted).
+            styles = {"oracle ranking": ":", "reused-mass": "--"}
+            style = styles.get(scorer, "-." if scorer.startswith("sketch") else "-")
             drawn = dict(marker="o", color=colours[law], label=label)
             by_bytes.plot(reads, kl, style, **drawn)
-            if "oracle" not in label:
-                by_time.plot(steps, kl, style, **drawn)
+            if scorer == "oracle ranking" or scorer.startswith("sketch"):
+                continue  # ranked in torch from the keys themselves: a measurement, not a cost
+            by_time.plot(steps, kl, style, **drawn)
         by_bytes.set_xlabel("KV bytes read, % of dense")
         by_time.set_xlabel("decode step over dense's (CPU time)")
         for ax in (by_bytes, by_time):

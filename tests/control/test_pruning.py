@@ -359,3 +359,24 @@ def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
             dropped = ~kept
             if ranked.any() and dropped.any():
                 assert mass[head][ranked].min() >= mass[head][dropped].max() - 1e-6
+
+
+def test_a_sketch_on_every_channel_ranks_as_the_oracle_and_on_fewer_stays_close():
+    from studies.laws.oracle_selection import OracleSelector
+
+    lengths, budgets = [37, 22], [5, 3]
+    cache, tables = filled_cache(lengths, seed=7)
+    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
+    config = PruningConfig(
+        scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1
+    )
+    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), 5)
+    exact = OracleSelector(config, cache).block_scores(0, query, blocks, None, None)
+    every = OracleSelector(config, cache, DIM).block_scores(0, query, blocks, None, None)
+    assert torch.allclose(every, exact, atol=1e-5)
+    half = OracleSelector(config, cache, DIM // 2).block_scores(0, query, blocks, None, None)
+    assert not torch.allclose(half, exact, atol=1e-3)  # an approximation, not the same scores
+    # ...that still follows the exact one: scores correlate far above chance.
+    present = blocks.present[:, None].expand_as(exact)
+    pairs = torch.stack([half[present], exact[present]])
+    assert torch.corrcoef(pairs)[0, 1] > 0.8
