@@ -82,6 +82,9 @@ for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
     law = replace(REUSED, budget_law="attention-entropy", budget_low=low, budget_high=high)
     CONFIGS[f"reused-attention-entropy-{low}-{high}"] = law
     CONFIGS[f"reused-entropy-{low}-{high}"] = replace(REUSED, budget_low=low, budget_high=high)
+# Pruning from any context on, to measure where it starts to pay (the defaults wait for that).
+CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
+CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(

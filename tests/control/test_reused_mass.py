@@ -68,7 +68,9 @@ def test_layers_between_selections_also_keep_what_the_next_one_weighed_a_step_be
 def test_default_selection_layers_are_the_first_pruned_and_one_at_three_fifths_depth():
     config = PruningConfig(**REUSED | {"dense_layers": 2})
     assert selection_layers(config, range(30)) == (2, 18)
-    assert selection_layers(config, [5, 11, 17]) == (5, 11)  # Gemma 3: its global layers
+    # Gemma 3: of its global layers a second selection at 11 would serve only 17
+    assert selection_layers(config, [5, 11, 17]) == (5,)
+    assert selection_layers(config, [5, 11, 17, 23, 29]) == (5, 17)
     assert EntropicSelector(config, full_layers=range(30)).selection_layers == (2, 18)
 
 
