@@ -122,6 +122,12 @@ def fidelity_rows(
             if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
         ]
         model = llm.engine.model_config
+        # The share of (block, KV head) pairs of the whole context that dense attention reads:
+        # 1 unless some layers slide over a window (Gemma 3), measured by keeping every block.
+        dense_reads = 1.0
+        if model.mixed_windows:
+            everything = replace(BOUND, budget_low=1.0, budget_high=1.0, min_context=0)
+            dense_reads = teacher_forced(llm, texts, context, steps, everything, dense).blocks_kept
         for name, config, selector in runs:
             stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
             # A sketch reads its channels of every key in each pruned layer, besides the blocks.
@@ -136,6 +142,7 @@ def fidelity_rows(
                     "perplexity_ratio": stats.perplexity_ratio,
                     "step_ratio": stats.step_ratio,
                     "sketch_reads": channels / (2 * model.head_dim) * pruned,
+                    "dense_reads": dense_reads,
                 }
             )
             print(

@@ -8,6 +8,7 @@ from pathlib import Path
 from etinfer.llm import LLM
 from etinfer.sampling_params import SamplingParams
 from studies.common.plots import pyplot
+from studies.laws.pruning_figures import bytes_read
 
 
 def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, path: Path) -> dict:
@@ -61,8 +62,7 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
         for row in rows:
             if row["batch"] == batch:
                 config = configs[row["scorer"].split(" ")[0]]
-                read = row["blocks_kept"] + row.get("sketch_reads", 0.0)
-                point = (100 * read, row["step_ratio"], row["kl_mean"])
+                point = (100 * bytes_read(row), row["step_ratio"], row["kl_mean"])
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
         laws = sorted({label.split(", ")[1] for label in curves})
         colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))

@@ -159,15 +159,17 @@ def new_result(
     device: str = "cpu",
     program: str = "etinfer",
     argv: list[str] | None = None,
+    commit: str | None = None,
 ) -> Result:
     """A result of this run, stamped with this command line (``program`` and ``argv``, by
-    default this process's arguments), checkout, date and host."""
+    default this process's arguments), checkout (``commit``: as it was when the run started,
+    by default now), date and host."""
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     return Result(
         benchmark=benchmark,
         command=" ".join([program, shlex.join(sys.argv[1:] if argv is None else argv)]),
         date=now.isoformat().replace("+00:00", "Z"),
-        commit=checkout_commit(),
+        commit=commit or checkout_commit(),
         host=Host.here(device),
         figures=figures,
         details=details or {},
@@ -203,9 +205,13 @@ def recorded(
     starts (``python -m studies`` for a study)."""
 
     def command(args: argparse.Namespace) -> int:
+        # The code that runs is the checkout's at the start: edits made meanwhile are not in it.
+        commit = checkout_commit()
         figures, details = run(args)
         device = details.get("device", "cpu")
-        result = new_result(benchmark, figures, details, device=device, program=program)
+        result = new_result(
+            benchmark, figures, details, device=device, program=program, commit=commit
+        )
         path = write_result(result, args.result)
         print(f"result: {path}")
         return 0
