@@ -27,6 +27,11 @@ LAW_ARMS = (
         )
     ),
     *(
+        (f"sketch, {c} channels", "fixed share", f"{s * 100:g} %", f"bound-share-{s} sketch-{c}")
+        for c in (8, 16)
+        for s in (0.125, 0.2)
+    ),
+    *(
         (
             "`reused-mass`",
             "entropy (paper)",
@@ -57,6 +62,9 @@ LAW_ARMS = (
         for name in (f"reused-attention-entropy-{lo}-{hi}",)
     ),
 )
+# A sketch reads its channels of every key besides the blocks it keeps; ranked in torch from the
+# cache, its step is not a kernel's.
+SKETCH = {"KV bytes read": forced("kv bytes read", "%", 0), "step": "-"}
 BUDGET_LAWS = Table(
     "pruning_budget_laws",
     ("ranking", "budget law", "setting"),
@@ -71,7 +79,7 @@ BUDGET_LAWS = Table(
         Row(
             (scorer, law, setting),
             Pick(labels={"arm": arm}),
-            {"step": "-"} if scorer == "oracle ranking" else {},
+            {"step": "-"} if scorer == "oracle ranking" else SKETCH if "sketch" in arm else {},
         )
         for scorer, law, setting, arm in LAW_ARMS
     ),

@@ -66,6 +66,8 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
         laws = sorted({label.split(", ")[1] for label in curves})
         colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))
+        sketches = sorted({label.split(", ")[0] for label in curves if label.startswith("sketch")})
+        markers = dict(zip(sketches, "^sv<>", strict=False))  # one sketch width from another
         for label, points in sorted(curves.items()):
             reads, steps, kl = zip(*sorted(points), strict=True)
             scorer, law = label.split(", ")[:2]
@@ -73,7 +75,7 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
             # sketches dash-dotted).
             styles = {"oracle ranking": ":", "reused-mass": "--"}
             style = styles.get(scorer, "-." if scorer.startswith("sketch") else "-")
-            drawn = dict(marker="o", color=colours[law], label=label)
+            drawn = dict(marker=markers.get(scorer, "o"), color=colours[law], label=label)
             by_bytes.plot(reads, kl, style, **drawn)
             if scorer == "oracle ranking" or scorer.startswith("sketch"):
                 continue  # ranked in torch from the keys themselves: a measurement, not a cost
