@@ -2,7 +2,7 @@
 fidelity at their measured reads and cost, and the passkeys each keeps."""
 
 from benchmarks.layout import Column, Pick, Row, Table
-from benchmarks.tables.common import AVX512, figure
+from benchmarks.tables.common import AVX512, HELD, figure
 
 FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
 
@@ -85,6 +85,30 @@ BUDGET_LAWS = Table(
     ),
     Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
 )
+GEMMA_FORCED = {"workload": "teacher-forced", "batch": 4, "context": 8192}
+GEMMA = Table(
+    "pruning_gemma",
+    ("configuration",),
+    (
+        Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=0)),
+        Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
+        Column("top-1 vs dense", Pick(subject="top-1 agreement", unit="%", decimals=1)),
+        Column("perplexity ratio", Pick(subject="perplexity", unit="x", decimals=3)),
+        Column("step vs dense", Pick(subject="decode step", unit="x", decimals=2), "step"),
+    ),
+    tuple(
+        Row((name,), Pick(labels={"arm": arm}), {"step": "-"} if "oracle" in arm else {})
+        for name, arm in (
+            ("`bound`, entropy law", "bound"),
+            ("`bound`, a fifth", "bound-share-0.2"),
+            ("`reused-mass`, entropy law (default: selects at layer 5)", "reused"),
+            ("`reused-mass`, an eighth", "reused-share-0.125"),
+            ("oracle ranking, entropy law", "bound oracle"),
+            ("oracle ranking, a fifth", "bound-share-0.2 oracle"),
+        )
+    ),
+    Pick(benchmark="fidelity", kind=AVX512, labels=GEMMA_FORCED | {"vs": "dense"}),
+)
 PASSKEY_ARMS = (
     ("dense", "dense"),
     ("`bound`, entropy law (default until now)", "bound"),
@@ -104,4 +128,28 @@ PASSKEYS_BY_LAW = Table(
     tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in PASSKEY_ARMS),
     Pick(benchmark="fidelity", kind=AVX512),
 )
-TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW)
+CROSSING = Table(
+    "pruning_crossing_held",
+    ("batch", "context"),
+    tuple(
+        Column(name, Pick(labels={"arm": arm}, decimals=2))
+        for name, arm in (
+            ("`bound`, from any context", "bound-ungated"),
+            ("`reused-mass`, from any context", "reused-ungated"),
+            ("`reused-mass`, the default (dense below 2,048)", "reused"),
+        )
+    ),
+    tuple(
+        Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
+        for b in (1, 8)
+        for c in (1024, 2048, 4096, 8000)
+    ),
+    Pick(
+        benchmark="pruning",
+        kind=HELD,
+        subject="decode step",
+        unit="x",
+        labels={"vs": "dense", "clock": "wall"},
+    ),
+)
+TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW, GEMMA, CROSSING)
