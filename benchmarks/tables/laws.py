@@ -180,26 +180,36 @@ HEADS = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
 )
 
-REUSED_STEP = Table(
+
+def step_table(name: str, arms: tuple[tuple[str, str], ...], kind: str) -> Table:
+    """A decode step over dense's per (batch, context) at 1-8K tokens, a column per (header,
+    arm), from the pruning runs of host ``kind`` (wall clock)."""
+    return Table(
+        name,
+        ("batch", "context"),
+        tuple(Column(header, Pick(labels={"arm": arm}, decimals=2)) for header, arm in arms),
+        tuple(
+            Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
+            for b in (1, 8)
+            for c in (1024, 2048, 4096, 8000)
+        ),
+        PRUNING.under(
+            Pick(
+                kind=kind, subject="decode step", unit="x", labels={"vs": "dense", "clock": "wall"}
+            )
+        ),
+    )
+
+
+REUSED_STEP = step_table(
     "pruning_reused_speed",
-    ("batch", "context"),
-    tuple(
-        Column(name, Pick(labels={"arm": arm}, decimals=2))
-        for name, arm in (
-            ("`bound`, a quarter", "bound-quarter"),
-            ("`reused-mass`, a quarter", "reused-quarter"),
-            ("`bound`", "bound"),
-            ("`reused-mass`", "reused"),
-        )
+    (
+        ("`bound`, a quarter", "bound-quarter"),
+        ("`reused-mass`, a quarter", "reused-quarter"),
+        ("`bound`", "bound"),
+        ("`reused-mass`", "reused"),
     ),
-    tuple(
-        Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
-        for b in (1, 8)
-        for c in (1024, 2048, 4096, 8000)
-    ),
-    PRUNING.under(
-        Pick(kind=AVX512, subject="decode step", unit="x", labels={"vs": "dense", "clock": "wall"})
-    ),
+    AVX512,
 )
 
 TARGETS = {

@@ -3,6 +3,7 @@ fidelity at their measured reads and cost, and the passkeys each keeps."""
 
 from benchmarks.layout import Column, Pick, Row, Table
 from benchmarks.tables.common import AVX512, HELD, figure
+from benchmarks.tables.laws import step_table
 
 FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
 
@@ -128,28 +129,13 @@ PASSKEYS_BY_LAW = Table(
     tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in PASSKEY_ARMS),
     Pick(benchmark="fidelity", kind=AVX512),
 )
-CROSSING = Table(
+CROSSING = step_table(
     "pruning_crossing_held",
-    ("batch", "context"),
-    tuple(
-        Column(name, Pick(labels={"arm": arm}, decimals=2))
-        for name, arm in (
-            ("`bound`, from any context", "bound-ungated"),
-            ("`reused-mass`, from any context", "reused-ungated"),
-            ("`reused-mass`, the default (dense below 2,048)", "reused"),
-        )
+    (
+        ("`bound`, from any context", "bound-ungated"),
+        ("`reused-mass`, from any context", "reused-ungated"),
+        ("`reused-mass`, the default (dense below 2,048)", "reused"),
     ),
-    tuple(
-        Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
-        for b in (1, 8)
-        for c in (1024, 2048, 4096, 8000)
-    ),
-    Pick(
-        benchmark="pruning",
-        kind=HELD,
-        subject="decode step",
-        unit="x",
-        labels={"vs": "dense", "clock": "wall"},
-    ),
+    HELD,
 )
 TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW, GEMMA, CROSSING)
