@@ -103,7 +103,7 @@ GEMMA = Table(
             ("`bound`, entropy law", "bound"),
             ("`bound`, a fifth", "bound-share-0.2"),
             ("`reused-mass`, entropy law (default: selects at layer 5)", "reused"),
-            ("`reused-mass`, an eighth", "reused-share-0.125"),
+            ("`reused-mass`, 12.5 % of the blocks", "reused-share-0.125"),
             ("oracle ranking, entropy law", "bound oracle"),
             ("oracle ranking, a fifth", "bound-share-0.2 oracle"),
         )
@@ -115,7 +115,7 @@ PASSKEY_ARMS = (
     ("`bound`, entropy law (default until now)", "bound"),
     ("`bound`, a fifth", "bound-share-0.2"),
     ("`reused-mass`, entropy law (default)", "reused"),
-    ("`reused-mass`, an eighth", "reused-share-0.125"),
+    ("`reused-mass`, 12.5 % of the blocks", "reused-share-0.125"),
     ("`reused-mass`, entropy law 5-30 %", "reused-entropy-0.05-0.3"),
     ("`reused-mass`, top-p 0.9", "reused-top-p-0.9"),
 )
