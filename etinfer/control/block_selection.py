@@ -10,7 +10,8 @@ it reads, so keeping fewer blocks makes attention compute less, not just mask mo
 The entropic selector ranks blocks by a cheap contribution score and keeps a budget that follows
 the sequence's entropy regime (low entropy: fewer blocks). The paper's score is
 ``I_b = sum_{i in b} a_i s(v_i)``; computing the weights ``a_i`` exactly costs the attention it is
-meant to save, so two proxies are offered:
+meant to save, so proxies are offered (``reused-mass``, the last, is the default: at equal step
+time the closest to dense attention, and it keeps the passkeys dense attention finds):
 
 - ``bound``: per-channel key bounds ``m <= k <= M`` of the block give ``q.k <= sum_c max(q_c M_c,
   q_c m_c)`` for every key in it (Quest), an upper bound on each score, at O(head_dim) a block;
