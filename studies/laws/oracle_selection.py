@@ -13,7 +13,10 @@ With ``channels`` it is a token-level sketch instead (after SparQ): each query h
 approximate scores (the softmax's temperature corrected by the share of the query's L1 norm they
 carry), aggregated per block as above. It reads ``channels / head_dim`` of the keys, a fraction
 ``channels / (2 * head_dim)`` of the KV bytes more in every pruned layer: whether that is worth
-reading is what it measures (in torch here: its time is not a kernel's).
+reading is what it measures (in torch here: its time is not a kernel's). With ``fixed`` the
+channels are chosen once per layer and KV head instead, those where the first sequence's keys
+are largest on average (after Double Sparsity's offline "label" channels): what a cache could
+keep as a compact copy of every key, written as the keys are.
 """
 
 from __future__ import annotations
@@ -25,10 +28,18 @@ from etinfer.model.kv_cache import KVCache
 
 
 class OracleSelector(EntropicSelector):
-    def __init__(self, config: PruningConfig, cache: KVCache, channels: int | None = None) -> None:
+    def __init__(
+        self,
+        config: PruningConfig,
+        cache: KVCache,
+        channels: int | None = None,
+        fixed: bool = False,
+    ) -> None:
         super().__init__(config)
         self.cache = cache
         self.channels = channels
+        self.fixed = fixed
+        self.chosen: dict[int, torch.Tensor] = {}  # with ``fixed``: [kv_heads, channels] a layer
 
     def block_scores(self, layer, query, blocks, summaries, bounds) -> torch.Tensor:
         """Each block's attention mass this step (exact, or by the sketch), the most any head
@@ -43,17 +54,33 @@ class OracleSelector(EntropicSelector):
         if self.channels is None:
             logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
         else:
-            logits = self.sketched_logits(q, keys)
+            logits = self.sketched_logits(q, keys, self.fixed_channels(layer, keys, blocks))
         inside = torch.arange(width * bs, device=tables.device) < blocks.context_lens[:, None]
         logits.masked_fill_(~inside[None, :, None, :], -torch.inf)
         mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, bs).sum(-1)
         return mass.amax(2).transpose(0, 1)  # [seqs, kv_heads, width]
 
-    def sketched_logits(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def fixed_channels(self, layer: int, keys: torch.Tensor, blocks) -> torch.Tensor | None:
+        """With ``fixed``, the layer's channels [kv_heads, channels], chosen at its first step
+        from the first sequence's keys in context; None otherwise."""
+        if not self.fixed:
+            return None
+        if layer not in self.chosen:
+            seen = keys[:, 0, : int(blocks.context_lens[0])]  # [kv_heads, tokens, dim]
+            self.chosen[layer] = seen.abs().mean(1).topk(self.channels, dim=-1).indices
+        return self.chosen[layer]
+
+    def sketched_logits(
+        self, q: torch.Tensor, keys: torch.Tensor, fixed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``q`` [kv_heads, seqs, group, dim] against ``keys`` [kv_heads, seqs, tokens, dim] on
-        each query's largest components only: [kv_heads, seqs, group, tokens]."""
+        each query's largest components only (or the ``fixed`` ones, [kv_heads, channels]):
+        [kv_heads, seqs, group, tokens]."""
         dim = q.shape[-1]
-        top = q.abs().topk(self.channels, dim=-1).indices  # [kv, seqs, group, channels]
+        if fixed is None:
+            top = q.abs().topk(self.channels, dim=-1).indices  # [kv, seqs, group, channels]
+        else:
+            top = fixed[:, None, None].expand(-1, *q.shape[1:3], -1)
         picked = q.gather(-1, top)
         tokens = keys.shape[2]
         expanded = keys[:, :, None].expand(-1, -1, q.shape[2], -1, -1)

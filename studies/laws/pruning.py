@@ -41,55 +41,10 @@ from etinfer.llm import LLM
 from etinfer.options import positive_int
 from studies import PROGRAM
 from studies.laws.oracle_selection import OracleSelector
+from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
 from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
 from studies.laws.pruning_speed import speed_rows
-
-# Named pruning configurations; each part of the benchmark runs the ones it is given.
-BOUND = PruningConfig(scorer="bound")
-CONFIGS = {
-    "bound": BOUND,
-    "mass": PruningConfig(scorer="mass"),
-    # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
-    "bound-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2),
-    "bound-quarter": replace(BOUND, budget_low=0.25, budget_high=0.25),
-    "bound-half": replace(BOUND, budget_low=0.5, budget_high=0.5),
-    # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
-    "heads-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2, head_budgets=True),
-    "heads-half": replace(BOUND, budget_low=0.5, budget_high=0.5, head_budgets=True),
-    "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
-    "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
-    "heads": replace(BOUND, head_budgets=True),
-    # Blocks ranked by the exact mass two dense selection layers gave them this step.
-    "reused": PruningConfig(scorer="reused-mass"),
-    "reused-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="reused-mass"),
-    "reused-quarter": PruningConfig(budget_low=0.25, budget_high=0.25, scorer="reused-mass"),
-    # The fewest blocks that carry 95 % of the measured mass, at most half of them.
-    "reused-top-p": PruningConfig(scorer="reused-mass", budget_law="top-p"),
-}
-# The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
-REUSED = PruningConfig(scorer="reused-mass")
-for share in (0.125, 0.2, 0.35):
-    CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
-    CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
-for tokens in (512, 1024, 2048):
-    CONFIGS[f"bound-fixed-{tokens}"] = replace(BOUND, budget_law="fixed", token_budget=tokens)
-    CONFIGS[f"reused-fixed-{tokens}"] = replace(REUSED, budget_law="fixed", token_budget=tokens)
-for p in (0.8, 0.9, 0.99):
-    CONFIGS[f"reused-top-p-{p}"] = replace(REUSED, budget_law="top-p", top_p=p)
-    CONFIGS[f"reused-entropy+top-p-{p}"] = replace(REUSED, budget_law="entropy+top-p", top_p=p)
-for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
-    law = replace(REUSED, budget_law="attention-entropy", budget_low=low, budget_high=high)
-    CONFIGS[f"reused-attention-entropy-{low}-{high}"] = law
-    CONFIGS[f"reused-entropy-{low}-{high}"] = replace(REUSED, budget_low=low, budget_high=high)
-# Pruning from any context on, to measure where it starts to pay (the defaults wait for that).
-CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
-CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
-# Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
-for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
-    CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(
-        budget_low=0.25, budget_high=0.25, scorer="reused-mass", selection_layers=layers
-    )
 
 
 def fidelity_rows(
@@ -101,10 +56,12 @@ def fidelity_rows(
     steps: int,
     oracle: bool = False,
     sketches: tuple[int, ...] = (),
+    fixed_sketches: tuple[int, ...] = (),
 ) -> list[dict]:
     """Teacher-forced fidelity of each configuration; with ``oracle``, also of the same budgets
     with blocks ranked by their exact attention mass (the ceiling of any block scorer), and for
-    each of ``sketches``, by that many channels of each query (``OracleSelector``)."""
+    each of ``sketches``, by that many channels of each query, and of ``fixed_sketches``, by
+    that many channels chosen once a layer and KV head (``OracleSelector``)."""
     rows = []
     for batch in batches:
         stride = (len(corpus) - context - steps) // batch
@@ -113,11 +70,12 @@ def fidelity_rows(
         dense = forced_log_probs(llm, texts, context, steps)
         runs = [(name, config, None) for name, config in configs.items()]
         cache = llm.engine.runner.cache
-        rankings = [("oracle", None)] if oracle else []
-        rankings += [(f"sketch-{channels}", channels) for channels in sketches]
+        rankings = [("oracle", None, False)] if oracle else []
+        rankings += [(f"sketch-{channels}", channels, False) for channels in sketches]
+        rankings += [(f"fixed-sketch-{channels}", channels, True) for channels in fixed_sketches]
         runs += [
-            (f"{name} {ranking}", config, OracleSelector(config, cache, channels))
-            for ranking, channels in rankings
+            (f"{name} {ranking}", config, OracleSelector(config, cache, channels, fixed))
+            for ranking, channels, fixed in rankings
             for name, config in configs.items()
             if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
         ]
@@ -263,6 +221,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             args.fidelity_steps,
             args.oracle,
             tuple(args.sketch_channels),
+            tuple(args.fixed_sketch_channels),
         )
         plot_bytes_against_kl(report["fidelity"], report["pruning"], out_dir / "bytes_vs_kl.png")
         save()
@@ -339,6 +298,13 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             nargs="+",
             default=[],
             help="fidelity also with blocks ranked by this many channels of each query (slow)",
+        )
+        parser.add_argument(
+            "--fixed-sketch-channels",
+            type=positive_int,
+            nargs="+",
+            default=[],
+            help="...and by this many channels chosen once a layer and KV head (slow)",
         )
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")

@@ -44,8 +44,8 @@ def curve(name: str, config: dict) -> str:
     scorer = config["scorer"]
     if name.endswith(" oracle"):
         scorer = "oracle ranking"
-    elif " sketch-" in name:
-        scorer = name[name.index(" sketch-") + 1 :]
+    elif "sketch-" in name:
+        scorer = name.split(" ")[-1]
     return f"{scorer}, {'fixed tokens' if law == 'fixed' else law}"
 
 
@@ -66,7 +66,7 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
         laws = sorted({label.split(", ")[1] for label in curves})
         colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))
-        sketches = sorted({label.split(", ")[0] for label in curves if label.startswith("sketch")})
+        sketches = sorted({label.split(", ")[0] for label in curves if "sketch" in label})
         markers = dict(zip(sketches, "^sv<>", strict=False))  # one sketch width from another
         for label, points in sorted(curves.items()):
             reads, steps, kl = zip(*sorted(points), strict=True)
@@ -74,10 +74,10 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
             # Colour: the law; line: the ranking (the oracle's dotted, reused masses dashed,
             # sketches dash-dotted).
             styles = {"oracle ranking": ":", "reused-mass": "--"}
-            style = styles.get(scorer, "-." if scorer.startswith("sketch") else "-")
+            style = styles.get(scorer, "-." if "sketch" in scorer else "-")
             drawn = dict(marker=markers.get(scorer, "o"), color=colours[law], label=label)
             by_bytes.plot(reads, kl, style, **drawn)
-            if scorer == "oracle ranking" or scorer.startswith("sketch"):
+            if scorer == "oracle ranking" or "sketch" in scorer:
                 continue  # ranked in torch from the keys themselves: a measurement, not a cost
             by_time.plot(steps, kl, style, **drawn)
         by_bytes.set_xlabel("KV bytes read, % of dense")

@@ -374,6 +374,9 @@ def test_a_sketch_on_every_channel_ranks_as_the_oracle_and_on_fewer_stays_close(
     exact = OracleSelector(config, cache).block_scores(0, query, blocks, None, None)
     every = OracleSelector(config, cache, DIM).block_scores(0, query, blocks, None, None)
     assert torch.allclose(every, exact, atol=1e-5)
+    fixed = OracleSelector(config, cache, DIM, fixed=True)
+    assert torch.allclose(fixed.block_scores(0, query, blocks, None, None), exact, atol=1e-5)
+    assert fixed.chosen[0].shape == (KV_HEADS, DIM)  # chosen once for the layer
     half = OracleSelector(config, cache, DIM // 2).block_scores(0, query, blocks, None, None)
     assert not torch.allclose(half, exact, atol=1e-3)  # an approximation, not the same scores
     # ...that still follows the exact one: scores correlate far above chance.
