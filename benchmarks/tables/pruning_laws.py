@@ -86,10 +86,17 @@ BUDGET_LAWS = Table(
     ),
     Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
 )
-GEMMA_FORCED = {"workload": "teacher-forced", "batch": 4, "context": 8192}
+GEMMA_ARMS = (
+    ("`bound`, entropy law", "bound"),
+    ("`bound`, a fifth", "bound-share-0.2"),
+    ("`reused-mass`, entropy law (default: selects at layer 5)", "reused"),
+    ("`reused-mass`, 12.5 % of the blocks", "reused-share-0.125"),
+    ("oracle ranking, entropy law", "bound oracle"),
+    ("oracle ranking, a fifth", "bound-share-0.2 oracle"),
+)
 GEMMA = Table(
     "pruning_gemma",
-    ("configuration",),
+    ("context, batch", "configuration"),
     (
         Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=0)),
         Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
@@ -98,17 +105,19 @@ GEMMA = Table(
         Column("step vs dense", Pick(subject="decode step", unit="x", decimals=2), "step"),
     ),
     tuple(
-        Row((name,), Pick(labels={"arm": arm}), {"step": "-"} if "oracle" in arm else {})
-        for name, arm in (
-            ("`bound`, entropy law", "bound"),
-            ("`bound`, a fifth", "bound-share-0.2"),
-            ("`reused-mass`, entropy law (default: selects at layer 5)", "reused"),
-            ("`reused-mass`, 12.5 % of the blocks", "reused-share-0.125"),
-            ("oracle ranking, entropy law", "bound oracle"),
-            ("oracle ranking, a fifth", "bound-share-0.2 oracle"),
+        Row(
+            (f"{context:,}, {batch}", name),
+            Pick(labels={"arm": arm, "context": context, "batch": batch}),
+            {"step": "-"} if "oracle" in arm else {},
         )
+        for context, batch in ((8192, 4), (16384, 2))
+        for name, arm in GEMMA_ARMS
     ),
-    Pick(benchmark="fidelity", kind=AVX512, labels=GEMMA_FORCED | {"vs": "dense"}),
+    Pick(
+        benchmark="fidelity",
+        kind=AVX512,
+        labels={"workload": "teacher-forced", "vs": "dense"},
+    ),
 )
 PASSKEY_ARMS = (
     ("dense", "dense"),
