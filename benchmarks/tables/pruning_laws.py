@@ -34,6 +34,16 @@ LAW_ARMS = (
     ),
     *(
         (
+            f"sketch, {c} fixed channels",
+            "fixed share",
+            f"{s * 100:g} %",
+            f"bound-share-{s} fixed-sketch-{c}",
+        )
+        for c in (8, 16)
+        for s in (0.125, 0.2)
+    ),
+    *(
+        (
             "`reused-mass`",
             "entropy (paper)",
             f"{lo * 100:g}-{hi * 100:g} %",
@@ -66,6 +76,8 @@ LAW_ARMS = (
 # A sketch reads its channels of every key besides the blocks it keeps; ranked in torch from the
 # cache, its step is not a kernel's.
 SKETCH = {"KV bytes read": forced("kv bytes read", "%", 0), "step": "-"}
+# (Runs from commit 3625945 on label the share read as against dense's reads.)
+FIXED_SKETCH = {"KV bytes read": forced("kv bytes read", "%", 0, vs="dense"), "step": "-"}
 BUDGET_LAWS = Table(
     "pruning_budget_laws",
     ("ranking", "budget law", "setting"),
@@ -80,7 +92,13 @@ BUDGET_LAWS = Table(
         Row(
             (scorer, law, setting),
             Pick(labels={"arm": arm}),
-            {"step": "-"} if scorer == "oracle ranking" else SKETCH if "sketch" in arm else {},
+            {"step": "-"}
+            if scorer == "oracle ranking"
+            else FIXED_SKETCH
+            if "fixed-sketch" in arm
+            else SKETCH
+            if "sketch" in arm
+            else {},
         )
         for scorer, law, setting, arm in LAW_ARMS
     ),
