@@ -120,6 +120,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     # each other whenever another process holds a core (a quick run took 5.7 minutes with two,
     # 53 s with one, at a load average of 5), and one thread makes the CPU time of a step its
     # own work, which is what eta divides by.
+    if "baseline" not in args.arms:
+        raise ValueError(f"--arms must include baseline (every ratio is to it), got {args.arms}")
     options.set_threads(args)
     loaded = loaded or load_model(args.model)
     mode = "quick" if args.quick else "long" if args.workload == "long" else "full"
@@ -132,7 +134,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     engine_kwargs = options.engine_kwargs(args)
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
     started = time.strftime("%Y-%m-%d %H:%M")
-    runs = run_all(loaded, requests, arms(pruning), repeats, engine_kwargs, args.clock)
+    chosen = {name: arm for name, arm in arms(pruning).items() if name in args.arms}
+    runs = run_all(loaded, requests, chosen, repeats, engine_kwargs, args.clock)
     settings = {
         "command": command_line(args, repeats),
         "date": started,
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
         "seed": args.seed,
         "engine": engine_kwargs,
         "pruning": vars(pruning) | {"quick_mode_lowered_min_context": args.quick},
-        "configurations": {name: repr(arm) for name, arm in arms(pruning).items()},
+        "configurations": {name: repr(arm) for name, arm in chosen.items()},
         "references": ablation_workload.REFERENCE_SOURCE,
     }
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
@@ -161,6 +164,7 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     parts += ["--quick"] if args.quick else []
     parts += [f"--repeats {repeats}", f"--seed {args.seed}", f"--threads {args.threads}"]
     parts += [f"--clock {args.clock}"]
+    parts += [] if list(args.arms) == list(CONFIGS) else ["--arms", *args.arms]
     parts += [] if args.rate is None else [f"--rate {args.rate}"]
     return " ".join([*parts, *options.engine_flags(args), f"--output {args.output}"])
 
@@ -175,6 +179,14 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=positive_int, help="default: 2, or 1 with --quick")
     parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        type=str,
+        help="the configurations to run (the baseline among them: every ratio is to it)",
+    )
     # Each configuration sets the control layers; the scheduling layer replaces the baseline's
     # FCFS; --seed seeds the workload.
     options.add_engine_options(

@@ -279,6 +279,7 @@ def study(
     """The whole report: settings, workload, every run, the summary and the verdicts."""
     records = [run_figures(requests, run, tokenizer) for run in runs]
     add_baseline_comparisons(records)
+    ran = {run.config for run in runs}
     return {
         "settings": settings,
         "workload": [
@@ -292,9 +293,12 @@ def study(
         ],
         "runs": records,
         "summary": summarize_runs(records),
-        "super_additivity": super_additivity(records),
+        # Each needs its arms: the full system and every single layer, or the full system.
+        "super_additivity": (
+            super_additivity(records) if {"full", *SINGLE_LAYERS} <= ran else None
+        ),
         "baseline_self_rouge": baseline_self_rouge(records),
-        "trace": trace(requests, runs),
+        "trace": trace(requests, runs) if "full" in ran else None,
     }
 
 

@@ -226,7 +226,9 @@ def markdown(report: dict) -> str:
         "Gain = 1 - ratio for latency, ratio - 1 otherwise; paired within each repeat "
         "(range in brackets). Excess = full system's gain - sum of the single-layer gains.",
         "",
-        additivity_table(report["super_additivity"]),
+        additivity_table(report["super_additivity"])
+        if report["super_additivity"] is not None
+        else "Not measured: the run left out the full system or a single layer.",
         "",
     ]
     if report["baseline_self_rouge"] is not None:

@@ -207,3 +207,18 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
     assert trace["task"] == request["task"] == "free"
     assert len(trace["temperatures"]) == len(trace["entropies"]) == request["output_tokens"]
     assert len(trace["blocks_kept"]) == request["output_tokens"] - 1  # the first: from prefill
+
+
+@pytest.mark.slow
+def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path, restore_threads):
+    parser = argparse.ArgumentParser()
+    ablation.add_command(parser.add_subparsers())
+    argv = ["ablation", "--quick", "--threads", "2", "--quantization", "none"]
+    argv += ["--output", str(tmp_path), "--arms", "baseline", "attention"]
+    figures, report = ablation.run(parser.parse_args(argv), loaded_model)
+    assert {f.labels["arm"] for f in figures} == {"baseline", "attention"}
+    assert report["super_additivity"] is None and report["trace"] is None
+    assert "--arms baseline attention" in report["settings"]["command"]
+    assert "Not measured: the run left out" in (tmp_path / "ablation.md").read_text()
+    with pytest.raises(ValueError, match="--arms must include baseline"):
+        ablation.run(parser.parse_args([*argv[:-3], "--arms", "attention"]), loaded_model)
