@@ -60,7 +60,7 @@ TABLE1_TABLE = Table(
             claims=FULL,
         ),
     ),
-    Pick(benchmark="ablation", unit="x", labels={"vs": "baseline"}),
+    Pick(benchmark="ablation", unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
 LONG = Pick(benchmark="longcontext")

@@ -35,7 +35,7 @@ def cpu_table(name: str, workload: str) -> Table:
             benchmark="ablation",
             kind=AVX512,
             unit="x",
-            labels={"workload": workload, "vs": "baseline"},
+            labels={"workload": workload, "vs": "baseline", "arms": None},  # all arms ran
         ),
     )
 
@@ -57,7 +57,7 @@ MIXED_FIGURES = Table(
         Row(("Baseline",), Pick(labels={"arm": "baseline"})),
         *(Row((text,), Pick(labels={"arm": arm})) for text, arm in ARMS),
     ),
-    Pick(benchmark="ablation", kind=AVX512, labels={"workload": "mixed"}),
+    Pick(benchmark="ablation", kind=AVX512, labels={"workload": "mixed", "arms": None}),
 )
 
 
@@ -75,7 +75,7 @@ GPU = Table(
         Column("throughput", gpu("long", "throughput"), "long throughput"),
     ),
     tuple(Row((text,), Pick(labels={"arm": arm})) for text, arm in ARMS),
-    Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline"}),
+    Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
 TABLES = (MIXED, LONG, MIXED_FIGURES, GPU)

@@ -154,6 +154,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
     ablation_report.write(report, Path(args.output))
     labels = {"workload": args.workload} | ({"quick": True} if args.quick else {})
+    if list(args.arms) != list(CONFIGS):  # some arms: not a whole Table 1
+        labels["arms"] = " ".join(args.arms)
     figures = ablation_metrics.table1_figures(report["summary"], labels)
     return figures, report | {"device": engine_device(engine_kwargs)}
 

@@ -217,6 +217,7 @@ def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path
     argv += ["--output", str(tmp_path), "--arms", "baseline", "attention"]
     figures, report = ablation.run(parser.parse_args(argv), loaded_model)
     assert {f.labels["arm"] for f in figures} == {"baseline", "attention"}
+    assert all(f.labels["arms"] == "baseline attention" for f in figures)  # not a Table 1
     assert report["super_additivity"] is None and report["trace"] is None
     assert "--arms baseline attention" in report["settings"]["command"]
     assert "Not measured: the run left out" in (tmp_path / "ablation.md").read_text()
