@@ -4,6 +4,7 @@ fidelity at their measured reads and cost, and the passkeys each keeps."""
 from benchmarks.layout import Column, Pick, Row, Table
 from benchmarks.tables.common import AVX512, HELD, figure
 from benchmarks.tables.laws import step_table
+from benchmarks.tables.table1 import PAPER, RATIOS
 
 FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
 
@@ -165,4 +166,23 @@ CROSSING = step_table(
     ),
     HELD,
 )
-TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW, GEMMA, CROSSING)
+ATTENTION_ROW = Table(
+    "pruning_table1_long",
+    ("configuration", "the paper: latency / throughput / η / quality"),
+    RATIOS,
+    (
+        Row(
+            ("Attention only (`reused-mass`)", PAPER["attention"]),
+            Pick(labels={"arm": "attention"}),
+        ),
+    ),
+    Pick(
+        benchmark="ablation",
+        kind=AVX512,
+        unit="x",
+        labels={"workload": "long", "vs": "baseline", "arms": "baseline attention"},
+        decimals=2,
+        bare=True,  # one repeat: no spread to show
+    ),
+)
+TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW, GEMMA, CROSSING, ATTENTION_ROW)
