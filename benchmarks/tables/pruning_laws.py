@@ -129,8 +129,12 @@ GEMMA = Table(
             Pick(labels={"arm": arm, "context": context, "batch": batch}),
             {"step": "-"} if "oracle" in arm else {},
         )
-        for context, batch in ((8192, 4), (16384, 2))
-        for name, arm in GEMMA_ARMS
+        for context, batch, arms in (
+            (8192, 4, GEMMA_ARMS),
+            (16384, 2, GEMMA_ARMS),
+            (32000, 1, tuple(a for a in GEMMA_ARMS if a[1] in ("bound", "reused", "bound oracle"))),
+        )
+        for name, arm in arms
     ),
     Pick(
         benchmark="fidelity",
