@@ -144,13 +144,16 @@ def plan_budget(
 ) -> int:
     """The blocks a decoding sequence keeps this step: its whole context where it attends
     densely (no entropy measured yet, a context under ``min_context``, a mass refresh step),
-    else its entropy's budget. A dense step counts as the previous budget, so the rate limit
-    also holds where pruning starts."""
+    else its law's budget (the cap, for a law the layers finish). A dense step counts as the
+    previous budget, so the rate limit also holds where pruning starts."""
     in_context = -(-context_len // block_size)
     if predictive_entropy_upper is None or context_len < dense_below(config) or refresh:
         return in_context
     if config.budget_law == "fixed":
         return min(in_context, max(config.min_blocks, -(-config.token_budget // block_size)))
+    if config.budget_law in ("top-p", "attention-entropy"):
+        # These count the measured mass alone, in the layers: plan their cap, budget_high.
+        predictive_entropy_upper = config.entropy_high
     previous = in_context if previous is None else previous
     return block_budget(predictive_entropy_upper, in_context, previous, config)
 

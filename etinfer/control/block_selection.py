@@ -138,7 +138,7 @@ class EntropicSelector(BlockSelector):
             )
             budgets.append(
                 plan_budget(
-                    self._entropy(entry.predictive_entropy_upper) if decoding_token else None,
+                    entry.predictive_entropy_upper if decoding_token else None,
                     context,
                     entry.block_budget,
                     refresh,
@@ -147,13 +147,6 @@ class EntropicSelector(BlockSelector):
                 )
             )
         return budgets
-
-    def _entropy(self, upper: float | None) -> float | None:
-        """The entropy the budget reads: a law that counts measured mass alone plans
-        budget_high, its cap, at every entropy."""
-        if upper is None or self.config.budget_law in ("entropy", "entropy+top-p", "fixed"):
-            return upper
-        return self.config.entropy_high
 
     def select(self, layer, query, blocks, summaries) -> Selection | None:
         if layer < self.config.dense_layers or blocks.budgets is None:

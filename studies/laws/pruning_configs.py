@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from etinfer.control.block_selection import PruningConfig
 
-# Named pruning configurations; each part of the benchmark runs the ones it is given.
 BOUND = PruningConfig(scorer="bound")
+REUSED = PruningConfig(scorer="reused-mass")
 CONFIGS = {
     "bound": BOUND,
     "mass": PruningConfig(scorer="mass"),
@@ -19,18 +19,17 @@ CONFIGS = {
     # Per-KV-head budgets from attention entropy, and the value factor, at the same shares.
     "heads-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2, head_budgets=True),
     "heads-half": replace(BOUND, budget_low=0.5, budget_high=0.5, head_budgets=True),
-    "value-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="bound-value"),
-    "value-half": PruningConfig(budget_low=0.5, budget_high=0.5, scorer="bound-value"),
+    "value-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2, scorer="bound-value"),
+    "value-half": replace(BOUND, budget_low=0.5, budget_high=0.5, scorer="bound-value"),
     "heads": replace(BOUND, head_budgets=True),
     # Blocks ranked by the exact mass two dense selection layers gave them this step.
-    "reused": PruningConfig(scorer="reused-mass"),
-    "reused-fifth": PruningConfig(budget_low=0.2, budget_high=0.2, scorer="reused-mass"),
-    "reused-quarter": PruningConfig(budget_low=0.25, budget_high=0.25, scorer="reused-mass"),
+    "reused": REUSED,
+    "reused-fifth": replace(REUSED, budget_low=0.2, budget_high=0.2),
+    "reused-quarter": replace(REUSED, budget_low=0.25, budget_high=0.25),
     # The fewest blocks that carry 95 % of the measured mass, at most half of them.
-    "reused-top-p": PruningConfig(scorer="reused-mass", budget_law="top-p"),
+    "reused-top-p": replace(REUSED, budget_law="top-p"),
 }
 # The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
-REUSED = PruningConfig(scorer="reused-mass")
 for share in (0.125, 0.2, 0.35):
     CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
     CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
@@ -49,6 +48,6 @@ CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
 CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
-    CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = PruningConfig(
-        budget_low=0.25, budget_high=0.25, scorer="reused-mass", selection_layers=layers
+    CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = replace(
+        CONFIGS["reused-quarter"], selection_layers=layers
     )

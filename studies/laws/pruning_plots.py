@@ -35,18 +35,16 @@ def plot_blocks_against_entropy(pruned: LLM, corpus: list[int], context: int, pa
     return {"entropies": out.entropies, "blocks_kept": out.blocks_kept}
 
 
-def curve(name: str, config: dict) -> str:
-    """The curve an arm lies on: its scorer and its budget law (a share fixed at every entropy
-    is the paper's law with its two ends equal), the oracle's apart."""
+def curve(name: str, config: dict) -> tuple[str, str]:
+    """The curve an arm lies on: its ranking (the scorer, or the oracle's or a sketch's that
+    replaced it) and its budget law (a share fixed at every entropy is the paper's law with
+    its two ends equal)."""
     law = config["budget_law"]
     if law == "entropy" and config["budget_low"] == config["budget_high"]:
         law = "fixed share"
-    scorer = config["scorer"]
-    if name.endswith(" oracle"):
-        scorer = "oracle ranking"
-    elif "sketch-" in name:
-        scorer = name.split(" ")[-1]
-    return f"{scorer}, {'fixed tokens' if law == 'fixed' else law}"
+    ranking = name.split(" ")[-1] if " " in name else config["scorer"]
+    ranking = "oracle ranking" if ranking == "oracle" else ranking
+    return ranking, "fixed tokens" if law == "fixed" else law
 
 
 def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path) -> None:
@@ -58,23 +56,23 @@ def plot_bytes_against_kl(rows: list[dict], configs: dict[str, dict], path: Path
     batches = sorted({row["batch"] for row in rows})
     fig, axes = plt.subplots(len(batches), 2, figsize=(14, 5 * len(batches)), squeeze=False)
     for (by_bytes, by_time), batch in zip(axes, batches, strict=True):
-        curves: dict[str, list[tuple[float, float, float]]] = {}
+        curves: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         for row in rows:
             if row["batch"] == batch:
                 config = configs[row["scorer"].split(" ")[0]]
                 point = (100 * bytes_read(row), row["step_ratio"], row["kl_mean"])
                 curves.setdefault(curve(row["scorer"], config), []).append(point)
-        laws = sorted({label.split(", ")[1] for label in curves})
+        laws = sorted({law for _, law in curves})
         colours = dict(zip(laws, plt.get_cmap("tab10").colors, strict=False))
-        sketches = sorted({label.split(", ")[0] for label in curves if "sketch" in label})
+        sketches = sorted({scorer for scorer, _ in curves if "sketch" in scorer})
         markers = dict(zip(sketches, "^sv<>", strict=False))  # one sketch width from another
-        for label, points in sorted(curves.items()):
+        for (scorer, law), points in sorted(curves.items()):
             reads, steps, kl = zip(*sorted(points), strict=True)
-            scorer, law = label.split(", ")[:2]
             # Colour: the law; line: the ranking (the oracle's dotted, reused masses dashed,
             # sketches dash-dotted).
             styles = {"oracle ranking": ":", "reused-mass": "--"}
             style = styles.get(scorer, "-." if "sketch" in scorer else "-")
+            label = f"{scorer}, {law}"
             drawn = dict(marker=markers.get(scorer, "o"), color=colours[law], label=label)
             by_bytes.plot(reads, kl, style, **drawn)
             if scorer == "oracle ranking" or "sketch" in scorer:

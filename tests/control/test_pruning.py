@@ -333,9 +333,8 @@ def test_mass_scorer_ranks_by_observed_attention():
     assert mask[0].sum(-1).tolist() == [3, 3]
 
 
-def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
-    from studies.laws.oracle_selection import OracleSelector
-
+def oracle_case():
+    """Two sequences of 37 and 22 tokens keeping 5 and 3 blocks, a query, and the config."""
     lengths, budgets = [37, 22], [5, 3]
     cache, tables = filled_cache(lengths, seed=7)
     query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
@@ -343,6 +342,13 @@ def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
         scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1
     )
     blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), 5)
+    return lengths, budgets, cache, tables, query, config, blocks
+
+
+def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
+    from studies.laws.oracle_selection import OracleSelector
+
+    lengths, budgets, cache, tables, query, config, blocks = oracle_case()
     mask = OracleSelector(config, cache).select(0, query, blocks, cache.summaries(0)).mask
     for i, n in enumerate(lengths):
         assert mask[i].sum(-1).tolist() == [budgets[i]] * KV_HEADS
@@ -364,13 +370,7 @@ def test_oracle_keeps_the_budget_and_the_blocks_of_largest_exact_mass():
 def test_a_sketch_on_every_channel_ranks_as_the_oracle_and_on_fewer_stays_close():
     from studies.laws.oracle_selection import OracleSelector
 
-    lengths, budgets = [37, 22], [5, 3]
-    cache, tables = filled_cache(lengths, seed=7)
-    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(8))
-    config = PruningConfig(
-        scorer="bound", min_context=0, dense_layers=0, sink_blocks=1, recent_blocks=1
-    )
-    blocks = DecodeBlocks(tables, torch.tensor(lengths), BLOCK, torch.tensor(budgets), 5)
+    _, _, cache, _, query, config, blocks = oracle_case()
     exact = OracleSelector(config, cache).block_scores(0, query, blocks, None, None)
     every = OracleSelector(config, cache, DIM).block_scores(0, query, blocks, None, None)
     assert torch.allclose(every, exact, atol=1e-5)
