@@ -128,10 +128,14 @@ def pruning_selector(
     """The entropic selector for ``config`` on ``model``: its score scale, and the layers that
     see the whole context (where the reused-mass scorer's selection layers lie)."""
     check_context(config, max_model_len)
-    full_layers = [layer for layer in range(model.num_layers) if layer not in model.local_layers]
     return BLOCK_SELECTORS.create(
-        "entropic", config=config, scale=model.scale, full_layers=full_layers
+        "entropic", config=config, scale=model.scale, full_layers=full_context_layers(model)
     )
+
+
+def full_context_layers(model: ModelConfig) -> list[int]:
+    """The layers that see the whole context (the others slide over a window)."""
+    return [layer for layer in range(model.num_layers) if layer not in model.local_layers]
 
 
 def start_layers(config: EngineConfig, seq: Sequence) -> None:

@@ -34,8 +34,9 @@ class OracleSelector(EntropicSelector):
         cache: KVCache,
         channels: int | None = None,
         fixed: bool = False,
+        full_layers: list[int] | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, full_layers=full_layers)
         self.cache = cache
         self.channels = channels
         self.fixed = fixed

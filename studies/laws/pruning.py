@@ -40,6 +40,7 @@ from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from studies import PROGRAM
+from studies.laws.head_roles import calibrated
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
@@ -57,11 +58,14 @@ def fidelity_rows(
     oracle: bool = False,
     sketches: tuple[int, ...] = (),
     fixed_sketches: tuple[int, ...] = (),
+    head_roles: tuple[float, ...] = (),
 ) -> list[dict]:
     """Teacher-forced fidelity of each configuration; with ``oracle``, also of the same budgets
     with blocks ranked by their exact attention mass (the ceiling of any block scorer), and for
     each of ``sketches``, by that many channels of each query, and of ``fixed_sketches``, by
-    that many channels chosen once a layer and KV head (``OracleSelector``)."""
+    that many channels chosen once a layer and KV head (``OracleSelector``); for each of
+    ``head_roles``, of the reused-mass configurations with that share of KV heads reading
+    every block (calibrated on the corpus's last tokens, which no text here reaches)."""
     rows = []
     for batch in batches:
         stride = (len(corpus) - context - steps) // batch
@@ -79,6 +83,13 @@ def fidelity_rows(
             for name, config in configs.items()
             if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
         ]
+        for name, config in configs.items():
+            if head_roles and config.scorer == "reused-mass":
+                missed = calibrated(llm, config, corpus[-(context + steps) :], context, steps)
+                runs += [
+                    (f"{name} roles-{share}", config, missed.with_retrieval_heads(share))
+                    for share in head_roles
+                ]
         model = llm.engine.model_config
         # The share of (block, KV head) pairs of the whole context that dense attention reads:
         # 1 unless some layers slide over a window (Gemma 3), measured by keeping every block.
@@ -222,6 +233,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             args.oracle,
             tuple(args.sketch_channels),
             tuple(args.fixed_sketch_channels),
+            tuple(args.head_roles),
         )
         plot_bytes_against_kl(report["fidelity"], report["pruning"], out_dir / "bytes_vs_kl.png")
         save()
@@ -305,6 +317,14 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             nargs="+",
             default=[],
             help="...and by this many channels chosen once a layer and KV head (slow)",
+        )
+        parser.add_argument(
+            "--head-roles",
+            type=float,
+            nargs="+",
+            default=[],
+            help="fidelity also with this share of KV heads reading every block, for each "
+            "reused-mass configuration (calibrated on other text; slow)",
         )
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")

@@ -30,7 +30,7 @@ CONFIGS = {
     "reused-top-p": replace(REUSED, budget_law="top-p"),
 }
 # The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
-for share in (0.125, 0.2, 0.35):
+for share in (0.08, 0.125, 0.2, 0.35):
     CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
     CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
 for tokens in (512, 1024, 2048):
