@@ -40,8 +40,7 @@ from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from studies import PROGRAM
-from studies.laws.head_roles import calibrated
-from studies.laws.oracle_selection import OracleSelector
+from studies.laws.pruning_arms import Rankings, add_ranking_options, arms
 from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
 from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
@@ -55,41 +54,19 @@ def fidelity_rows(
     batches,
     context: int,
     steps: int,
-    oracle: bool = False,
-    sketches: tuple[int, ...] = (),
-    fixed_sketches: tuple[int, ...] = (),
-    head_roles: tuple[float, ...] = (),
+    rankings: Rankings | None = None,
 ) -> list[dict]:
-    """Teacher-forced fidelity of each configuration; with ``oracle``, also of the same budgets
-    with blocks ranked by their exact attention mass (the ceiling of any block scorer), and for
-    each of ``sketches``, by that many channels of each query, and of ``fixed_sketches``, by
-    that many channels chosen once a layer and KV head (``OracleSelector``); for each of
-    ``head_roles``, of the reused-mass configurations with that share of KV heads reading
-    every block (calibrated on the corpus's last tokens, which no text here reaches)."""
+    """Teacher-forced fidelity of each configuration, and of each with the other ``rankings``
+    (``pruning_arms.py``)."""
     rows = []
     for batch in batches:
         stride = (len(corpus) - context - steps) // batch
         texts = [corpus[i * stride : i * stride + context + steps] for i in range(batch)]
         llm.engine.set_pruning(None)
         dense = forced_log_probs(llm, texts, context, steps)
-        runs = [(name, config, None) for name, config in configs.items()]
-        cache = llm.engine.runner.cache
-        rankings = [("oracle", None, False)] if oracle else []
-        rankings += [(f"sketch-{channels}", channels, False) for channels in sketches]
-        rankings += [(f"fixed-sketch-{channels}", channels, True) for channels in fixed_sketches]
-        runs += [
-            (f"{name} {ranking}", config, OracleSelector(config, cache, channels, fixed))
-            for ranking, channels, fixed in rankings
-            for name, config in configs.items()
-            if config.scorer == "bound"  # the mass scorer's refresh steps are dense anyway
-        ]
-        for name, config in configs.items():
-            if head_roles and config.scorer == "reused-mass":
-                missed = calibrated(llm, config, corpus[-(context + steps) :], context, steps)
-                runs += [
-                    (f"{name} roles-{share}", config, missed.with_retrieval_heads(share))
-                    for share in head_roles
-                ]
+        # Calibration reads the corpus's last tokens, which no text here reaches.
+        calibration = corpus[-(context + steps) :]
+        runs = arms(llm, configs, rankings or Rankings(), calibration, context, steps)
         model = llm.engine.model_config
         # The share of (block, KV head) pairs of the whole context that dense attention reads:
         # 1 unless some layers slide over a window (Gemma 3), measured by keeping every block.
@@ -230,10 +207,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             args.fidelity_batches,
             args.fidelity_context,
             args.fidelity_steps,
-            args.oracle,
-            tuple(args.sketch_channels),
-            tuple(args.fixed_sketch_channels),
-            tuple(args.head_roles),
+            Rankings.from_args(args),
         )
         plot_bytes_against_kl(report["fidelity"], report["pruning"], out_dir / "bytes_vs_kl.png")
         save()
@@ -299,33 +273,7 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
             parser.add_argument(
                 f"--{part}-configs", nargs="+", choices=list(CONFIGS), default=default
             )
-        parser.add_argument(
-            "--oracle",
-            action="store_true",
-            help="fidelity also with blocks ranked by their exact attention mass (slow)",
-        )
-        parser.add_argument(
-            "--sketch-channels",
-            type=positive_int,
-            nargs="+",
-            default=[],
-            help="fidelity also with blocks ranked by this many channels of each query (slow)",
-        )
-        parser.add_argument(
-            "--fixed-sketch-channels",
-            type=positive_int,
-            nargs="+",
-            default=[],
-            help="...and by this many channels chosen once a layer and KV head (slow)",
-        )
-        parser.add_argument(
-            "--head-roles",
-            type=float,
-            nargs="+",
-            default=[],
-            help="fidelity also with this share of KV heads reading every block, for each "
-            "reused-mass configuration (calibrated on other text; slow)",
-        )
+        add_ranking_options(parser)
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")
         add_result_option(parser)

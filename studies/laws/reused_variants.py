@@ -1,5 +1,11 @@
-"""Per-head roles (after DuoAttention and RazorAttention): a few KV heads of the pruned layers
-read every block, the others keep what the reused-mass selector chose.
+"""Two additions to the reused-mass selector's choice, to measure what each buys per byte.
+
+``OwnBoundsSelector``: each pruned layer also keeps its own best blocks by its key bounds (the
+reused masses are one layer's view for every layer and head; the bounds are the layer's own
+query, if blurred).
+
+``HeadRolesSelector``, per-head roles (after DuoAttention and RazorAttention): a few KV heads of
+the pruned layers read every block, the others keep what the reused-mass selector chose.
 
 Which heads are retrieval heads is calibrated offline, on text the fidelity run does not score:
 the reused-mass selector runs teacher-forced while ``MissedMass`` measures, per layer and KV
@@ -15,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from etinfer.bench.common.fidelity import forced_log_probs
+from etinfer.control.block_scores import key_bound_scores
 from etinfer.control.block_selection import EntropicSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
@@ -50,6 +57,24 @@ class MissedMass(EntropicSelector):
         chosen = torch.zeros_like(flat, dtype=torch.bool)
         chosen[flat.topk(count).indices] = True
         return HeadRolesSelector(self.config, chosen.view_as(self.missed), self.full_layers)
+
+
+class OwnBoundsSelector(EntropicSelector):
+    """The entropic selector (reused masses), and in each pruned layer the ``share`` of the
+    row's blocks each KV head ranks best by its key bounds."""
+
+    def __init__(self, config: PruningConfig, share: float, full_layers: list[int]) -> None:
+        super().__init__(config, full_layers=full_layers)
+        self.share = share
+
+    def select(self, layer, query, blocks, summaries) -> Selection | None:
+        selection = super().select(layer, query, blocks, summaries)
+        if selection is None or layer in self.selection_layers:
+            return selection
+        bounds = key_bound_scores(query, summaries, blocks.block_tables).amax(2)
+        budgets = (blocks.present.sum(1) * self.share).ceil().long()
+        own = self.keep_best(bounds, blocks, budgets[:, None].expand(-1, bounds.shape[1]))
+        return Selection(selection.mask | own)
 
 
 class HeadRolesSelector(EntropicSelector):
