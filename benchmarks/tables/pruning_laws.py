@@ -105,6 +105,32 @@ BUDGET_LAWS = Table(
     ),
     Pick(benchmark="fidelity", kind=AVX512, labels={"vs": "dense"}),
 )
+# (ranking, blocks kept by reused masses, the addition) and the study's name for the arm
+ADDED_ARMS = (
+    *(("oracle ranking", f"{s * 100:g} %", "-", f"bound-share-{s} oracle") for s in (0.125, 0.2)),
+    *(("`bound`", f"{s * 100:g} %", "-", f"bound-share-{s}") for s in (0.125, 0.2)),
+    *(
+        ("`reused-mass`", f"{s * 100:g} %", added, f"reused-share-{s}{suffix}")
+        for s in (0.08, 0.125, 0.2)
+        for added, suffix in (
+            ("-", ""),
+            ("5 % of KV heads dense", " roles-0.05"),
+            ("10 % of KV heads dense", " roles-0.1"),
+            ("5 % of blocks by own key bounds", " own-bounds-0.05"),
+            ("10 % of blocks by own key bounds", " own-bounds-0.1"),
+        )
+    ),
+)
+ADDED = Table(
+    "pruning_added_rankings",
+    ("ranking", "share of blocks", "added"),
+    BUDGET_LAWS.columns,
+    tuple(
+        Row(row, Pick(labels={"arm": arm}), {"step": "-"} if "oracle" in arm else {})
+        for *row, arm in ADDED_ARMS
+    ),
+    BUDGET_LAWS.pick,
+)
 GEMMA_ARMS = (
     ("`bound`, entropy law", "bound"),
     ("`bound`, a fifth", "bound-share-0.2"),
@@ -189,4 +215,4 @@ ATTENTION_ROW = Table(
         bare=True,  # one repeat: no spread to show
     ),
 )
-TABLES = (BUDGET_LAWS, PASSKEYS_BY_LAW, GEMMA, CROSSING, ATTENTION_ROW)
+TABLES = (BUDGET_LAWS, ADDED, PASSKEYS_BY_LAW, GEMMA, CROSSING, ATTENTION_ROW)
