@@ -24,11 +24,12 @@ HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 GROUP = HEADS // KV_HEADS
 
 
-def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32):
+def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32, layers=1):
     """A cache with key bounds, filled through ``KVCache.write`` in chunks of ``chunk`` tokens
-    per sequence (so bounds grow across writes), with blocks previously used by other data."""
+    per sequence (so bounds grow across writes), with blocks previously used by other data;
+    every layer holds the same entries."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype, True)
+    cache = KVCache(layers, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype, True)
     # Stale contents from an earlier owner of every block: bounds must reset on reuse.
     cache.key_bounds[..., 0, :] = 100.0  # stale maxima
     cache.key_bounds[..., 1, :] = -100.0  # stale minima
@@ -42,9 +43,9 @@ def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32):
             )
             fresh = slots[slots % BLOCK == 0] // BLOCK
             keys = torch.randn(len(positions), KV_HEADS, DIM, generator=gen) * 2
-            cache.write(
-                0, slots, fresh, keys, torch.randn(len(positions), KV_HEADS, DIM, generator=gen)
-            )
+            values = torch.randn(len(positions), KV_HEADS, DIM, generator=gen)
+            for layer in range(layers):
+                cache.write(layer, slots, fresh, keys, values)
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     return cache, padded
