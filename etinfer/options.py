@@ -88,9 +88,18 @@ def positive_int(text: str) -> int:
     """The argparse type of counts and sizes (steps, repeats, batches, lengths, tokens): an
     integer of at least 1, refused with the flag's name before anything is loaded. A zero there
     ran a benchmark to a division by zero or an empty median at its end."""
+    return _int_from(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """The argparse type of a count where 0 means none."""
+    return _int_from(text, 0)
+
+
+def _int_from(text: str, low: int) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
     return value
 
 

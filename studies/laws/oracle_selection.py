@@ -24,7 +24,20 @@ from __future__ import annotations
 import torch
 
 from etinfer.control.block_selection import EntropicSelector, PruningConfig
+from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.kv_cache import KVCache
+
+
+def block_keys(
+    cache: KVCache, layer: int, blocks: DecodeBlocks
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot of each row's blocks in ``layer``: the keys [kv_heads, seqs, width * block
+    size, head_dim] and which of them are in the row's context [seqs, width * block size]."""
+    tables, size = blocks.block_tables, blocks.block_size
+    offsets = torch.arange(size, device=tables.device)
+    slots = (tables[:, :, None] * size + offsets).view(tables.shape[0], -1)
+    inside = torch.arange(slots.shape[1], device=tables.device) < blocks.context_lens[:, None]
+    return cache.read(layer, slots)[0], inside
 
 
 class OracleSelector(EntropicSelector):
@@ -45,20 +58,16 @@ class OracleSelector(EntropicSelector):
     def block_scores(self, layer, query, blocks, summaries, bounds) -> torch.Tensor:
         """Each block's attention mass this step (exact, or by the sketch), the most any head
         of its group gives it: [seqs, kv_heads, max_blocks]."""
-        seqs, heads, dim = query.shape
-        tables, bs = blocks.block_tables, blocks.block_size
-        kv_heads = self.cache.keys.shape[1]
-        width = tables.shape[1]
-        slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(seqs, -1)
-        keys = self.cache.read(layer, slots)[0]  # [kv_heads, seqs, width * bs, dim]
-        q = query.view(seqs, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+        keys, inside = block_keys(self.cache, layer, blocks)
+        kv_heads, seqs, _, dim = keys.shape
+        q = query.view(seqs, kv_heads, -1, dim).transpose(0, 1)
         if self.channels is None:
             logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
         else:
             logits = self.sketched_logits(q, keys, self.fixed_channels(layer, keys, blocks))
-        inside = torch.arange(width * bs, device=tables.device) < blocks.context_lens[:, None]
         logits.masked_fill_(~inside[None, :, None, :], -torch.inf)
-        mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, bs).sum(-1)
+        width = blocks.block_tables.shape[1]
+        mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, blocks.block_size).sum(-1)
         return mass.amax(2).transpose(0, 1)  # [seqs, kv_heads, width]
 
     def fixed_channels(self, layer: int, keys: torch.Tensor, blocks) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
 from etinfer.options import positive_int
+from studies.laws.digest_selection import DigestSelector
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.reused_variants import OwnBoundsSelector, calibrated
 
@@ -24,6 +25,7 @@ class Rankings:
     fixed_sketches: tuple[int, ...] = ()  # ... by that many channels fixed per layer and head
     head_roles: tuple[float, ...] = ()  # reused-mass: that share of KV heads read every block
     own_bounds: tuple[float, ...] = ()  # ... and each layer keeps that share by its key bounds
+    digests: tuple[float, ...] = ()  # key bounds: blocks ranked by key mean + that many spreads
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Rankings:
@@ -33,6 +35,7 @@ class Rankings:
             tuple(args.fixed_sketch_channels),
             tuple(args.head_roles),
             tuple(args.own_bounds),
+            tuple(args.digest_spreads),
         )
 
 
@@ -56,6 +59,12 @@ def arms(
     runs += [
         (f"{name} {ranking}", config, OracleSelector(config, cache, channels, fixed))
         for ranking, channels, fixed in replacing
+        for name, config in configs.items()
+        if config.scorer == "bound"
+    ]
+    runs += [
+        (f"{name} mean-spread-{spread:g}", config, DigestSelector(config, cache, spread))
+        for spread in rankings.digests
         for name, config in configs.items()
         if config.scorer == "bound"
     ]
@@ -95,6 +104,13 @@ def add_ranking_options(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         help="...and by this many channels chosen once a layer and KV head (slow)",
+    )
+    parser.add_argument(
+        "--digest-spreads",
+        type=float,
+        nargs="+",
+        default=[],
+        help="fidelity also with blocks ranked by their keys' mean plus this many spreads",
     )
     parser.add_argument(
         "--head-roles",

@@ -36,12 +36,13 @@ from etinfer.bench.common.machine import ISA_ENV, cpu_flags
 from etinfer.bench.common.results import Figure, add_result_option, model_labels, recorded
 from etinfer.bench.speed.llama_cpp_driver import DECODE_CONTEXT, LLAMA_CPP
 from etinfer.bench.speed.quantization_figures import figures
+from etinfer.bench.speed.random_shapes import FORMATS, SHAPES, random_gguf
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.model.catalog import resolve
 from etinfer.model.quantized import QUANTIZATION_MODES
-from etinfer.options import positive_int
+from etinfer.options import non_negative_int, positive_int
 
 STEPS = 24
 
@@ -84,7 +85,7 @@ def measure_ours(
     start = time.perf_counter()
     llm.generate(prompt, once)
     result["prefill_tok_s"] = prompt_len / (time.perf_counter() - start)
-    if mode != "none":
+    if mode != "none" and fidelity_tokens:
         windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
         if top_tokens_out:  # for agreement with llama.cpp, worked out by the parent
@@ -239,7 +240,15 @@ def table(results: dict[str, dict], batches: list[int], prompt_len: int) -> str:
 
 
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
-    engines = [*args.modes]
+    modes = args.modes or ["none", "int8", "int4", "auto"]
+    if args.random_shape:
+        # Random weights: agreement with float says nothing of a format, and a shape's float
+        # copy (4 bytes a weight) may not fit; transformers would load that copy too.
+        args.model = str(random_gguf(args.random_shape, args.random_format, args.random_dir))
+        modes = args.modes or ["auto", "gguf"]
+        args.skip_transformers = True
+        args.fidelity_tokens = 0
+    engines = [*modes]
     if not args.skip_transformers:
         engines.append("transformers")
     if args.llama_cpp_python:
@@ -285,14 +294,29 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         "--modes",
         nargs="+",
         choices=MODE_CHOICES,
-        default=["none", "int8", "int4", "auto"],
         metavar="MODE[+VARIANT]",
-        help=f"quantization modes, each optionally with a variant: {', '.join(VARIANTS)}",
+        help="quantization modes, each optionally with a variant: "
+        f"{', '.join(VARIANTS)} (default: none int8 int4 auto; auto gguf with --random-shape)",
     )
     parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
     parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=positive_int, default=2048)
-    parser.add_argument("--fidelity-tokens", type=positive_int, default=2048)
+    parser.add_argument(
+        "--fidelity-tokens",
+        type=non_negative_int,
+        default=2048,
+        help="tokens of text each mode's logits are compared with float32's on (0: none)",
+    )
+    parser.add_argument(
+        "--random-shape",
+        choices=list(SHAPES),
+        help="a random-weight GGUF of this model's shape (the default model's tokenizer), "
+        "written once under --random-dir, instead of --model: decode beyond the cache",
+    )
+    parser.add_argument("--random-format", choices=FORMATS, default="Q4_0")
+    parser.add_argument(
+        "--random-dir", type=Path, default=Path.home() / ".cache/etinfer/random-shapes"
+    )
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
