@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -224,7 +225,31 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         return 2
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (as logging's last resort
+    does), so a handler set once follows a stream replaced later."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def show_log() -> None:
+    """etinfer's log from INFO on (the engine's start-up line, warnings) on stderr, once."""
+    log = logging.getLogger("etinfer")
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    show_log()
     return run_command(build_parser(), argv)
 
 

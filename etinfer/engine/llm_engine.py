@@ -38,6 +38,7 @@ from etinfer.engine.sampling.sampler import SamplerOutput
 from etinfer.engine.sampling.step_sampling import sample_verified
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, StopRule
+from etinfer.engine.startup import startup_line
 from etinfer.engine.step_faults import StepProgress, fault_message, requests_left_unknown
 from etinfer.model.attention.pattern import check_batch_invariant_fits
 from etinfer.model.kv_cache import kv_bytes_per_token
@@ -92,6 +93,10 @@ class LLMEngine:
         self.switcher, self.speculator = layers.switcher, layers.speculator
         self.jump_forward = layers.jump_forward
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
+        kv = (config.torch_kv_cache_dtype(), self.num_blocks, self.block_size)
+        forms = self.runner.model.weights.forms
+        device = config.torch_device()
+        logger.info(startup_line(loaded.path, loaded.config.num_layers, forms, device, kv))
         self.observers = Observers()
         # Structured output: requests wait here while their grammars compile.
         self.grammars = GrammarWaitingRoom(

@@ -11,6 +11,7 @@ sequences go through each weight matmul together.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from etinfer.model.quantized import (
     GGUFBlocks,
     Weight,
     as_float,
+    form_of,
     stack_rows,
     weight_format,
 )
@@ -83,6 +85,7 @@ class WeightReader:
         self.head_quantization = "gguf" if head_blocks else self.quantization
         self.used: set[str] = set()
         self.dequantized: list[str] = []
+        self.forms: Counter[str] = Counter()  # how the matrices multiply, counted
 
     def raw(self, name: str) -> Weight:
         if name not in self.weights:
@@ -108,6 +111,7 @@ class WeightReader:
         )
         if dequantized:
             self.dequantized.append(dequantized)
+        self.forms[form_of(weight)] += 1
         if isinstance(weight, torch.Tensor):
             return weight.to(self.device, self.dtype)
         return weight if self.device.type == "cpu" else weight.to(self.device)
@@ -221,6 +225,7 @@ class LlamaWeights:
         if read.dequantized:
             read.notes.append("weights run as float: " + "; ".join(read.dequantized))
         self.notes = read.notes
+        self.forms = read.forms
 
 
 def prepared(

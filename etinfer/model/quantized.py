@@ -262,6 +262,20 @@ def stack_rows(parts: list[Weight]) -> Weight:
     return torch.cat([as_float(p) for p in parts])
 
 
+def form_of(weight: Weight | Int4Weight | Int8Weight) -> str:
+    """How a prepared weight multiplies, in the words of the engine's start-up line."""
+    if isinstance(weight, GGUFBlocks | MixedBlocks):
+        parts = weight.parts if isinstance(weight, MixedBlocks) else (weight,)
+        types = "+".join(sorted({p.qtype.name for p in parts}))
+        activations = {8: "8-bit", 16: "two 8-bit", 32: "float32"}[weight.activation_bits]
+        return f"{types} blocks on etinfer's kernels ({activations} activations)"
+    if isinstance(weight, Int4Weight):
+        return f"int4 groups of {weight.group_size} on torch's kernel"
+    if isinstance(weight, Int8Weight):
+        return "int8 on torch's kernel"
+    return str(weight.dtype).removeprefix("torch.")
+
+
 def as_float(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, GGUFBlocks | MixedBlocks) else weight
 
