@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from etinfer import options
 from etinfer.model.catalog import CATALOG
@@ -96,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     from etinfer.config import EngineConfig
     from etinfer.server import serve as run_server
 
+    show_log(args.log_level.upper())
     engine = build_engine(EngineConfig(model=args.model, **options.engine_kwargs(args)))
     run_server(
         engine,
@@ -230,22 +232,23 @@ class _StderrHandler(logging.StreamHandler):
     does), so a handler set once follows a stream replaced later."""
 
     @property
-    def stream(self):
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, _value) -> None:
+    def stream(self, _value: TextIO) -> None:
         pass
 
 
-def show_log() -> None:
-    """etinfer's log from INFO on (the engine's start-up line, warnings) on stderr, once."""
+def show_log(level: str = "INFO") -> None:
+    """etinfer's log from ``level`` on (INFO: the engine's start-up line, warnings) on stderr;
+    the handler is added once."""
     log = logging.getLogger("etinfer")
     if not any(isinstance(h, _StderrHandler) for h in log.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    log.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

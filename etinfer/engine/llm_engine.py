@@ -93,10 +93,8 @@ class LLMEngine:
         self.switcher, self.speculator = layers.switcher, layers.speculator
         self.jump_forward = layers.jump_forward
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
-        kv = (config.torch_kv_cache_dtype(), self.num_blocks, self.block_size)
         forms = self.runner.model.weights.forms
-        device = config.torch_device()
-        logger.info(startup_line(loaded.path, loaded.config.num_layers, forms, device, kv))
+        logger.info(startup_line(config, loaded, forms, self.num_blocks))
         self.observers = Observers()
         # Structured output: requests wait here while their grammars compile.
         self.grammars = GrammarWaitingRoom(

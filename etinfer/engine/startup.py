@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from pathlib import Path
 
 import torch
 
+from etinfer.config import EngineConfig
 from etinfer.model import native_kernels
+from etinfer.model.loader import LoadedModel
 
 
 def instruction_set() -> str:
@@ -31,18 +32,17 @@ def weight_forms(forms: Counter[str]) -> str:
 
 
 def startup_line(
-    path: Path,
-    layers: int,
-    forms: Counter[str],
-    device: torch.device,
-    kv: tuple[torch.dtype, int, int],
+    config: EngineConfig, loaded: LoadedModel, forms: Counter[str], num_blocks: int
 ) -> str:
-    """``kv``: the cache's element type, its blocks and their size in tokens."""
-    dtype, blocks, size = kv
+    """An engine built with ``config`` over ``loaded``, whose weights multiply as ``forms``
+    counts and whose cache holds ``num_blocks`` blocks."""
+    device = config.torch_device()
     where = str(device)
     if device.type == "cpu":
         where = f"cpu ({instruction_set()}, {torch.get_num_threads()} threads)"
+    layers, kv = loaded.config.num_layers, str(config.torch_kv_cache_dtype())
     return (
-        f"etinfer: {path.name}, {layers} layers on {where}; weights: {weight_forms(forms)}; "
-        f"KV cache {str(dtype).removeprefix('torch.')}, {blocks} blocks of {size} tokens"
+        f"etinfer: {loaded.path.name}, {layers} layers on {where}; weights: "
+        f"{weight_forms(forms)}; KV cache {kv.removeprefix('torch.')}, {num_blocks} blocks of "
+        f"{config.block_size} tokens"
     )

@@ -102,16 +102,18 @@ class WeightReader:
         1 + weight, computed so in float32), then in the engine's dtype."""
         return (as_float(self.raw(name)).float() + self.norm_offset).to(self.device, self.dtype)
 
-    def matrix(self, *names: str, head: bool = False) -> Format:
+    def matrix(self, *names: str, head: bool = False, lookup: bool = False) -> Format:
         """The weights of ``names`` stacked by output rows, in their format (the output head's,
-        ``head``, where it differs)."""
+        ``head``, where it differs); a ``lookup`` (an embedding only read by rows) is not
+        counted among the forms that multiply."""
         mode = self.head_quantization if head else self.quantization
         weight, dequantized = weight_format(
             stack_rows([self.raw(n) for n in names]), mode, "+".join(names)
         )
         if dequantized:
             self.dequantized.append(dequantized)
-        self.forms[form_of(weight)] += 1
+        if not lookup:
+            self.forms[form_of(weight)] += 1
         if isinstance(weight, torch.Tensor):
             return weight.to(self.device, self.dtype)
         return weight if self.device.type == "cpu" else weight.to(self.device)
@@ -210,7 +212,7 @@ class LlamaWeights:
     ) -> None:
         read = WeightReader(weights, quantization, device, dtype, family.norm_offset)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.embed = read.matrix("model.embed_tokens.weight", head=tied)
+        self.embed = read.matrix("model.embed_tokens.weight", head=tied, lookup=not tied)
         self.layers = [
             family.layer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]

@@ -269,10 +269,14 @@ def form_of(weight: Weight | Int4Weight | Int8Weight) -> str:
         types = "+".join(sorted({p.qtype.name for p in parts}))
         activations = {8: "8-bit", 16: "two 8-bit", 32: "float32"}[weight.activation_bits]
         return f"{types} blocks on etinfer's kernels ({activations} activations)"
+    if isinstance(weight, Int4Weight | Int8Weight) and weight.codes.device.type == "cuda":
+        return f"{type(weight).__name__} on the GPU's weight-only kernel"
+    if isinstance(weight, Int8Weight) and weight.group_size == weight.shape[1]:
+        return "int8 rows on torch's int8 kernel"
+    if isinstance(weight, Int8Weight):  # ``make_linear`` runs it as two 4-bit planes
+        return f"int8 groups of {weight.group_size} as two int4 planes on torch's int4 kernel"
     if isinstance(weight, Int4Weight):
-        return f"int4 groups of {weight.group_size} on torch's kernel"
-    if isinstance(weight, Int8Weight):
-        return "int8 on torch's kernel"
+        return f"int4 groups of {weight.group_size} on torch's int4 kernel"
     return str(weight.dtype).removeprefix("torch.")
 
 

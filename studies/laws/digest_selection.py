@@ -1,15 +1,16 @@
 """Blocks ranked by a mean-and-spread digest of their keys instead of per-channel min/max
-bounds (a public engine's change, imp PR 1994: needle retrieval 2/10 to 10/10 at a 4,096-token
-budget).
+bounds (a public engine scored its pages so and took needle retrieval from 2/10 to 10/10 at a
+4,096-token budget).
 
 A block's keys have, per channel, a mean ``mu`` and a standard deviation ``sigma``; a query's
-scores over the block then have mean ``q.mu`` and a spread of at most ``||q * sigma||`` (exactly
-that when the channels are uncorrelated), so ``q.mu + spread * ||q * sigma||`` estimates its
-largest score. Where a block holds one outlier key among similar ones, min/max bounds give the
-whole block that outlier's reach in every channel at once; the digest gives it what the block's
-keys have on average plus their spread. Two vectors a block, as the bounds: a cache could keep
-the sums of keys and of their squares as it writes them. Computed here from the cached keys
-(a measurement: its time is not a kernel's).
+scores over the block then have mean ``q.mu`` and a standard deviation of ``||q * sigma||``
+where the channels are uncorrelated (at most ``sum |q_c| sigma_c`` in general), so
+``q.mu + spread * ||q * sigma||`` estimates its largest score. Where a block holds one outlier
+key among similar ones, min/max bounds give the whole block that outlier's reach in every
+channel at once; the digest gives it what the block's keys have on average plus their spread.
+Two vectors a block, as the bounds: a cache could keep the sums of keys and of their squares
+as it writes them. Computed here from the cached keys (a measurement: its time is not a
+kernel's).
 """
 
 from __future__ import annotations

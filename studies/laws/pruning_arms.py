@@ -30,12 +30,12 @@ class Rankings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Rankings:
         return cls(
-            args.oracle,
-            tuple(args.sketch_channels),
-            tuple(args.fixed_sketch_channels),
-            tuple(args.head_roles),
-            tuple(args.own_bounds),
-            tuple(args.digest_spreads),
+            oracle=args.oracle,
+            sketches=tuple(args.sketch_channels),
+            fixed_sketches=tuple(args.fixed_sketch_channels),
+            head_roles=tuple(args.head_roles),
+            own_bounds=tuple(args.own_bounds),
+            digests=tuple(args.digest_spreads),
         )
 
 

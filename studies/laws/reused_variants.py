@@ -69,7 +69,7 @@ class OwnBoundsSelector(EntropicSelector):
 
     def select(self, layer, query, blocks, summaries) -> Selection | None:
         selection = super().select(layer, query, blocks, summaries)
-        if selection is None or layer in self.selection_layers:
+        if selection is None:  # a dense layer, or a selection layer
             return selection
         bounds = key_bound_scores(query, summaries, blocks.block_tables).amax(2)
         budgets = (blocks.present.sum(1) * self.share).ceil().long()
@@ -105,4 +105,5 @@ def calibrated(
     calibration = MissedMass(config, engine.runner.cache, layers, full)
     engine.set_pruning(config, calibration)
     forced_log_probs(llm, [text], context, steps)
+    engine.set_pruning(None)
     return calibration

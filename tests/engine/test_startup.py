@@ -4,9 +4,13 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from etinfer import LLM
+from etinfer.model import quant_kernels
 
 
+@pytest.mark.skipif(not quant_kernels.available(), reason="etinfer's block kernels are not built")
 def test_the_start_up_line_names_each_weight_form_and_the_cache(caplog):
     with caplog.at_level(logging.INFO, logger="etinfer"):
         LLM(quantization="gguf", num_kvcache_blocks=24)

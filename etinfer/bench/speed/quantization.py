@@ -40,6 +40,7 @@ from etinfer.bench.speed.random_shapes import FORMATS, SHAPES, random_gguf
 from etinfer.bench.speed.speed import load_transformers_model, transformers_decode_step_ms
 from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
+from etinfer.engine.startup import weight_forms
 from etinfer.model.catalog import resolve
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.options import non_negative_int, positive_int
@@ -76,6 +77,7 @@ def measure_ours(
     )
     result = {"load_s": time.perf_counter() - start}
     result["rss_mib"] = psutil.Process().memory_info().rss / 2**20
+    result["weights"] = weight_forms(llm.engine.runner.model.weights.forms)  # the start-up line's
     result["decode_tok_s"] = {
         str(b): 1000 * b / ours_decode_step_ms(llm, b, DECODE_CONTEXT, STEPS) for b in batches
     }
@@ -298,7 +300,8 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         help="quantization modes, each optionally with a variant: "
         f"{', '.join(VARIANTS)} (default: none int8 int4 auto; auto gguf with --random-shape)",
     )
-    parser.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", help="a .gguf file or folder (default: the embedded model)")
     parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=positive_int, default=2048)
     parser.add_argument(
@@ -307,7 +310,7 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         default=2048,
         help="tokens of text each mode's logits are compared with float32's on (0: none)",
     )
-    parser.add_argument(
+    models.add_argument(
         "--random-shape",
         choices=list(SHAPES),
         help="a random-weight GGUF of this model's shape (the default model's tokenizer), "

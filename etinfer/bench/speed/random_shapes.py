@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -74,7 +75,7 @@ SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 1000000.0, tied=True, qkv_bias=True),
     "llama-3-8b": Shape("llama", 32, 4096, 14336, 32, 8, 500000.0, tied=False),
 }
-# The formats gguf's quantizers write.
+# The block formats gguf's quantizers write that etinfer's kernels and llama.cpp both take.
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 TOKENIZER_FIELDS = {  # the default file's tokenizer, copied by value type
     "tokenizer.ggml.model": "string",
@@ -95,9 +96,9 @@ def file_bytes(shape: Shape, qtype: GGMLQuantizationType, vocab: int) -> int:
     """The tensor data a file of ``shape`` in ``qtype`` holds."""
     block, size = GGML_QUANT_SIZES[qtype]
     total = 0
-    for shape_ in shape.tensors(vocab).values():
-        count = int(np.prod(shape_))
-        total += count // block * size if len(shape_) == 2 else 4 * count
+    for dims in shape.tensors(vocab).values():
+        count = int(np.prod(dims))
+        total += count // block * size if len(dims) == 2 else 4 * count
     return total
 
 
@@ -108,7 +109,7 @@ def random_gguf(name: str, fmt: str, folder: Path) -> Path:
     if name not in SHAPES:
         raise ValueError(f"random shape {name!r} is not known; the shapes: {', '.join(SHAPES)}")
     if fmt not in FORMATS:
-        raise ValueError(f"random format {fmt!r}: gguf's quantizers write {', '.join(FORMATS)}")
+        raise ValueError(f"random format {fmt!r}: the formats written are {', '.join(FORMATS)}")
     path = Path(folder) / f"{name}-random.{fmt}.gguf"  # its labels: "<name>-random <fmt>"
     if path.is_file():
         return path
@@ -124,8 +125,8 @@ def random_gguf(name: str, fmt: str, folder: Path) -> Path:
 
 
 def check_room(name: str, needed: int, folder: Path) -> None:
-    """The file must fit on the disk, and loaded beside llama.cpp's copy of it (each engine in
-    a process of its own, one at a time) in the memory the host has free."""
+    """The file must fit on the disk, and loaded (by one engine at a time: each runs in a
+    process of its own) in the memory the host has free."""
     import psutil
 
     existing = folder if folder.exists() else next(p for p in folder.parents if p.exists())
@@ -144,8 +145,15 @@ def check_room(name: str, needed: int, folder: Path) -> None:
 
 
 def write(
-    path: Path, shape: Shape, qtype: GGMLQuantizationType, vocab: int, fields: dict, seed: int = 0
+    path: Path,
+    shape: Shape,
+    qtype: GGMLQuantizationType,
+    vocab: int,
+    fields: dict[str, Any],
+    seed: int = 0,
 ) -> None:
+    """``shape``'s file at ``path``: every matrix random in ``qtype``, the tokenizer from
+    ``fields`` (a GGUF file's), a tensor at a time."""
     writer = GGUFWriter(str(path), shape.arch)
     arch = shape.arch
     for key, value in (
@@ -169,9 +177,10 @@ def write(
     block, size = GGML_QUANT_SIZES[qtype]
     for name, dims in tensors.items():
         if len(dims) == 2:  # given as bytes per row, as the quantizer returns them
-            row = dims[1] // block * size
-            rows = (dims[0], row)
-            writer.add_tensor_info(name, rows, np.dtype(np.uint8), dims[0] * row, raw_dtype=qtype)
+            row_bytes = dims[1] // block * size
+            rows = (dims[0], row_bytes)
+            nbytes = dims[0] * row_bytes
+            writer.add_tensor_info(name, rows, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
         else:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
     writer.write_header_to_file()
