@@ -212,7 +212,6 @@ ATTENTION_ROW = Table(
         unit="x",
         labels={"workload": "long", "vs": "baseline", "arms": "baseline attention"},
         decimals=2,
-        bare=True,  # one repeat: no spread to show
     ),
 )
 TABLES = (BUDGET_LAWS, ADDED, PASSKEYS_BY_LAW, GEMMA, CROSSING, ATTENTION_ROW)
