@@ -1,6 +1,8 @@
 """The pruning section's tables of scorers and budget laws side by side: teacher-forced
 fidelity at their measured reads and cost, and the passkeys each keeps."""
 
+import re
+
 from benchmarks.layout import Column, Pick, Row, Table
 from benchmarks.tables.common import AVX512, HELD, figure
 from benchmarks.tables.laws import step_table
@@ -110,6 +112,11 @@ ADDED_ARMS = (
     *(("oracle ranking", f"{s * 100:g} %", "-", f"bound-share-{s} oracle") for s in (0.125, 0.2)),
     *(("`bound`", f"{s * 100:g} %", "-", f"bound-share-{s}") for s in (0.125, 0.2)),
     *(
+        (f"key mean + {k} spreads", f"{s * 100:g} %", "-", f"bound-share-{s} mean-spread-{k}")
+        for k in (0, 1, 2)
+        for s in (0.125, 0.2)
+    ),
+    *(
         ("`reused-mass`", f"{s * 100:g} %", added, f"reused-share-{s}{suffix}")
         for s in (0.08, 0.125, 0.2)
         for added, suffix in (
@@ -121,12 +128,14 @@ ADDED_ARMS = (
         )
     ),
 )
+# Rankings computed in torch from the cache, to measure what they would choose: no kernel's step.
+MEASURING = re.compile("oracle|mean-spread")
 ADDED = Table(
     "pruning_added_rankings",
     ("ranking", "share of blocks", "added"),
     BUDGET_LAWS.columns,
     tuple(
-        Row(row, Pick(labels={"arm": arm}), {"step": "-"} if "oracle" in arm else {})
+        Row(row, Pick(labels={"arm": arm}), {"step": "-"} if MEASURING.search(arm) else {})
         for *row, arm in ADDED_ARMS
     ),
     BUDGET_LAWS.pick,
