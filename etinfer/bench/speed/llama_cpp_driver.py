@@ -10,8 +10,10 @@ from llama_cpp import Llama
 path, prompt_len, threads, steps = sys.argv[1], *map(int, sys.argv[2:5])
 batches = [int(b) for b in sys.argv[5].split(",")]
 start = time.perf_counter()
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_len + 64,
-            n_batch=prompt_len, n_ubatch=prompt_len, verbose=False)
+# Its scores hold n_batch rows: room for the decode run after DECODE_CONTEXT tokens too.
+window = max(prompt_len, {DECODE_CONTEXT} + steps + 16)
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=window + 64,
+            n_batch=window, n_ubatch=window, verbose=False)
 load_s = time.perf_counter() - start
 rss = psutil.Process().memory_info().rss
 text = llm.tokenize(b" The history of science" * 2000, add_bos=False)
