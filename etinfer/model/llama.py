@@ -33,6 +33,7 @@ from etinfer.model.quantized import (
     Weight,
     as_float,
     form_of,
+    resolve_auto,
     stack_rows,
     weight_format,
 )
@@ -62,10 +63,7 @@ class WeightReader:
             )
         self.weights, self.device, self.dtype = weights, device, dtype
         self.norm_offset = norm_offset
-        # On a GPU ``auto`` is float weights: a small model's decode step there is bound by its
-        # launches, not its weights' bytes (BENCHMARKS.md), and float needs no dequantizing.
-        on_gpu_auto = device.type != "cpu" and quantization == "auto"
-        self.quantization = "none" if on_gpu_auto else quantization
+        self.quantization = resolve_auto(quantization, weights, device)
         self.notes: list[str] = []
         blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
         if quantization == "auto" and self.quantization == "none" and blocks:

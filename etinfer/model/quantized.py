@@ -4,7 +4,9 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
 ``quantization`` picks a format per weight matrix at load:
 
 - ``none``: float, dequantized by the ``gguf`` package exactly as before.
-- ``auto``: a GGUF keeps its own format. Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
+- ``auto``: ``gguf`` where the file's blocks take ``BLOCKS_PAY_BYTES`` or more (beyond a small
+  model the block kernels are faster at every batch, in prefill and in loading). Below that a
+  GGUF keeps its own format: Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
   ``Int8Weight`` (both group 32, as in the file), for torch's kernels, except that on hosts
   without AVX-512 Q4_0 and Q4_1 stay in their blocks on etinfer's kernel for float32
   activations (``quant_kernels.float_activations_pay``); Q5_0 and the K formats
@@ -278,6 +280,31 @@ def form_of(weight: Weight | Int4Weight | Int8Weight) -> str:
     if isinstance(weight, Int4Weight):
         return f"int4 groups of {weight.group_size} on torch's int4 kernel"
     return str(weight.dtype).removeprefix("torch.")
+
+
+# ``auto`` on the CPU takes the block kernels for every format they run from this many bytes of
+# weights in blocks. In Q4_0 at 578 MiB (Llama 3.2 1B's shape) and 3.9 GiB (Llama 3 8B's) they
+# were 1.28x and 1.43x torch's int4 kernel at batch 1, 1.86x at batch 16 (1B), 1.8x and 2.4x in
+# prefill, and loaded 4-7x faster (on an AVX2-only host at 630 MiB, 1.2-1.5x the float-activation
+# kernel ``auto`` took there); at 241 MiB (Gemma 3 270M) they led at batch 1 too; at 94 MiB (the
+# default model) torch's kernel led at batch 16 and in prefill (BENCHMARKS.md).
+BLOCKS_PAY_BYTES = 128 * 2**20
+
+
+def resolve_auto(quantization: str, weights: dict[str, Weight], device: torch.device) -> str:
+    """The mode ``auto`` means for these weights on ``device`` (another mode is itself).
+
+    On a GPU, float weights: a small model's decode step there is bound by its launches, not
+    its weights' bytes (BENCHMARKS.md), and float needs no dequantizing. On the CPU, ``gguf``
+    where the blocks are large enough to pay (``BLOCKS_PAY_BYTES``) and the kernels run."""
+    if quantization != "auto":
+        return quantization
+    if device.type != "cpu":
+        return "none"
+    blocks = sum(w.data.nbytes for w in weights.values() if isinstance(w, GGUFBlocks))
+    if blocks >= BLOCKS_PAY_BYTES and quant_kernels.available():
+        return "gguf"
+    return "auto"
 
 
 def as_float(weight: Weight) -> torch.Tensor:
