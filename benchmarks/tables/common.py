@@ -12,6 +12,9 @@ H200 = "NVIDIA H200"
 SMOLLM = "SmolLM2-135M Q4_1"
 GEMMA = "Gemma 3 270M Q4_K_M"
 LLAMA_1B = "1.1B Llama shape, random weights, Q4_0"
+# ``bench quantization --random-shape``'s files, as their labels name them
+LLAMA32_1B = "llama-3.2-1b-random Q4_0"
+LLAMA3_8B = "llama-3-8b-random Q4_0"
 LLAMA_CPP = "llama.cpp"
 NOT_MEASURED = "not measured"
 

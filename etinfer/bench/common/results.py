@@ -68,8 +68,10 @@ class Host:
     python: str
 
     @classmethod
-    def here(cls, device: str = "cpu") -> Host:
-        held = os.environ.get("ATEN_CPU_CAPABILITY")
+    def here(cls, device: str = "cpu", held: str | None = None) -> Host:
+        """This host; ``held``: the ISA the run held its engines to (by default this
+        process's own hold)."""
+        held = held or os.environ.get("ATEN_CPU_CAPABILITY")
         return cls(
             cpu=cpuinfo("model name") or platform.processor() or platform.machine(),
             flags=cpu_flags(),
@@ -160,6 +162,7 @@ def new_result(
     program: str = "etinfer",
     argv: list[str] | None = None,
     commit: str | None = None,
+    isa_held: str | None = None,
 ) -> Result:
     """A result of this run, stamped with this command line (``program`` and ``argv``, by
     default this process's arguments), checkout (``commit``: as it was when the run started,
@@ -170,7 +173,7 @@ def new_result(
         command=" ".join([program, shlex.join(sys.argv[1:] if argv is None else argv)]),
         date=now.isoformat().replace("+00:00", "Z"),
         commit=commit or checkout_commit(),
-        host=Host.here(device),
+        host=Host.here(device, isa_held),
         figures=figures,
         details=details or {},
     )
@@ -209,8 +212,16 @@ def recorded(
         commit = checkout_commit()
         figures, details = run(args)
         device = details.get("device", "cpu")
+        # A run that holds only its child engines to an ISA (``--isa``) ran on a held host.
+        held = getattr(args, "isa", None)
         result = new_result(
-            benchmark, figures, details, device=device, program=program, commit=commit
+            benchmark,
+            figures,
+            details,
+            device=device,
+            program=program,
+            commit=commit,
+            isa_held=held,
         )
         path = write_result(result, args.result)
         print(f"result: {path}")
