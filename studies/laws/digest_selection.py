@@ -35,10 +35,13 @@ class DigestSelector(EntropicSelector):
         kv_heads, seqs, _, dim = keys.shape
         width, size = blocks.block_tables.shape[1], blocks.block_size
         keys = keys.view(kv_heads, seqs, width, size, dim)
-        weights = inside.view(1, seqs, width, size, 1).to(keys.dtype)
-        counts = weights.sum(3).clamp(min=1)
-        mean = (keys * weights).sum(3) / counts  # [kv_heads, seqs, width, dim]
-        variance = ((keys - mean[:, :, :, None]) ** 2 * weights).sum(3) / counts
+        # Slots past a row's end hold whatever the memory held (NaN too): selected out, not
+        # multiplied by zero.
+        outside = ~inside.view(1, seqs, width, size, 1)
+        counts = (~outside).sum(3).clamp(min=1)
+        keys = keys.masked_fill(outside, 0.0)
+        mean = keys.sum(3) / counts  # [kv_heads, seqs, width, dim]
+        variance = (keys - mean[:, :, :, None]).square().masked_fill(outside, 0.0).sum(3) / counts
         q = query.view(seqs, kv_heads, -1, dim).transpose(0, 1)
         centre = torch.einsum("ksgd,kswd->ksgw", q, mean)
         reach = torch.einsum("ksgd,kswd->ksgw", q * q, variance).sqrt()

@@ -9,6 +9,12 @@ from tests.control.test_pruning import BLOCK, DIM, GROUP, KV_HEADS, context_keys
 
 def test_the_digest_is_the_keys_mean_score_plus_the_spread_of_their_scores():
     lengths, _, cache, tables, query, config, blocks = oracle_case()
+    cache.keys.fill_(torch.nan)  # what memory past each row's end may hold
+    for i, n in enumerate(lengths):  # ...its own keys written again
+        table = tables[i].tolist()
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+        fresh = torch.randn(n, KV_HEADS, DIM, generator=torch.Generator().manual_seed(i)) * 2
+        cache.keys[0, :, slots] = fresh.transpose(0, 1)
     centred = DigestSelector(config, cache, 0.0).block_scores(0, query, blocks, None, None)
     spread = DigestSelector(config, cache, 2.0).block_scores(0, query, blocks, None, None)
     for i, n in enumerate(lengths):
