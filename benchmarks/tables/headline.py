@@ -5,6 +5,7 @@ from benchmarks.tables.common import (
     AVX2,
     AVX512,
     GEMMA,
+    GEMMA_FILE,
     H100,
     H200,
     HELD,
@@ -93,6 +94,15 @@ LLAMA_CPP_TABLE = Table(
             (AVX512, f"{GEMMA}, 241 MiB"),
             Pick(kind=AVX512, labels={"model": GEMMA}),
             {"b16": mode("gguf"), "prefill": mode("gguf"), "top1": mode("gguf")},
+        ),
+        Row(
+            (AVX512, f"{GEMMA}, 241 MiB (`auto` is `gguf` from 128 MiB)"),
+            Pick(kind=AVX512, labels={"model": GEMMA_FILE}),
+            {
+                "b16": mode("auto"),
+                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
+                "top1": mode("auto"),
+            },
         ),
         Row(
             (HELD, "Llama 3.2 1B shape, random weights, Q4_0, 578 MiB (past the 480 MiB L3)"),
