@@ -4,7 +4,9 @@ that measure what a block choice could reach (``Rankings``, chosen on the comman
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
@@ -29,14 +31,25 @@ class Rankings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Rankings:
-        return cls(
-            oracle=args.oracle,
-            sketches=tuple(args.sketch_channels),
-            fixed_sketches=tuple(args.fixed_sketch_channels),
-            head_roles=tuple(args.head_roles),
-            own_bounds=tuple(args.own_bounds),
-            digests=tuple(args.digest_spreads),
-        )
+        lists = {field: tuple(getattr(args, field)) for _, field, _, _ in LIST_OPTIONS}
+        return cls(oracle=args.oracle, **lists)
+
+
+# Each list of settings on the command line: its flag, the Rankings field it fills, its type, help
+LIST_OPTIONS = (
+    ("--sketch-channels", "sketches", positive_int,
+     "fidelity also with blocks ranked by this many channels of each query (slow)"),
+    ("--fixed-sketch-channels", "fixed_sketches", positive_int,
+     "...and by this many channels chosen once a layer and KV head (slow)"),
+    ("--digest-spreads", "digests", float,
+     "fidelity also with blocks ranked by their keys' mean plus this many spreads"),
+    ("--head-roles", "head_roles", float,
+     "fidelity also with this share of KV heads reading every block, for each reused-mass "
+     "configuration (calibrated on other text; slow)"),
+    ("--own-bounds", "own_bounds", float,
+     "fidelity also with this share of blocks ranked by each layer's own key bounds added, "
+     "for each reused-mass configuration"),
+)  # fmt: skip
 
 
 def arms(
@@ -47,24 +60,26 @@ def arms(
     context: int,
     steps: int,
 ) -> list[Arm]:
-    """Every configuration, then the ``rankings`` that apply to it: the oracle and sketches
-    replace the key bounds (the mass scorer's refresh steps are dense anyway), head roles and
-    own bounds add to reused masses (head roles calibrated on ``calibration_text``, ``steps``
-    tokens teacher-forced after ``context``)."""
+    """Every configuration, then the ``rankings`` that apply to it: the oracle, sketches and
+    digests replace the key bounds (the mass scorer's refresh steps are dense anyway), head
+    roles and own bounds add to reused masses (head roles calibrated on ``calibration_text``,
+    ``steps`` tokens teacher-forced after ``context``)."""
     runs: list[Arm] = [(name, config, None) for name, config in configs.items()]
     cache = llm.engine.runner.cache
-    replacing = [("oracle", None, False)] if rankings.oracle else []
-    replacing += [(f"sketch-{channels}", channels, False) for channels in rankings.sketches]
-    replacing += [(f"fixed-sketch-{n}", n, True) for n in rankings.fixed_sketches]
+    # Rankings that replace the key bounds, each with the selector it makes for a configuration.
+    replacing: list[tuple[str, Callable[[PruningConfig], BlockSelector]]] = []
+    if rankings.oracle:
+        replacing.append(("oracle", lambda config: OracleSelector(config, cache)))
+    for n in rankings.sketches:
+        replacing.append((f"sketch-{n}", partial(OracleSelector, cache=cache, channels=n)))
+    for n in rankings.fixed_sketches:
+        fixed = partial(OracleSelector, cache=cache, channels=n, fixed=True)
+        replacing.append((f"fixed-sketch-{n}", fixed))
+    for k in rankings.digests:
+        replacing.append((f"mean-spread-{k:g}", partial(DigestSelector, cache=cache, spread=k)))
     runs += [
-        (f"{name} {ranking}", config, OracleSelector(config, cache, channels, fixed))
-        for ranking, channels, fixed in replacing
-        for name, config in configs.items()
-        if config.scorer == "bound"
-    ]
-    runs += [
-        (f"{name} mean-spread-{spread:g}", config, DigestSelector(config, cache, spread))
-        for spread in rankings.digests
+        (f"{name} {ranking}", config, make(config))
+        for ranking, make in replacing
         for name, config in configs.items()
         if config.scorer == "bound"
     ]
@@ -91,40 +106,8 @@ def add_ranking_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fidelity also with blocks ranked by their exact attention mass (slow)",
     )
-    parser.add_argument(
-        "--sketch-channels",
-        type=positive_int,
-        nargs="+",
-        default=[],
-        help="fidelity also with blocks ranked by this many channels of each query (slow)",
-    )
-    parser.add_argument(
-        "--fixed-sketch-channels",
-        type=positive_int,
-        nargs="+",
-        default=[],
-        help="...and by this many channels chosen once a layer and KV head (slow)",
-    )
-    parser.add_argument(
-        "--digest-spreads",
-        type=float,
-        nargs="+",
-        default=[],
-        help="fidelity also with blocks ranked by their keys' mean plus this many spreads",
-    )
-    parser.add_argument(
-        "--head-roles",
-        type=float,
-        nargs="+",
-        default=[],
-        help="fidelity also with this share of KV heads reading every block, for each "
-        "reused-mass configuration (calibrated on other text; slow)",
-    )
-    parser.add_argument(
-        "--own-bounds",
-        type=float,
-        nargs="+",
-        default=[],
-        help="fidelity also with this share of blocks ranked by each layer's own key bounds "
-        "added, for each reused-mass configuration",
-    )
+    for flag, field, kind, text in LIST_OPTIONS:
+        metavar = flag.removeprefix("--").replace("-", "_").upper()
+        parser.add_argument(
+            flag, dest=field, metavar=metavar, type=kind, nargs="+", default=[], help=text
+        )
