@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from etinfer.validation import check_choice, check_float, check_int
 
-SCORERS = ("bound", "bound-value", "mass", "reused-mass")
+SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass")
 # How many blocks a row keeps:
 # - "entropy", the paper's law: its predictive entropy between the floor and the high mark sets
 #   a share between budget_low and budget_high;
@@ -30,7 +30,13 @@ SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth
 # dense's (BENCHMARKS.md, "Entropic pruning": 1.15-1.18x at 2K and 0.97x at 4K for the key
 # bounds, 1.01-1.03x at 1K and 0.92x at 2K for reused masses, on an AVX-512 Xeon). At batch 8
 # both pay from about half of it; the batch-1 figure keeps every batch at or below dense.
-PAYING_CONTEXT = {"bound": 4096, "bound-value": 4096, "mass": 4096, "reused-mass": 2048}
+PAYING_CONTEXT = {
+    "bound": 4096,
+    "bound-value": 4096,
+    "digest": 4096,  # scored as the bounds are, at the same bytes a block
+    "mass": 4096,
+    "reused-mass": 2048,
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class PruningConfig:
     budget_high: float = 0.5
     max_shrink: float = 0.25  # a budget loses at most this fraction per step
     refresh_interval: int = 16  # mass scorer: a dense step this often
+    digest_spread: float = 2.0  # digest scorer: a block's reach is its mean plus this many spreads
     head_budgets: bool = False  # share the budget among KV heads by where their attention lies
     head_floor: float = 0.5  # share of the budget each head keeps by its own ranking first
     # reused-mass: the layers that attend densely and rank blocks for the layers after them;
@@ -70,7 +77,8 @@ class PruningConfig:
         if self.head_budgets and self.scorer == "reused-mass":
             raise ValueError(
                 "head_budgets shares a budget among KV heads by their key bounds: it needs scorer "
-                "'bound', 'bound-value' or 'mass', got 'reused-mass' (one choice for all heads)"
+                "'bound', 'bound-value', 'digest' or 'mass', got 'reused-mass' (one choice for "
+                "all heads)"
             )
         if self.budget_law in MEASURED_LAWS and self.scorer != "reused-mass":
             raise ValueError(
@@ -90,6 +98,7 @@ class PruningConfig:
         check_float("budget_high", self.budget_high, low=self.budget_low, high=1.0)
         check_float("max_shrink", self.max_shrink, low=0.0, high=1.0)
         check_int("refresh_interval", self.refresh_interval, low=1)
+        check_float("digest_spread", self.digest_spread, low=0.0)
         check_float("head_floor", self.head_floor, low=0.0, high=1.0)
         if self.selection_layers is not None:
             layers = tuple(self.selection_layers)

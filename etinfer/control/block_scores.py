@@ -75,3 +75,26 @@ def key_bound_scores(
     bounds = summaries.key_bounds.view(kv_heads * num_blocks, 2 * dim).to(query.dtype)
     scores = torch.sparse.sampled_addmm(structure, q, bounds.t(), beta=0.0).values()
     return scores.view(seqs, kv_heads, group, width)
+
+
+def key_digest_scores(
+    query: torch.Tensor, summaries: BlockSummaries, blocks: DecodeBlocks, spread: float
+) -> torch.Tensor:
+    """Each block's ``q.mu + spread * ||q * sigma||`` per query head, [seqs, kv_heads, group,
+    blocks]: ``mu`` and ``sigma`` are the per-channel mean and spread of its keys, from the sums
+    the cache keeps. Where the channels are uncorrelated, a query's scores over the block have
+    that mean and spread, so this estimates its largest score with one outlier key weighing as
+    one key, where min/max bounds give the whole block its reach in every channel at once."""
+    tables, tokens = blocks.block_tables, blocks.block_tokens
+    moments = summaries.key_moments
+    native = block_kernels.key_digest_scores(query, moments, tables, tokens, spread)
+    if native is not None:
+        return native
+    seqs, _, dim = query.shape
+    kv_heads = moments.shape[0]
+    means, mean_squares = (moments[:, tables] / tokens.clamp(min=1)[..., None, None]).unbind(-2)
+    variance = (mean_squares - means.square()).clamp(min=0.0)  # [kv_heads, seqs, width, dim]
+    q = query.view(seqs, kv_heads, -1, dim).transpose(0, 1)
+    centre = torch.einsum("ksgd,kswd->ksgw", q, means)
+    reach = torch.einsum("ksgd,kswd->ksgw", q.square(), variance).sqrt()
+    return (centre + spread * reach).transpose(0, 1)

@@ -18,6 +18,11 @@ time the closest to dense attention, and it keeps the passkeys dense attention f
 - ``mass``: the attention mass the block received the last time it was attended to (``s = 1``:
   the paper does not define a computable value surprisal), refreshed by a dense step every
   ``refresh_interval`` steps;
+- ``digest``: each block's per-channel key mean ``mu`` and spread ``sigma`` (the cache keeps the
+  sums of its keys and of their squares) give ``q.mu + k ||q * sigma||``, an estimate of the
+  block's largest score where min/max bounds give one outlier key the whole block's reach in
+  every channel (after a public engine's change that took needle retrieval from 2/10 to 10/10);
+  the same walk and bytes as the bounds, and no certificate of what it drops;
 - ``bound-value``: the key bound with a value factor. Dropping a block changes the attention
   output by about its mass times the distance between its mean value and the output, so the
   score is ``log(bound mass) + log ||v_b - o||``, with ``o`` the output the bounds themselves
@@ -66,7 +71,12 @@ from etinfer.control.block_budgets import (
     plan_budget,
     selection_layers,
 )
-from etinfer.control.block_scores import best_of, key_bound_scores, value_weighted
+from etinfer.control.block_scores import (
+    best_of,
+    key_bound_scores,
+    key_digest_scores,
+    value_weighted,
+)
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
 from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
@@ -153,11 +163,15 @@ class EntropicSelector(BlockSelector):
             return None
         if self.config.scorer == "reused-mass":
             return self.reuse(layer, query, blocks, summaries)
-        bounds = key_bound_scores(query, summaries, blocks.block_tables)
-        scores = self.block_scores(layer, query, blocks, summaries, bounds)
+        if self.config.scorer == "digest":
+            spread = self.config.digest_spread
+            estimates, bounds = key_digest_scores(query, summaries, blocks, spread), None
+        else:
+            estimates = bounds = key_bound_scores(query, summaries, blocks.block_tables)
+        scores = self.block_scores(layer, query, blocks, summaries, estimates)
         budgets = None
         if self.config.head_budgets:
-            logits = bounds * self._scale(query)
+            logits = estimates * self._scale(query)
             budgets = self.head_budgets(self.head_mass(logits, scores, blocks), scores, blocks)
         return Selection(self.keep_best(scores, blocks, budgets), bounds)
 
@@ -167,12 +181,13 @@ class EntropicSelector(BlockSelector):
         query: torch.Tensor,
         blocks: DecodeBlocks,
         summaries: BlockSummaries,
-        bounds: torch.Tensor,
+        estimates: torch.Tensor,
     ) -> torch.Tensor:
-        """What each block may contribute, [seqs, kv_heads, max_blocks]: higher is kept first."""
+        """What each block may contribute, [seqs, kv_heads, max_blocks]: higher is kept first.
+        ``estimates``: each block's largest score per query head (its key bound, or digest)."""
         if self.config.scorer == "mass":
             return summaries.mass[:, blocks.block_tables].permute(1, 0, 2)
-        bound = bounds.amax(2)  # a block matters if it may matter to any head of the group
+        bound = estimates.amax(2)  # a block matters if it may matter to any head of the group
         if self.config.scorer == "bound-value":
             return value_weighted(bound * self._scale(query), summaries, blocks)
         return bound

@@ -1,6 +1,6 @@
 """The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``): the CSR
-pattern of the blocks each decode row reads, the key-bound score of every block, and the mask of
-each row's best blocks.
+pattern of the blocks each decode row reads, the key-bound and digest scores of every block, and
+the mask of each row's best blocks.
 
 Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
 the attention that pruning saves. Their torch forms (``attention/pattern.py``,
@@ -114,6 +114,47 @@ def key_bound_scores(
     )
     if status != 0:
         raise IndexError(f"key bounds: a block id outside [0, {num_blocks}) in {tables}")
+    return out
+
+
+def key_digest_scores(
+    query: torch.Tensor,  # [rows, heads, dim] float32
+    key_moments: torch.Tensor,  # [kv_heads, num_blocks, 2, dim] float32: sums, then squares
+    tables: torch.Tensor,  # [rows, width] block ids
+    tokens: torch.Tensor,  # [rows, width] keys in each entry
+    spread: float,
+) -> torch.Tensor | None:
+    """``[rows, kv_heads, group, width]``: per query head, each block's ``q.mu + spread *
+    ||q * sigma||``, as ``control.block_scores.key_digest_scores`` computes it."""
+    rows, heads, dim = query.shape
+    kv_heads, num_blocks = key_moments.shape[:2]
+    native = _native(query, key_moments, tables)
+    if native is None or dim % 8 or query.dtype != torch.float32:
+        return None
+    if key_moments.dtype != torch.float32 or not key_moments.is_contiguous():
+        return None
+    width = tables.shape[1]
+    query = query.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    tokens = tokens.to(torch.int64).contiguous()
+    out = torch.empty(rows, kv_heads, heads // kv_heads, width)
+    status = native.key_digest_scores(
+        query.data_ptr(),
+        key_moments.data_ptr(),
+        tables.data_ptr(),
+        tokens.data_ptr(),
+        rows,
+        kv_heads,
+        heads // kv_heads,
+        width,
+        num_blocks,
+        dim,
+        spread,
+        out.data_ptr(),
+        min(torch.get_num_threads(), rows * kv_heads),
+    )
+    if status != 0:
+        raise IndexError(f"key digest: a block id outside [0, {num_blocks}) in {tables}")
     return out
 
 

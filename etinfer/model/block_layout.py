@@ -54,6 +54,9 @@ class BlockSummaries:
     key_bounds: torch.Tensor
     mass: torch.Tensor | None = None  # [kv_heads, num_blocks], last observed attention mass
     value_sums: torch.Tensor | None = None  # [kv_heads, num_blocks, head_dim]
+    # [kv_heads, num_blocks, 2, head_dim] float32: the sums of the keys and of their squares,
+    # per channel (the digest scorer's mean and spread)
+    key_moments: torch.Tensor | None = None
     # [layers, kv_heads, num_blocks]: every layer's last observed mass, so that a selector may
     # read a later layer's from the step before (it has not run yet in this one)
     layer_masses: torch.Tensor | None = None

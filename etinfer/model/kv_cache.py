@@ -10,8 +10,8 @@ keys for one head in one contiguous run, which measured twice as fast to read sc
 token-major order.
 
 **Block summaries.** When a selector scores blocks, the cache also keeps, per block and KV head,
-the per-channel minimum and maximum of its keys and the sum of its values (updated on append),
-and the attention mass the block last received.
+the per-channel minimum and maximum of its keys, the sums of its keys and of their squares,
+the sum of its values (all updated on append), and the attention mass the block last received.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class KVCache:
     costs nothing beside the bandwidth it saves. Attention reads every key and value as stored,
     prefill's fresh ones too (``as_stored``), so a token's result does not depend on whether its
     context came from this step or the cache. With ``summaries`` it also keeps per block and KV
-    head the key bounds (of the stored keys) and the last attention mass, in float32, about 1/16
-    of a float32 cache at a block size of 16.
+    head the key bounds and moments (of the stored keys), the value sums and the last attention
+    mass, five vectors a block beside the 32 of a float32 cache's keys and values at a block size
+    of 16.
     """
 
     compute_dtype = torch.float32
@@ -96,7 +97,7 @@ class KVCache:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.native = device.type == "cpu" and native_kernels.available()
-        self.key_bounds = self.mass = self.value_sums = None
+        self.key_bounds = self.mass = self.value_sums = self.key_moments = None
         if summaries:
             per_block, summary_dtype = (num_layers, num_kv_heads, num_blocks), self.compute_dtype
             # Key bounds in a 16-bit cache's own type: the extremes of its keys are values of
@@ -109,12 +110,15 @@ class KVCache:
             self.value_sums = torch.empty(
                 (*per_block, head_dim), device=device, dtype=summary_dtype
             )
+            self.key_moments = torch.empty(
+                (*per_block, 2, head_dim), device=device, dtype=summary_dtype
+            )
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         """Everything the pool allocates: keys, values, their int8 scales, block summaries."""
         tensors = (self.keys, self.values, self.key_scales, self.value_scales)
-        tensors += (self.key_bounds, self.mass, self.value_sums)
+        tensors += (self.key_bounds, self.mass, self.value_sums, self.key_moments)
         return [t for t in tensors if t is not None]
 
     @property
@@ -166,7 +170,11 @@ class KVCache:
         if self.key_bounds is None:
             return None
         return BlockSummaries(
-            self.key_bounds[layer], self.mass[layer], self.value_sums[layer], self.mass
+            self.key_bounds[layer],
+            self.mass[layer],
+            self.value_sums[layer],
+            key_moments=self.key_moments[layer],
+            layer_masses=self.mass,
         )
 
     def write(
@@ -218,7 +226,10 @@ class KVCache:
             key_min.index_fill_(1, fresh_blocks, torch.inf)
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
             self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
+            self.key_moments[layer].index_fill_(1, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         key_max.index_reduce_(1, blocks, keys, "amax")
         key_min.index_reduce_(1, blocks, keys, "amin")
         self.value_sums[layer].index_add_(1, blocks, values)
+        keys = keys.to(self.compute_dtype)
+        self.key_moments[layer].index_add_(1, blocks, torch.stack([keys, keys.square()], 2))

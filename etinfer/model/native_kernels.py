@@ -138,6 +138,8 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.key_bound_scores.argtypes = [pointer, pointer, ctypes.c_int, pointer] + [i64] * 6
     library.key_bound_scores.argtypes += [pointer, i64]
     library.key_bound_scores.restype = ctypes.c_int
+    library.key_digest_scores.argtypes = [pointer] * 4 + [i64] * 6 + [ctypes.c_float, pointer, i64]
+    library.key_digest_scores.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
     return library

@@ -12,7 +12,6 @@ from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
 from etinfer.options import positive_int
-from studies.laws.digest_selection import DigestSelector
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.reused_variants import OwnBoundsSelector, calibrated
 
@@ -27,7 +26,6 @@ class Rankings:
     fixed_sketches: tuple[int, ...] = ()  # ... by that many channels fixed per layer and head
     head_roles: tuple[float, ...] = ()  # reused-mass: that share of KV heads read every block
     own_bounds: tuple[float, ...] = ()  # ... and each layer keeps that share by its key bounds
-    digests: tuple[float, ...] = ()  # key bounds: blocks ranked by key mean + that many spreads
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Rankings:
@@ -41,8 +39,6 @@ LIST_OPTIONS = (
      "fidelity also with blocks ranked by this many channels of each query (slow)"),
     ("--fixed-sketch-channels", "fixed_sketches", positive_int,
      "...and by this many channels chosen once a layer and KV head (slow)"),
-    ("--digest-spreads", "digests", float,
-     "fidelity also with blocks ranked by their keys' mean plus this many spreads"),
     ("--head-roles", "head_roles", float,
      "fidelity also with this share of KV heads reading every block, for each reused-mass "
      "configuration (calibrated on other text; slow)"),
@@ -60,8 +56,8 @@ def arms(
     context: int,
     steps: int,
 ) -> list[Arm]:
-    """Every configuration, then the ``rankings`` that apply to it: the oracle, sketches and
-    digests replace the key bounds (the mass scorer's refresh steps are dense anyway), head
+    """Every configuration, then the ``rankings`` that apply to it: the oracle and sketches
+    replace the key bounds (the mass scorer's refresh steps are dense anyway), head
     roles and own bounds add to reused masses (head roles calibrated on ``calibration_text``,
     ``steps`` tokens teacher-forced after ``context``)."""
     runs: list[Arm] = [(name, config, None) for name, config in configs.items()]
@@ -75,8 +71,6 @@ def arms(
     for n in rankings.fixed_sketches:
         fixed = partial(OracleSelector, cache=cache, channels=n, fixed=True)
         replacing.append((f"fixed-sketch-{n}", fixed))
-    for k in rankings.digests:
-        replacing.append((f"mean-spread-{k:g}", partial(DigestSelector, cache=cache, spread=k)))
     runs += [
         (f"{name} {ranking}", config, make(config))
         for ranking, make in replacing

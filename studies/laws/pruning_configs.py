@@ -9,8 +9,10 @@ from etinfer.control.block_selection import PruningConfig
 
 BOUND = PruningConfig(scorer="bound")
 REUSED = PruningConfig(scorer="reused-mass")
+DIGEST = PruningConfig(scorer="digest")
 CONFIGS = {
     "bound": BOUND,
+    "digest": DIGEST,
     "mass": PruningConfig(scorer="mass"),
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
     "bound-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2),
@@ -33,6 +35,7 @@ CONFIGS = {
 for share in (0.08, 0.125, 0.2, 0.35):
     CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
     CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
+    CONFIGS[f"digest-share-{share}"] = replace(DIGEST, budget_low=share, budget_high=share)
 for tokens in (512, 1024, 2048):
     CONFIGS[f"bound-fixed-{tokens}"] = replace(BOUND, budget_law="fixed", token_budget=tokens)
     CONFIGS[f"reused-fixed-{tokens}"] = replace(REUSED, budget_law="fixed", token_budget=tokens)
@@ -46,6 +49,7 @@ for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
 # Pruning from any context on, to measure where it starts to pay (the defaults wait for that).
 CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
 CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
+CONFIGS["digest-ungated"] = replace(DIGEST, min_context=0)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = replace(

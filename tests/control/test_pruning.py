@@ -33,6 +33,7 @@ def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32, l
     # Stale contents from an earlier owner of every block: bounds must reset on reuse.
     cache.key_bounds[..., 0, :] = 100.0  # stale maxima
     cache.key_bounds[..., 1, :] = -100.0  # stale minima
+    cache.key_moments.fill_(100.0)  # stale sums of keys and of their squares
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[order.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
     for table, n in zip(tables, lengths, strict=True):

@@ -5,7 +5,12 @@ blocks exactly."""
 import pytest
 import torch
 
-from etinfer.control.block_scores import best_of, key_bound_scores, signed_parts
+from etinfer.control.block_scores import (
+    best_of,
+    key_bound_scores,
+    key_digest_scores,
+    signed_parts,
+)
 from etinfer.model import block_kernels, native_kernels
 from etinfer.model.attention.pattern import build_decode_pattern, decode_pattern, visible_blocks
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
@@ -67,6 +72,19 @@ def test_native_key_bounds_are_the_signed_matmul(kv_heads, group, dim, dtype):
     expected = torch.einsum("skgc,kswc->skgw", parts, gathered)
     assert got.shape == (3, kv_heads, group, blocks.block_tables.shape[1])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (1, 1, 8)])
+def test_native_key_digests_are_the_torch_ones(kv_heads, group, dim, monkeypatch):
+    blocks, gen = layout([40, 200, 9], seed=dim)
+    keys = torch.randn(kv_heads, NUM_BLOCKS, BLOCK, dim, generator=gen) * 3 + 1
+    moments = torch.stack([keys.sum(2), keys.square().sum(2)], dim=2)
+    summaries = BlockSummaries(torch.empty(0), key_moments=moments)
+    query = torch.randn(3, kv_heads * group, dim, generator=gen)
+    native = key_digest_scores(query, summaries, blocks, 1.5)
+    monkeypatch.setattr(native_kernels, "library", lambda: None)
+    fallback = key_digest_scores(query, summaries, blocks, 1.5)
+    torch.testing.assert_close(native, fallback, rtol=1e-4, atol=1e-3)
 
 
 def test_a_block_id_outside_the_cache_is_refused():

@@ -1,6 +1,6 @@
 /* Block-sparse decode, the parts around the attention kernel (model/block_kernels.py calls
- * them): the CSR pattern of the blocks each decode row reads, and the key-bound score of every
- * block for every query head. In torch each is some twenty operations a layer, which at 8K
+ * them): the CSR pattern of the blocks each decode row reads, and the key-bound and digest scores
+ * of every block for every query head. In torch each is some twenty operations a layer, which at 8K
  * tokens cost more than the attention that pruning saves (BENCHMARKS.md, "Entropic pruning"); here each is
  * one pass over what it writes. Both compute exactly what their torch forms in model/attention/pattern.py
  * and control/block_selection.py compute (the pattern bit for bit; the scores up to the order of
@@ -97,6 +97,46 @@ int key_bound_scores(const float *q, const void *bounds, int kind, const int64_t
                     acc += (v8)((more & (v8i)a) | (~more & (v8i)z));
                 }
                 scores[j * width + b] = lane_sum(acc);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Each block's digest score per query head: out [rows, kv_heads, group, width] =
+ * q.mu + spread * ||q * sigma||, with mu and sigma^2 the per-channel mean and variance of the
+ * block's keys, from moments [kv_heads, num_blocks, 2, dim] (float32: the sums of the keys, then
+ * of their squares) and tokens [rows, width] (keys in each table entry; none: counted as one).
+ * The same walk over the tables as key_bound_scores, and as many bytes read a block. */
+int key_digest_scores(const float *q, const float *moments, const int64_t *tables,
+                      const int64_t *tokens, int64_t rows, int64_t kv_heads, int64_t group,
+                      int64_t width, int64_t num_blocks, int64_t dim, float spread, float *out,
+                      int64_t threads) {
+    for (int64_t i = 0; i < rows * width; ++i)
+        if (tables[i] < 0 || tables[i] >= num_blocks) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
+        const int64_t r = pair / kv_heads, h = pair % kv_heads;
+        const float *queries = q + pair * group * dim;
+        float *scores = out + pair * group * width;
+        const v8 zero = {0};
+        for (int64_t b = 0; b < width; ++b) {
+            const float *sums = moments + (h * num_blocks + tables[r * width + b]) * 2 * dim;
+            const float *squares = sums + dim;
+            const int64_t count = tokens[r * width + b];
+            const float inverse = 1.0f / (float)(count > 0 ? count : 1);
+            for (int64_t j = 0; j < group; ++j) {
+                const float *query = queries + j * dim;
+                v8 centre = {0}, reach = {0};
+                for (int64_t c = 0; c < dim; c += 8) {
+                    const v8 x = load8(query + c);
+                    const v8 mean = load8(sums + c) * inverse;
+                    v8 variance = load8(squares + c) * inverse - mean * mean;
+                    variance = (v8)((v8i)variance & (variance > zero));  // rounding: never < 0
+                    centre += x * mean;
+                    reach += x * x * variance;
+                }
+                scores[j * width + b] = lane_sum(centre) + spread * sqrtf(lane_sum(reach));
             }
         }
     }
