@@ -15,6 +15,15 @@ The entropy law (the default) keeps the heuristic's length and adds the gate: me
 side, the heuristic's growth drafted long runs where text is copied (2.40x against 2.02x fixed at
 batch 1) and the gate cut drafts on chat; BENCHMARKS.md has the table.
 
+**Drafts only where they pay, measured as the engine runs** (adaptive schedules): whether a
+draft pays depends on the host and the model as much as on the text (an early exit of 10 of 30
+layers gained 1.33x on copying on one host and lost 0.75x on another), so the engine times its
+steps (``DraftCosts``: a plain step's seconds, and what a drafted token adds to a step, drafting
+and verifying it, in plain steps) and each sequence weighs what its drafting steps gained
+(tokens accepted) against what they cost (``SpeculationState.payoff``). A sequence whose drafts
+do not pay rests from drafting for 1, 2, 4 ... 64 steps, then drafts once to measure again; the
+configured ``fixed`` schedule, a reference, always drafts.
+
 From ``disable_batch_size`` decoding sequences on no one drafts (vLLM's
 ``speculative_disable_by_batch_size``): a batch already shares the weight reads that verification
 would otherwise amortise, so every draft token costs nearly a token of compute (measured: at 4
@@ -29,7 +38,7 @@ engine's speculator moves after every step and the record reads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from etinfer.control.record import Controlled, ControlRecord, StepShape
 from etinfer.control.shaping import StepShaper
@@ -38,6 +47,9 @@ from etinfer.validation import check_choice, check_float, check_int
 SPECULATIVE_METHODS = ("ngram", "draft")
 DRAFT_SCHEDULES = ("entropy", "fixed", "heuristic")
 MAX_DRAFT_TOKENS = 16
+MEMORY = 0.3  # the weight of the latest measurement in the running estimates
+MAX_REST = 64  # steps: the longest a sequence whose drafts do not pay rests before drafting again
+PLAIN_REFRESH = 64  # steps: a plain step's time older than this is measured again
 
 
 @dataclass(frozen=True)
@@ -120,31 +132,95 @@ def next_draft_length(
     return max(length - 1, 1)
 
 
+def running_mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - MEMORY) * old + MEMORY * new
+
+
+@dataclass
+class DraftCosts:
+    """What drafting costs on this host and model, as the engine measures it: a decode-only
+    step's seconds without drafts, by its decoding rows (and the step it was last measured at),
+    and the seconds a drafted token adds to a step (drafting and verifying it) in such steps."""
+
+    plain_seconds: dict[int, float] = field(default_factory=dict)
+    plain_measured: dict[int, int] = field(default_factory=dict)
+    per_draft: float | None = None  # in plain steps; None until both kinds were timed
+
+    def observe(self, step: int, rows: int, drafted: int, seconds: float) -> None:
+        """A decode-only step ``step`` of ``rows`` sequences verified ``drafted`` tokens in
+        ``seconds`` (drafting them included)."""
+        plain = self.plain_seconds.get(rows)
+        if not drafted:
+            self.plain_seconds[rows] = running_mean(plain, seconds)
+            self.plain_measured[rows] = step
+        elif plain is not None:
+            self.per_draft = running_mean(self.per_draft, (seconds - plain) / (drafted * plain))
+
+    def needs_plain(self, step: int, rows: int) -> bool:
+        """Whether step ``step`` of ``rows`` decoding sequences should run without drafts, to
+        time a plain step (never timed at this size, or too long ago)."""
+        return step - self.plain_measured.get(rows, -PLAIN_REFRESH) >= PLAIN_REFRESH
+
+
 @dataclass
 class SpeculationState:
     """One request under speculative decoding: the length the adaptive schedules draft next
-    (None: the configured ``num_draft_tokens``) and the tokens drafted and accepted so far."""
+    (None: the configured ``num_draft_tokens``), what its drafting steps gained over their cost
+    and how long it rests from drafting, and the tokens drafted and accepted so far."""
 
     draft_length: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    payoff: float | None = None  # tokens a drafting step gains beyond its cost (running mean)
+    rest: int = 0  # steps it rested last: doubled after each drafting step that does not pay
+    resume_at: int = 0  # the output token from which it drafts again
 
-    def record(self, config: SpeculativeConfig, drafted: int, accepted: int) -> None:
-        """A step verified ``drafted`` tokens and accepted ``accepted`` of them."""
+    def record(
+        self,
+        config: SpeculativeConfig,
+        drafted: int,
+        accepted: int,
+        cost: float | None = None,
+        output_tokens: int = 0,
+    ) -> None:
+        """A step verified ``drafted`` tokens and accepted ``accepted`` of them, each drafted
+        token costing ``cost`` tokens of the step (None: not measured yet); the sequence has
+        ``output_tokens`` tokens now."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.draft_length = next_draft_length(config, self.draft_length, drafted, accepted)
+        if not drafted or cost is None:
+            return
+        gain = accepted - drafted * cost
+        # After a rest the text may have changed (a passage to copy begins): measured afresh.
+        self.payoff = gain if self.rest else running_mean(self.payoff, gain)
+        if self.payoff > 0:
+            self.rest = self.resume_at = 0
+        else:
+            self.rest = min(max(1, 2 * self.rest), MAX_REST)
+            self.resume_at = output_tokens + self.rest
+
+    def next_length(self, output_tokens: int) -> int | None:
+        """The length it drafts at its next step: 0 while it rests."""
+        return 0 if output_tokens < self.resume_at else self.draft_length
 
 
 class SpeculativeShaper(StepShaper):
     """Draft lengths for the step's sequences (decode rows first; others get 0)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, costs: DraftCosts | None = None) -> None:
+        """``costs``: what the engine measures drafting to cost (adaptive schedules time a
+        plain step where it has none)."""
         self.config = config
+        self.costs = costs
 
     def shape(self, record: ControlRecord, seqs: Sequence[Controlled]) -> StepShape:
         decoding = [seq.num_computed_tokens == seq.num_tokens - 1 for seq in seqs]
-        if sum(decoding) >= self.config.disable_batch_size:
+        rows = sum(decoding)
+        if rows >= self.config.disable_batch_size:
+            return StepShape()
+        timing = self.costs is not None and self.config.schedule != "fixed"
+        if timing and rows == len(seqs) and self.costs.needs_plain(record.step, rows):
             return StepShape()
         return StepShape(
             draft_lengths=tuple(

@@ -21,7 +21,7 @@ from etinfer.config import EngineConfig
 from etinfer.control.block_budgets import check_context
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
-from etinfer.control.drafting import SpeculationState, SpeculativeShaper
+from etinfer.control.drafting import DraftCosts, SpeculationState, SpeculativeShaper
 from etinfer.control.kv_compression import KVCompressionState
 from etinfer.control.pruning_state import PruningState
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingPolicy
@@ -75,8 +75,9 @@ class EngineLayers:
             if pruning is None
             else pruning_selector(pruning, loaded.config, max_model_len)
         )
+        costs = DraftCosts()  # measured by the speculator, read by its law
         shaper = (
-            SpeculativeShaper(config.speculative)
+            SpeculativeShaper(config.speculative, costs)
             if config.speculative is not None
             else STEP_SHAPERS.create(config.step_shaper)
         )
@@ -100,7 +101,7 @@ class EngineLayers:
             switcher = ModelSwitcher(config, runner, kv.pool, loaded.tokenizer)
         speculator = None
         if config.speculative is not None:
-            speculator = Speculator(config, runner, kv, loaded.tokenizer)
+            speculator = Speculator(config, runner, kv, loaded.tokenizer, costs)
         jump_forward = None
         if config.jump_forward:
             jump_forward = JumpForward(

@@ -265,7 +265,7 @@ class LLMEngine:
             self.compressor.compress_due(batch.seqs, self.runner.cache)
         progress.stage = "recording"
         if self.speculator is not None and emitted is not None:
-            self.speculator.record(batch, emitted)
+            self.speculator.record(record.step, batch, emitted)
         if self.switcher is not None:
             self.switcher.update(batch, starts, small)
         if result.attention is not None:

@@ -211,7 +211,9 @@ class Sequence:
 
     @property
     def draft_length(self) -> int | None:
-        return None if self.speculation is None else self.speculation.draft_length
+        if self.speculation is None:
+            return None
+        return self.speculation.next_length(self.num_output_tokens)
 
     @property
     def matcher(self) -> Matcher | None:

@@ -40,7 +40,7 @@ SETTINGS: dict[str, dict] = {
     "ngram, paper's layers": {"speculative": SpeculativeConfig(), "control": ControlConfig.full()},
     **{
         f"self:{n}{name}": {"draft_model": f"self:{n}", "speculative": config}
-        for n in (8, 22, 26)
+        for n in (8, 10, 22, 26)
         for name, config in (
             (" entropy", DRAFT),
             (" fixed", replace(DRAFT, adaptive=False)),

@@ -356,3 +356,19 @@ def test_a_draft_model_with_another_vocabulary_is_refused(make_llm, tmp_path):
     write_tiny_model(tmp_path, "llama-rope-llama3")
     with pytest.raises(ValueError, match=f"vocabulary of {VOCAB} tokens"):
         make_llm(draft_model=str(tmp_path), speculative=SpeculativeConfig(method="draft"))
+
+
+def test_drafts_rest_where_they_do_not_pay_and_go_on_where_they_do(make_llm):
+    """Timed as the engine runs: two layers of thirty, unfitted, agree with the model too rarely
+    to pay for themselves, so they rest; prompt lookup on a passage to copy keeps drafting."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    exit_config = SpeculativeConfig(
+        method="draft", adaptive="heuristic", disable_batch_size=64, exit_adapter=False
+    )
+    exit_drafts = make_llm(draft_model="self:2", speculative=exit_config)
+    out = exit_drafts.generate([PROMPTS[3]], params)[0]
+    assert out.token_ids == tokens(make_llm(), [PROMPTS[3]], params)[0]
+    assert 0 < out.num_draft_tokens < 40  # a fixed length would draft 4 at each of 63 steps
+    lookup = make_llm(speculative=SpeculativeConfig(adaptive="heuristic"))
+    copied = lookup.generate([COPYING[0]], params)[0]
+    assert copied.num_accepted_tokens >= 20

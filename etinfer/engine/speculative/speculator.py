@@ -13,10 +13,11 @@ comes out.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from etinfer.config import EngineConfig
-from etinfer.control.drafting import SpeculativeConfig
+from etinfer.control.drafting import DraftCosts, SpeculativeConfig
 from etinfer.control.record import TARGET_MODEL, StepShape
 from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.runner.model_runner import ModelRunner
@@ -41,9 +42,13 @@ class Speculator:
         runner: ModelRunner,
         kv: KVCacheManager,
         tokenizer: Tokenizer,
+        costs: DraftCosts,
     ) -> None:
         """For an engine whose ``speculative`` is set; a drafter that needs fitting (an early
-        exit's adapter) is fitted here, at load."""
+        exit's adapter) is fitted here, at load. ``costs``: where it keeps what its steps
+        measure drafting to cost, for the law to read."""
+        self.costs = costs
+        self.started = 0.0  # when the step being drafted began
         self.config: SpeculativeConfig = engine.speculative
         self.drafter = f"draft:{self.config.method}"  # how token_models names accepted drafts
         self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
@@ -53,6 +58,7 @@ class Speculator:
 
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
         """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""
+        self.started = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.drop_finished()  # every step, drafting or not
         if not shape.draft_lengths:
@@ -73,12 +79,19 @@ class Speculator:
         for i, drafts in zip(chosen, proposals, strict=True):
             batch.add_drafts(i, drafts)
 
-    def record(self, batch: ScheduledBatch, emitted: Emitted) -> None:
-        """Count each sampled sequence's drafts and acceptances; move its heuristic length."""
+    def record(self, step: int, batch: ScheduledBatch, emitted: Emitted) -> None:
+        """Time the step (scheduler step ``step``) where only decoding sequences ran; count
+        each sampled sequence's drafts and acceptances, and weigh them against their cost
+        (a draft of one sequence slows the whole batch's step)."""
+        rows = batch.num_decode
+        if rows == len(batch.seqs):
+            drafted = sum(len(batch.drafts[i]) for i in range(rows))
+            self.costs.observe(step, rows, drafted, time.perf_counter() - self.started)
+        cost = None if self.costs.per_draft is None else self.costs.per_draft * rows
         for index, accepted, count in zip(
             batch.sampled, emitted.accepted, emitted.counts, strict=True
         ):
             seq, drafted = batch.seqs[index], len(batch.drafts[index])
-            seq.speculation.record(self.config, drafted, accepted)
+            seq.speculation.record(self.config, drafted, accepted, cost, seq.num_output_tokens)
             # Who wrote each token: the drafter's accepted ones come first, then the model's.
             seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)

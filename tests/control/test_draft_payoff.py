@@ -1,0 +1,85 @@
+"""Drafts only where they pay: the costs the engine measures, each sequence's rests, and the
+plain steps the law asks for to time them (pure law; the engine's side in test_speculative)."""
+
+import pytest
+
+from etinfer.control.drafting import (
+    MAX_REST,
+    PLAIN_REFRESH,
+    DraftCosts,
+    SpeculationState,
+    SpeculativeConfig,
+    SpeculativeShaper,
+)
+from etinfer.control.record import ControlRecord
+
+ENTROPY = SpeculativeConfig()
+
+
+def test_a_drafted_token_costs_what_it_adds_to_a_plain_step_of_the_same_size():
+    costs = DraftCosts()
+    costs.observe(step=1, rows=1, drafted=4, seconds=0.020)  # no plain step to compare with yet
+    assert costs.per_draft is None
+    costs.observe(step=2, rows=1, drafted=0, seconds=0.010)
+    costs.observe(step=3, rows=2, drafted=0, seconds=0.030)  # another size: its own plain time
+    costs.observe(step=4, rows=1, drafted=4, seconds=0.020)
+    assert costs.per_draft == pytest.approx(0.25)  # 4 drafts doubled a 10 ms step
+    costs.observe(step=5, rows=1, drafted=2, seconds=0.010)  # free drafts: the estimate falls
+    assert 0 < costs.per_draft < 0.25
+
+
+def test_a_plain_step_is_timed_at_each_batch_size_and_again_when_old():
+    costs = DraftCosts()
+    assert costs.needs_plain(step=1, rows=1)
+    costs.observe(step=1, rows=1, drafted=0, seconds=0.01)
+    assert not costs.needs_plain(step=2, rows=1) and costs.needs_plain(step=2, rows=2)
+    assert costs.needs_plain(step=1 + PLAIN_REFRESH, rows=1)
+
+
+def test_drafts_that_do_not_pay_rest_for_longer_each_time_and_resume_when_they_pay():
+    state = SpeculationState()
+    state.record(ENTROPY, drafted=4, accepted=0, cost=None, output_tokens=5)
+    assert state.next_length(6) is not None and state.next_length(6) > 0  # cost unknown: drafts
+    rests = []
+    for tokens in range(10, 200, 10):
+        state.record(ENTROPY, drafted=4, accepted=0, cost=0.5, output_tokens=tokens)
+        rests.append(state.rest)
+        assert state.next_length(tokens) == 0 and state.next_length(tokens + state.rest) > 0
+    assert rests[:4] == [1, 2, 4, 8] and max(rests) == MAX_REST
+    for tokens in range(300, 340, 10):  # a copied passage: all four accepted, a cheap draft
+        state.record(ENTROPY, drafted=4, accepted=4, cost=0.1, output_tokens=tokens)
+    assert state.payoff > 0 and state.rest == 0 and state.next_length(331) > 0
+
+
+class Decoding:
+    """A sequence one decode step into its output."""
+
+    def __init__(self, speculation: SpeculationState) -> None:
+        self.speculation = speculation
+        self.num_computed_tokens, self.num_tokens, self.num_output_tokens = 9, 10, 3
+        self.kv_offset, self.block_budget, self.last_blocks_kept = 0, None, 1.0
+        self.temperature_state = None
+        from etinfer.control.entropy_profile import EntropyProfile
+
+        self.profile = EntropyProfile()
+
+    @property
+    def draft_length(self):
+        return self.speculation.next_length(self.num_output_tokens)
+
+
+@pytest.mark.parametrize("schedule", [True, "heuristic", False])
+def test_the_law_times_a_plain_step_and_rests_a_sequence_whose_drafts_do_not_pay(schedule):
+    config = SpeculativeConfig(adaptive=schedule)
+    costs = DraftCosts()
+    shaper = SpeculativeShaper(config, costs)
+    seq = Decoding(SpeculationState())
+    record = ControlRecord.build(1, (seq,), ())
+    fixed = schedule is False
+    # No plain step timed yet: the adaptive schedules time one first.
+    assert shaper.shape(record, [seq]).draft_lengths == ((4,) if fixed else ())
+    costs.observe(step=1, rows=1, drafted=0, seconds=0.01)
+    assert shaper.shape(ControlRecord.build(2, (seq,), ()), [seq]).draft_lengths == (4,)
+    seq.speculation.record(config, drafted=4, accepted=0, cost=0.8, output_tokens=3)
+    lengths = shaper.shape(ControlRecord.build(3, (seq,), ()), [seq]).draft_lengths
+    assert lengths == ((4,) if fixed else (0,))  # the fixed schedule, a reference, never rests
