@@ -67,6 +67,8 @@ class SpeculativeConfig:
       distribution with more entropy than this, and an early-exit drafter stops where its own
       distribution has more.
     - exit_adapter: an early-exit drafter maps its hidden state through the fitted adapter.
+    - weigh_cost: with an adaptive schedule, a sequence whose drafts do not pay for what the
+      engine measures them to cost rests from drafting (False: they are never weighed).
     - disable_batch_size: no drafts in a step with at least this many decoding sequences.
     """
 
@@ -78,6 +80,7 @@ class SpeculativeConfig:
     ngram_max: int = 3
     ngram_min: int = 2
     exit_adapter: bool = True
+    weigh_cost: bool = True
 
     def __post_init__(self) -> None:
         check_choice("speculative.method", self.method, SPECULATIVE_METHODS)
@@ -88,6 +91,11 @@ class SpeculativeConfig:
         check_int("disable_batch_size", self.disable_batch_size, low=1)
         check_int("ngram_min", self.ngram_min, low=1)
         check_int("ngram_max", self.ngram_max, low=self.ngram_min)
+
+    @property
+    def weighs_cost(self) -> bool:
+        """Whether sequences rest where their drafts do not pay (the adaptive schedules)."""
+        return self.weigh_cost and self.schedule != "fixed"
 
     @property
     def schedule(self) -> str:
@@ -219,7 +227,7 @@ class SpeculativeShaper(StepShaper):
         rows = sum(decoding)
         if rows >= self.config.disable_batch_size:
             return StepShape()
-        timing = self.costs is not None and self.config.schedule != "fixed"
+        timing = self.costs is not None and self.config.weighs_cost
         if timing and rows == len(seqs) and self.costs.needs_plain(record.step, rows):
             return StepShape()
         return StepShape(

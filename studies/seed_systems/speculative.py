@@ -36,6 +36,7 @@ SETTINGS: dict[str, dict] = {
     "ngram fixed": {"speculative": SpeculativeConfig(adaptive=False)},
     "ngram heuristic": {"speculative": SpeculativeConfig(adaptive="heuristic")},
     "ngram entropy (default)": {"speculative": SpeculativeConfig()},
+    "ngram entropy, cost not weighed": {"speculative": SpeculativeConfig(weigh_cost=False)},
     "plain, paper's layers": {"control": ControlConfig.full()},
     "ngram, paper's layers": {"speculative": SpeculativeConfig(), "control": ControlConfig.full()},
     **{
@@ -45,6 +46,7 @@ SETTINGS: dict[str, dict] = {
             (" entropy", DRAFT),
             (" fixed", replace(DRAFT, adaptive=False)),
             (" no adapter", replace(DRAFT, exit_adapter=False)),
+            (" entropy, cost not weighed", replace(DRAFT, weigh_cost=False)),
         )
     },
 }

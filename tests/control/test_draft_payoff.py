@@ -83,3 +83,12 @@ def test_the_law_times_a_plain_step_and_rests_a_sequence_whose_drafts_do_not_pay
     seq.speculation.record(config, drafted=4, accepted=0, cost=0.8, output_tokens=3)
     lengths = shaper.shape(ControlRecord.build(3, (seq,), ()), [seq]).draft_lengths
     assert lengths == ((4,) if fixed else (0,))  # the fixed schedule, a reference, never rests
+
+
+def test_with_cost_not_weighed_the_law_never_asks_for_a_plain_step():
+    config = SpeculativeConfig(weigh_cost=False)
+    assert not config.weighs_cost and SpeculativeConfig().weighs_cost
+    assert not SpeculativeConfig(adaptive=False).weighs_cost
+    seq = Decoding(SpeculationState())
+    shaper = SpeculativeShaper(config, DraftCosts())
+    assert shaper.shape(ControlRecord.build(1, (seq,), ()), [seq]).draft_lengths == (4,)

@@ -87,7 +87,9 @@ class Speculator:
         if rows == len(batch.seqs):
             drafted = sum(len(batch.drafts[i]) for i in range(rows))
             self.costs.observe(step, rows, drafted, time.perf_counter() - self.started)
-        cost = None if self.costs.per_draft is None else self.costs.per_draft * rows
+        cost = None
+        if self.config.weighs_cost and self.costs.per_draft is not None:
+            cost = self.costs.per_draft * rows
         for index, accepted, count in zip(
             batch.sampled, emitted.accepted, emitted.counts, strict=True
         ):
