@@ -20,6 +20,8 @@ $(VENV)/.runtime: pyproject.toml
 	# kernels it does not need here (the engine's own GPU kernel uses the Triton that CUDA
 	# builds of torch bring; the tests install it to run that kernel in its interpreter).
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+	# The native kernels, compiled for this CPU here rather than in the first request.
+	$(VENV)/bin/etinfer kernels
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime

@@ -188,6 +188,23 @@ def list_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_kernels(args: argparse.Namespace) -> int:
+    """Build the native kernels for this CPU now, as the set-up does, so that the first
+    request does not wait for the compiler (built once per CPU and source; later calls find
+    them in the cache)."""
+    from etinfer.model import native_kernels, quant_kernels
+
+    started = time.perf_counter()
+    built = {
+        "attention and cache": native_kernels.library(),
+        "weight blocks": quant_kernels.library(),
+    }
+    for part, library in built.items():
+        print(f"{part}: {'not built (see the log above)' if library is None else library._name}")
+    print(f"ready in {time.perf_counter() - started:.1f} s")
+    return 0 if all(library is not None for library in built.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etinfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_command(commands)
     models = commands.add_parser("models", help="the models known by name, and which are installed")
     models.set_defaults(func=list_models)
+    kernels = commands.add_parser("kernels", help="build the native kernels for this CPU now")
+    kernels.set_defaults(func=build_kernels)
 
     from etinfer import calibrate
     from etinfer.bench import add_bench_commands

@@ -100,16 +100,31 @@ def _build(compiler: str, sources: list[Path], flags: list[str]) -> Path:
     with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run(
-            [compiler, *flags, "-o", str(partial), *map(str, sources), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        with tempfile.TemporaryDirectory(dir=cache) as work:
+            # Each source compiled at once in a process of its own, then linked: the first run
+            # on a fresh machine waits for the slowest file, not for all of them in turn.
+            objects = [Path(work) / f"{source.stem}.o" for source in sources]
+            _run_all(
+                [compiler, *flags, "-c", "-o", str(obj), str(source)]
+                for source, obj in zip(sources, objects, strict=True)
+            )
+            _run_all([[compiler, *flags, "-o", str(partial), *map(str, objects), "-lm"]])
         os.replace(partial, library)
     finally:
         partial.unlink(missing_ok=True)
     return library
+
+
+def _run_all(commands) -> None:
+    """Run ``commands`` side by side; raise CalledProcessError for the first that failed."""
+    running = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    said = [process.communicate() for process in running]
+    for process, (out, err) in zip(running, said, strict=True):
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
 
 
 class NoCompiler(RuntimeError):

@@ -61,7 +61,7 @@ _NEEDS = {"avx2", "fma", "f16c"}
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     if os.environ.get("ETINFER_NATIVE", "1") == "0":
         return None
     flags = set(native_kernels.cpu_flags().split())
@@ -111,7 +111,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def float_activations_pay() -> bool:
@@ -177,10 +177,10 @@ class BlockWeight:
         data = data.contiguous()
         if not interleaves(qtype, out):
             return cls(qtype, data, out, in_features, False)
-        library = _library()
-        assert library is not None, "check available() first"
+        kernels = library()
+        assert kernels is not None, "check available() first"
         repacked = torch.empty_like(data)
-        library.repack8(int(qtype), data.data_ptr(), out, blocks, repacked.data_ptr())
+        kernels.repack8(int(qtype), data.data_ptr(), out, blocks, repacked.data_ptr())
         return cls(qtype, repacked, out, in_features, True)
 
     def file_rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -191,12 +191,12 @@ class BlockWeight:
         twice (elsewhere ``data`` is the file's mapping, which the kernel reads anyway)."""
         if not self.interleaved:
             return self.data[index]
-        library = _library()
-        assert library is not None, "an interleaved weight was prepared by the library"
+        kernels = library()
+        assert kernels is not None, "an interleaved weight was prepared by the library"
         index = index.to(torch.int64).contiguous()
         rows = torch.empty(index.shape[0], self.data.shape[1], dtype=torch.uint8)
         blocks = self.in_features // GGML_QUANT_SIZES[self.qtype][0]
-        status = library.unpack8_rows(
+        status = kernels.unpack8_rows(
             int(self.qtype), self.data.data_ptr(), self.out_features, blocks, index.data_ptr(),
             index.shape[0], rows.data_ptr(),
         )  # fmt: skip
@@ -232,8 +232,8 @@ class BlockProduct:
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        library = _library()
-        assert library is not None, "check available() first"
+        kernels = library()
+        assert kernels is not None, "check available() first"
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         rows, k = x.shape
@@ -243,9 +243,9 @@ class BlockProduct:
         common = (self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
                   torch.get_num_threads())  # fmt: skip
         if self.float_activations:
-            status = library.float_linear(*common)
+            status = kernels.float_linear(*common)
         else:
-            status = library.block_linear(*common, self.precise)
+            status = kernels.block_linear(*common, self.precise)
         if status == -3:
             kept = "block sums" if self.float_activations else "quantized activations"
             raise MemoryError(f"no memory for {rows} rows of {kept}")

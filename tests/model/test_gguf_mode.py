@@ -58,14 +58,14 @@ def test_without_the_kernels_gguf_mode_says_so_once_and_runs_as_auto(
     monkeypatch.setenv("ETINFER_NATIVE", "0")
     # Both libraries are looked up once a process: forgotten here on both sides, so that the
     # tests after this one find them whichever ran first.
-    quant_kernels._library.cache_clear()
+    quant_kernels.library.cache_clear()
     native_kernels.library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="etinfer.model"):
             llm = LLM(loaded_model, quantization="gguf", num_kvcache_blocks=16)
     finally:
         monkeypatch.undo()
-        quant_kernels._library.cache_clear()
+        quant_kernels.library.cache_clear()
         native_kernels.library.cache_clear()
     said = [r.getMessage() for r in caplog.records if "block kernels" in r.getMessage()]
     assert len(said) == 1 and "run as in 'auto'" in said[0]

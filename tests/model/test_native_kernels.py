@@ -1,6 +1,9 @@
 """The native decode-attention kernel against the torch operations it replaces, and the
 properties the engine rests on: each row computed independently of the others, bit for bit."""
 
+import ctypes
+import subprocess
+
 import pytest
 import torch
 
@@ -24,6 +27,31 @@ def test_the_kernels_build_where_a_compiler_is():
     """A compiler that cannot build them (a source error) fails here, instead of every kernel
     test skipping and the engine quietly taking its torch paths."""
     assert native_kernels.available()
+
+
+def test_a_source_that_does_not_compile_fails_the_build_with_the_compilers_words(tmp_path):
+    """Sources compile side by side: one that fails among good ones still fails the build,
+    with what the compiler said, and leaves no library behind."""
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int one(void) { return 1; }\n")
+    bad.write_text("int two(void) { return missing; }\n")
+    cache = tmp_path / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            native_kernels.build_library([good, bad], ["-march=native"])
+        assert "missing" in failed.value.stderr
+        assert not list((cache / "etinfer" / "native").glob("*.so"))
+        library = ctypes.CDLL(str(native_kernels.build_library([good], ["-march=native"])))
+        assert library.one() == 1
+
+
+def test_the_kernels_command_builds_both_libraries(capsys):
+    from etinfer.cli import main
+
+    assert main(["kernels"]) == 0
+    said = capsys.readouterr().out
+    assert "attention and cache: /" in said and "weight blocks: /" in said
 
 
 HEADS, KV_HEADS, BLOCK, SLOTS_BLOCKS = 12, 4, 16, 96
