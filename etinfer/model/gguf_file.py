@@ -15,12 +15,14 @@ from gguf import GGMLQuantizationType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from etinfer.model import sentencepiece
 from etinfer.model.config import ModelConfig
 from etinfer.model.gguf_reader import GGUFFile, GGUFTensor
 from etinfer.model.hf_folder import split_fused
 from etinfer.model.quantized import GGUFBlocks, Weight
 from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer, llama_tokenizer
 from etinfer.model.tokenizer import Tokenizer
+from etinfer.model.tokenizer_cache import cached_tokenizer
 
 # GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
 # model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
@@ -233,14 +235,25 @@ def _unpermute_rotary_rows(weight: Weight, heads: int) -> Weight:
     return replace(weight, order=order) if isinstance(weight, GGUFBlocks) else weight[order]
 
 
+# What rebuilds a SentencePiece vocabulary: a kept tokenizer is of this source's build.
+SENTENCEPIECE = Path(sentencepiece.__file__)
+
+
 def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [])
     if kind == "llama" and arch in ("gemma2", "gemma3"):  # SentencePiece BPE, Gemma's spelling
-        backend = gemma_tokenizer(tokens, types)
+        backend = cached_tokenizer(
+            (arch, tokens, types), [SENTENCEPIECE], lambda: gemma_tokenizer(tokens, types)
+        )
     elif kind == "llama" and arch == "phi3":  # SentencePiece BPE, Llama 2's
-        backend = llama_tokenizer(tokens, meta["tokenizer.ggml.scores"], types)
+        scores = meta["tokenizer.ggml.scores"]
+        backend = cached_tokenizer(
+            (arch, tokens, scores, types),
+            [SENTENCEPIECE],
+            lambda: llama_tokenizer(tokens, scores, types),
+        )
     elif kind == "gpt2" and (pre in _GPT2_PRE_TOKENIZERS or pre in _PRE_TOKENIZER_SPLITS):
         backend = _byte_level_tokenizer(meta, tokens, types, _PRE_TOKENIZER_SPLITS.get(pre))
     else:

@@ -3,6 +3,7 @@ tokenizer and the model against transformers reading the same file, and the file
 formats (Q5_0, Q8_0, Q4_K, Q6_K) on etinfer's kernels."""
 
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +121,17 @@ def test_the_files_formats_run_in_their_blocks_and_follow_float32(gemma, gemma_f
     # Measured 94.4 % top-1 and a mean KL of 0.0054 nat (2026-11-26).
     assert statistics.fmean(agree) >= 0.9
     assert statistics.fmean(kl) < 0.02
+
+
+def test_the_assembled_file_is_hashed_again_only_when_it_changed(gemma_path, monkeypatch):
+    from etinfer.model import catalog
+
+    locate = catalog._gemma3_file.__wrapped__  # past the per-process cache
+    assert locate() == Path(gemma_path)  # checked (or found checked) and stamped
+    calls = []
+    monkeypatch.setattr(gemma_package, "assemble", lambda: calls.append(1) or gemma_path)
+    assert locate() == Path(gemma_path) and not calls  # unchanged: not hashed again
+    stamp = Path(gemma_path).with_name(Path(gemma_path).name + ".checked")
+    stamp.write_text("0 0 another file")
+    assert locate() == Path(gemma_path) and calls == [1]
+    assert stamp.read_text() != "0 0 another file"  # stamped again after the check
