@@ -18,11 +18,12 @@ batch 1) and the gate cut drafts on chat; BENCHMARKS.md has the table.
 **Drafts only where they pay, measured as the engine runs** (adaptive schedules): whether a
 draft pays depends on the host and the model as much as on the text (an early exit of 10 of 30
 layers gained 1.33x on copying on one host and lost 0.75x on another), so the engine times its
-steps (``DraftCosts``: a plain step's seconds, and what a drafted token adds to a step, drafting
-and verifying it, in plain steps) and each sequence weighs what its drafting steps gained
+steps (``DraftCosts``: a plain step's seconds, and what each token asked of the drafter adds to
+a step, drafting and verifying it, in plain steps; an early exit that stops at its first unsure
+token has run its layers all the same) and each sequence weighs what its drafting steps gained
 (tokens accepted) against what they cost (``SpeculationState.payoff``). A sequence whose drafts
-do not pay rests from drafting for 1, 2, 4 ... 64 steps, then drafts once to measure again; the
-configured ``fixed`` schedule, a reference, always drafts.
+do not pay rests from drafting for 1, 2, 4 ... 64 steps, then drafts one token to measure
+again; the configured ``fixed`` schedule, a reference, always drafts.
 
 From ``disable_batch_size`` decoding sequences on no one drafts (vLLM's
 ``speculative_disable_by_batch_size``): a batch already shares the weight reads that verification
@@ -147,22 +148,23 @@ def running_mean(old: float | None, new: float) -> float:
 @dataclass
 class DraftCosts:
     """What drafting costs on this host and model, as the engine measures it: a decode-only
-    step's seconds without drafts, by its decoding rows (and the step it was last measured at),
-    and the seconds a drafted token adds to a step (drafting and verifying it) in such steps."""
+    step's seconds where the drafter was not asked for tokens, by its decoding rows (and the
+    step it was last measured at), and what each token asked of it adds to a step (drafting,
+    and verifying what it drafted), in plain steps."""
 
     plain_seconds: dict[int, float] = field(default_factory=dict)
     plain_measured: dict[int, int] = field(default_factory=dict)
     per_draft: float | None = None  # in plain steps; None until both kinds were timed
 
-    def observe(self, step: int, rows: int, drafted: int, seconds: float) -> None:
-        """A decode-only step ``step`` of ``rows`` sequences verified ``drafted`` tokens in
-        ``seconds`` (drafting them included)."""
+    def observe(self, step: int, rows: int, asked: int, seconds: float) -> None:
+        """A decode-only step ``step`` of ``rows`` sequences took ``seconds``, drafting
+        included, with ``asked`` tokens asked of the drafter."""
         plain = self.plain_seconds.get(rows)
-        if not drafted:
+        if not asked:
             self.plain_seconds[rows] = running_mean(plain, seconds)
             self.plain_measured[rows] = step
         elif plain is not None:
-            self.per_draft = running_mean(self.per_draft, (seconds - plain) / (drafted * plain))
+            self.per_draft = running_mean(self.per_draft, (seconds - plain) / (asked * plain))
 
     def needs_plain(self, step: int, rows: int) -> bool:
         """Whether step ``step`` of ``rows`` decoding sequences should run without drafts, to
@@ -190,16 +192,18 @@ class SpeculationState:
         accepted: int,
         cost: float | None = None,
         output_tokens: int = 0,
+        asked: int | None = None,
     ) -> None:
-        """A step verified ``drafted`` tokens and accepted ``accepted`` of them, each drafted
-        token costing ``cost`` tokens of the step (None: not measured yet); the sequence has
-        ``output_tokens`` tokens now."""
+        """A step verified ``drafted`` tokens and accepted ``accepted`` of them, after the
+        drafter was asked for ``asked`` (None: ``drafted``), each costing ``cost`` tokens of
+        the step (None: not measured yet); the sequence has ``output_tokens`` tokens now."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.draft_length = next_draft_length(config, self.draft_length, drafted, accepted)
-        if not drafted or cost is None:
+        asked = drafted if asked is None else asked
+        if not asked or cost is None:
             return
-        gain = accepted - drafted * cost
+        gain = accepted - asked * cost
         # After a rest the text may have changed (a passage to copy begins): measured afresh.
         self.payoff = gain if self.rest else running_mean(self.payoff, gain)
         if self.payoff > 0:
@@ -209,8 +213,11 @@ class SpeculationState:
             self.resume_at = output_tokens + self.rest
 
     def next_length(self, output_tokens: int) -> int | None:
-        """The length it drafts at its next step: 0 while it rests."""
-        return 0 if output_tokens < self.resume_at else self.draft_length
+        """The length it drafts at its next step: 0 while it rests, and 1 when it tries again
+        after a rest (the cheapest measure of whether drafts pay again)."""
+        if output_tokens < self.resume_at:
+            return 0
+        return 1 if self.rest else self.draft_length
 
 
 class SpeculativeShaper(StepShaper):

@@ -18,20 +18,20 @@ ENTROPY = SpeculativeConfig()
 
 def test_a_drafted_token_costs_what_it_adds_to_a_plain_step_of_the_same_size():
     costs = DraftCosts()
-    costs.observe(step=1, rows=1, drafted=4, seconds=0.020)  # no plain step to compare with yet
+    costs.observe(step=1, rows=1, asked=4, seconds=0.020)  # no plain step to compare with yet
     assert costs.per_draft is None
-    costs.observe(step=2, rows=1, drafted=0, seconds=0.010)
-    costs.observe(step=3, rows=2, drafted=0, seconds=0.030)  # another size: its own plain time
-    costs.observe(step=4, rows=1, drafted=4, seconds=0.020)
+    costs.observe(step=2, rows=1, asked=0, seconds=0.010)
+    costs.observe(step=3, rows=2, asked=0, seconds=0.030)  # another size: its own plain time
+    costs.observe(step=4, rows=1, asked=4, seconds=0.020)
     assert costs.per_draft == pytest.approx(0.25)  # 4 drafts doubled a 10 ms step
-    costs.observe(step=5, rows=1, drafted=2, seconds=0.010)  # free drafts: the estimate falls
+    costs.observe(step=5, rows=1, asked=2, seconds=0.010)  # free drafts: the estimate falls
     assert 0 < costs.per_draft < 0.25
 
 
 def test_a_plain_step_is_timed_at_each_batch_size_and_again_when_old():
     costs = DraftCosts()
     assert costs.needs_plain(step=1, rows=1)
-    costs.observe(step=1, rows=1, drafted=0, seconds=0.01)
+    costs.observe(step=1, rows=1, asked=0, seconds=0.01)
     assert not costs.needs_plain(step=2, rows=1) and costs.needs_plain(step=2, rows=2)
     assert costs.needs_plain(step=1 + PLAIN_REFRESH, rows=1)
 
@@ -78,7 +78,7 @@ def test_the_law_times_a_plain_step_and_rests_a_sequence_whose_drafts_do_not_pay
     fixed = schedule is False
     # No plain step timed yet: the adaptive schedules time one first.
     assert shaper.shape(record, [seq]).draft_lengths == ((4,) if fixed else ())
-    costs.observe(step=1, rows=1, drafted=0, seconds=0.01)
+    costs.observe(step=1, rows=1, asked=0, seconds=0.01)
     assert shaper.shape(ControlRecord.build(2, (seq,), ()), [seq]).draft_lengths == (4,)
     seq.speculation.record(config, drafted=4, accepted=0, cost=0.8, output_tokens=3)
     lengths = shaper.shape(ControlRecord.build(3, (seq,), ()), [seq]).draft_lengths
@@ -92,3 +92,10 @@ def test_with_cost_not_weighed_the_law_never_asks_for_a_plain_step():
     seq = Decoding(SpeculationState())
     shaper = SpeculativeShaper(config, DraftCosts())
     assert shaper.shape(ControlRecord.build(1, (seq,), ()), [seq]).draft_lengths == (4,)
+
+
+def test_asking_the_drafter_costs_even_where_it_drafts_nothing():
+    """An early exit that stops at its first unsure token has run its layers all the same."""
+    state = SpeculationState()
+    state.record(ENTROPY, drafted=0, accepted=0, cost=0.3, output_tokens=5, asked=4)
+    assert state.payoff < 0 and state.next_length(5) == 0

@@ -49,6 +49,9 @@ class Speculator:
         measure drafting to cost, for the law to read."""
         self.costs = costs
         self.started = 0.0  # when the step being drafted began
+        # Tokens asked of the drafter per batch index this step: what drafting cost, drafts or
+        # not (an early exit that stops at its first unsure token has run its layers anyway).
+        self.asked: dict[int, int] = {}
         self.config: SpeculativeConfig = engine.speculative
         self.drafter = f"draft:{self.config.method}"  # how token_models names accepted drafts
         self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
@@ -59,6 +62,7 @@ class Speculator:
     def draft(self, batch: ScheduledBatch, shape: StepShape) -> None:
         """Add drafts to the batch's decoding sequences, as long as ``shape`` allows."""
         self.started = time.perf_counter()
+        self.asked = {}
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.drop_finished()  # every step, drafting or not
         if not shape.draft_lengths:
@@ -75,6 +79,7 @@ class Speculator:
                 budget -= limit
         if not chosen:
             return
+        self.asked = dict(zip(chosen, limits, strict=True))
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
         for i, drafts in zip(chosen, proposals, strict=True):
             batch.add_drafts(i, drafts)
@@ -85,8 +90,8 @@ class Speculator:
         (a draft of one sequence slows the whole batch's step)."""
         rows = batch.num_decode
         if rows == len(batch.seqs):
-            drafted = sum(len(batch.drafts[i]) for i in range(rows))
-            self.costs.observe(step, rows, drafted, time.perf_counter() - self.started)
+            asked = sum(self.asked.values())
+            self.costs.observe(step, rows, asked, time.perf_counter() - self.started)
         cost = None
         if self.config.weighs_cost and self.costs.per_draft is not None:
             cost = self.costs.per_draft * rows
@@ -94,6 +99,9 @@ class Speculator:
             batch.sampled, emitted.accepted, emitted.counts, strict=True
         ):
             seq, drafted = batch.seqs[index], len(batch.drafts[index])
-            seq.speculation.record(self.config, drafted, accepted, cost, seq.num_output_tokens)
+            asked = self.asked.get(index, 0)
+            seq.speculation.record(
+                self.config, drafted, accepted, cost, seq.num_output_tokens, asked
+            )
             # Who wrote each token: the drafter's accepted ones come first, then the model's.
             seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)
