@@ -22,8 +22,9 @@ steps (``DraftCosts``: a plain step's seconds, and what each token asked of the 
 a step, drafting and verifying it, in plain steps; an early exit that stops at its first unsure
 token has run its layers all the same) and each sequence weighs what its drafting steps gained
 (tokens accepted) against what they cost (``SpeculationState.payoff``). A sequence whose drafts
-do not pay rests from drafting for 1, 2, 4 ... 64 steps, then drafts one token to measure
-again; the configured ``fixed`` schedule, a reference, always drafts.
+do not pay (by ``PAY_MARGIN`` tokens a step) rests from drafting for 1, 2, 4 ... 64 steps,
+then drafts one token to measure again, and comes back to its full length by halving its rest
+each time drafts pay; the configured ``fixed`` schedule, a reference, always drafts.
 
 From ``disable_batch_size`` decoding sequences on no one drafts (vLLM's
 ``speculative_disable_by_batch_size``): a batch already shares the weight reads that verification
@@ -50,6 +51,9 @@ DRAFT_SCHEDULES = ("entropy", "fixed", "heuristic")
 MAX_DRAFT_TOKENS = 16
 MEMORY = 0.3  # the weight of the latest measurement in the running estimates
 MAX_REST = 64  # steps: the longest a sequence whose drafts do not pay rests before drafting again
+# Tokens a drafting step must gain beyond its measured cost to count as paying: where drafts
+# only break even, the noise of timing one step decides, and a wrong guess costs (BENCHMARKS.md)
+PAY_MARGIN = 0.25
 PLAIN_REFRESH = 64  # steps: a plain step's time older than this is measured again
 
 
@@ -206,8 +210,11 @@ class SpeculationState:
         gain = accepted - asked * cost
         # After a rest the text may have changed (a passage to copy begins): measured afresh.
         self.payoff = gain if self.rest else running_mean(self.payoff, gain)
-        if self.payoff > 0:
-            self.rest = self.resume_at = 0
+        if self.payoff > PAY_MARGIN:
+            # Back by halves: a sequence whose drafts pay now and then, at a loss in between,
+            # would otherwise draft in full after every lucky one-token try.
+            self.rest //= 2
+            self.resume_at = 0
         else:
             self.rest = min(max(1, 2 * self.rest), MAX_REST)
             self.resume_at = output_tokens + self.rest

@@ -46,9 +46,16 @@ def test_drafts_that_do_not_pay_rest_for_longer_each_time_and_resume_when_they_p
         rests.append(state.rest)
         assert state.next_length(tokens) == 0 and state.next_length(tokens + state.rest) > 0
     assert rests[:4] == [1, 2, 4, 8] and max(rests) == MAX_REST
-    for tokens in range(300, 340, 10):  # a copied passage: all four accepted, a cheap draft
-        state.record(ENTROPY, drafted=4, accepted=4, cost=0.1, output_tokens=tokens)
-    assert state.payoff > 0 and state.rest == 0 and state.next_length(331) > 0
+    backing = []
+    for tokens in range(300, 380, 10):  # a copied passage: what it drafts is accepted, cheaply
+        assert state.next_length(tokens) == (1 if state.rest else state.draft_length)
+        state.record(ENTROPY, drafted=1, accepted=1, cost=0.1, output_tokens=tokens)
+        backing.append(state.rest)
+    assert backing == [32, 16, 8, 4, 2, 1, 0, 0]  # back to its full length by halves
+    assert state.payoff > 0 and state.next_length(381) == state.draft_length > 1
+    even = SpeculationState()  # drafts that only break even: within the margin, they rest
+    even.record(ENTROPY, drafted=4, accepted=1, cost=0.2, output_tokens=10)
+    assert even.payoff == pytest.approx(0.2) and even.next_length(10) == 0
 
 
 class Decoding:
