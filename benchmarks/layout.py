@@ -44,6 +44,9 @@ class Pick:
     suffix: str | None = None
     bare: bool | None = None  # the value alone: no spread, no unit
     checked: bool | None = None  # False: shown beside the claim, not held to it
+    # The kept result's name (``fidelity/2026-11-28-19b6207-passkeys-by-law.json``), where a
+    # table shows one run among newer ones of the same figures under other settings.
+    result: str | None = None
 
     def under(self, outer: Pick) -> Pick:
         """This pick, its unset fields taken from ``outer`` (labels from both, this one's first)."""
@@ -61,6 +64,7 @@ class Pick:
             and self.subject in (None, figure.subject)
             and self.unit in (None, figure.unit)
             and self.kind in (None, result.host.kind)
+            and self.result in (None, kept.name)
             and all(figure.labels.get(k) == v for k, v in self.labels.items())
         )
 

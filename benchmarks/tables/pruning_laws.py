@@ -140,6 +140,31 @@ ADDED = Table(
     ),
     BUDGET_LAWS.pick,
 )
+# The digest as the engine's scorer, in one run beside the rankings it is measured against.
+DIGEST_ARMS = (
+    ("`digest`, two spreads", "entropy (paper)", "12.5-50 %", "digest"),
+    *(
+        ("`digest`, two spreads", "fixed share", f"{s * 100:g} %", f"digest-share-{s}")
+        for s in (0.125, 0.2)
+    ),
+    *(("`bound`", "fixed share", f"{s * 100:g} %", f"bound-share-{s}") for s in (0.125, 0.2)),
+    ("`reused-mass`", "entropy (paper)", "12.5-50 %", "reused"),
+    ("`reused-mass`", "fixed share", "12.5 %", "reused-share-0.125"),
+    *(
+        ("oracle ranking", "fixed share", f"{s * 100:g} %", f"bound-share-{s} oracle")
+        for s in (0.125, 0.2)
+    ),
+)
+DIGEST = Table(
+    "pruning_digest",
+    ("ranking", "budget law", "setting"),
+    BUDGET_LAWS.columns,
+    tuple(
+        Row(row, Pick(labels={"arm": arm}), {"step": "-"} if "oracle" in arm else {})
+        for *row, arm in DIGEST_ARMS
+    ),
+    BUDGET_LAWS.pick,
+)
 GEMMA_ARMS = (
     ("`bound`, entropy law", "bound"),
     ("`bound`, a fifth", "bound-share-0.2"),
@@ -194,7 +219,27 @@ PASSKEYS_BY_LAW = Table(
         Column("real prose", figure("passkeys found", "count", workload="varied")),
     ),
     tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in PASSKEY_ARMS),
-    Pick(benchmark="fidelity", kind=AVX512),
+    Pick(
+        benchmark="fidelity", kind=AVX512, result="fidelity/2026-11-28-19b6207-passkeys-by-law.json"
+    ),
+)
+DIGEST_PASSKEYS = Table(
+    "pruning_digest_passkeys",
+    ("configuration",),
+    PASSKEYS_BY_LAW.columns,
+    tuple(
+        Row((name,), Pick(labels={"arm": arm}))
+        for name, arm in (
+            ("dense", "dense"),
+            ("`digest`, entropy law", "digest"),
+            ("`digest`, a fifth", "digest-share-0.2"),
+            ("`digest`, 12.5 % of the blocks", "digest-share-0.125"),
+            ("`reused-mass`, entropy law (default)", "reused"),
+        )
+    ),
+    Pick(
+        benchmark="fidelity", kind=AVX512, result="fidelity/2026-11-28-f6fba14-digest-passkeys.json"
+    ),
 )
 CROSSING = step_table(
     "pruning_crossing_held",
@@ -223,4 +268,13 @@ ATTENTION_ROW = Table(
         decimals=2,
     ),
 )
-TABLES = (BUDGET_LAWS, ADDED, PASSKEYS_BY_LAW, GEMMA, CROSSING, ATTENTION_ROW)
+TABLES = (
+    BUDGET_LAWS,
+    ADDED,
+    DIGEST,
+    PASSKEYS_BY_LAW,
+    DIGEST_PASSKEYS,
+    GEMMA,
+    CROSSING,
+    ATTENTION_ROW,
+)

@@ -57,6 +57,48 @@ SPEC_EXIT = Table(
     tuple(Row((e,), Pick(labels={"setting": e})) for e in EXITS),
     SPEC.under(Pick(labels={"batch": 1})),
 )
+# Each drafter with its drafts weighed against their measured cost (the default) and without.
+COST_ARMS = (
+    ("prompt lookup", "fixed length", "-", "ngram fixed"),
+    ("prompt lookup", "heuristic", "yes", "ngram heuristic"),
+    ("prompt lookup", "heuristic and entropy gate (default)", "yes", "ngram entropy (default)"),
+    ("prompt lookup", "heuristic and entropy gate", "no", "ngram entropy, cost not weighed"),
+    ("first 10 layers", "fixed length", "-", "self:10 fixed"),
+    ("first 10 layers", "heuristic and entropy gate", "yes", "self:10 entropy"),
+    ("first 10 layers", "heuristic and entropy gate", "no", "self:10 entropy, cost not weighed"),
+    ("first 22 layers", "heuristic and entropy gate", "yes", "self:22 entropy"),
+    ("first 22 layers", "heuristic and entropy gate", "no", "self:22 entropy, cost not weighed"),
+)
+# Where a setting drafted nothing in a workload, it has no acceptance.
+NO_DRAFTS = {
+    "self:10 entropy": ("copy accepted", "chat accepted"),
+    "self:22 entropy": ("chat accepted",),
+}
+SPEC_COST = Table(
+    "spec_cost_weighed",
+    ("drafter", "length", "cost weighed"),
+    tuple(
+        column
+        for w in ("copy", "chat")
+        for column in (
+            Column(w, Pick(subject="throughput", unit="x", labels={"workload": w, "vs": "plain"})),
+            Column(
+                "accepted",
+                Pick(subject="acceptance", unit="%", decimals=0, labels={"workload": w}),
+                f"{w} accepted",
+            ),
+        )
+    ),
+    tuple(
+        Row(
+            (drafter, length, weighed),
+            Pick(labels={"arm": arm}),
+            {cell: "-" for cell in NO_DRAFTS.get(arm, ())},
+        )
+        for drafter, length, weighed, arm in COST_ARMS
+    ),
+    Pick(benchmark="speculative", kind=AVX512, labels={"batch": 1}, decimals=2),
+)
 EAD = Table(
     "ead_curve",
     ("setting",),
@@ -183,6 +225,7 @@ TABLES = (
     SPEC_BATCH1,
     SPEC_BATCHES,
     SPEC_EXIT,
+    SPEC_COST,
     EAD,
     SPARSE,
     COMPRESSION,
