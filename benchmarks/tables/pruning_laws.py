@@ -250,6 +250,15 @@ CROSSING = step_table(
     ),
     HELD,
 )
+DIGEST_STEP = step_table(
+    "pruning_digest_speed",
+    (
+        ("`digest`, from any context", "digest-ungated"),
+        ("`reused-mass`, from any context", "reused-ungated"),
+        ("`digest`, the default (dense below 4,096)", "digest"),
+    ),
+    AVX512,
+)
 ATTENTION_ROW = Table(
     "pruning_table1_long",
     ("configuration", "the paper: latency / throughput / η / quality"),
@@ -276,5 +285,6 @@ TABLES = (
     DIGEST_PASSKEYS,
     GEMMA,
     CROSSING,
+    DIGEST_STEP,
     ATTENTION_ROW,
 )
