@@ -86,35 +86,15 @@ def key_bound_scores(
 ) -> torch.Tensor | None:
     """``[rows, kv_heads, group, width]``: per query head, the upper bound of ``q.k`` over each
     block's keys, as ``control.block_selection.key_bound_scores`` computes it."""
-    rows, heads, dim = query.shape
-    kv_heads, num_blocks = key_bounds.shape[:2]
-    native = _native(query, key_bounds, tables)
-    if native is None or dim % 8 or query.dtype != torch.float32:
-        return None
-    if key_bounds.dtype not in BOUND_KINDS or not key_bounds.is_contiguous():
-        return None
-    width = tables.shape[1]
-    query = query.contiguous()
-    tables = tables.to(torch.int64).contiguous()
-    out = torch.empty(rows, kv_heads, heads // kv_heads, width)
-    threads = min(torch.get_num_threads(), rows * kv_heads)
-    status = native.key_bound_scores(
-        query.data_ptr(),
-        key_bounds.data_ptr(),
-        BOUND_KINDS[key_bounds.dtype],
-        tables.data_ptr(),
-        rows,
-        kv_heads,
-        heads // kv_heads,
-        width,
-        num_blocks,
-        dim,
-        out.data_ptr(),
-        threads,
+    return _block_scores(
+        query,
+        key_bounds,
+        tables,
+        BOUND_KINDS,
+        lambda native, q, tables, sizes, out, threads: native.key_bound_scores(
+            q, key_bounds.data_ptr(), BOUND_KINDS[key_bounds.dtype], tables, *sizes, out, threads
+        ),
     )
-    if status != 0:
-        raise IndexError(f"key bounds: a block id outside [0, {num_blocks}) in {tables}")
-    return out
 
 
 def key_digest_scores(
@@ -126,35 +106,36 @@ def key_digest_scores(
 ) -> torch.Tensor | None:
     """``[rows, kv_heads, group, width]``: per query head, each block's ``q.mu + spread *
     ||q * sigma||``, as ``control.block_scores.key_digest_scores`` computes it."""
+    tokens = tokens.to(torch.int64).contiguous()
+    return _block_scores(
+        query,
+        key_moments,
+        tables,
+        {torch.float32},
+        lambda native, q, tables, sizes, out, threads: native.key_digest_scores(
+            q, key_moments.data_ptr(), tables, tokens.data_ptr(), *sizes, spread, out, threads
+        ),
+    )
+
+
+def _block_scores(query, summary, tables, kinds, call) -> torch.Tensor | None:
+    """What the block scorers share: None where the native form does not apply (another
+    device, a head size not a multiple of 8, a summary of another type or layout); else ``out``
+    [rows, kv_heads, group, width] as ``call(native, query, tables, sizes, out, threads)`` fills
+    it, given the pointers and ``sizes`` (rows, kv_heads, group, width, num_blocks, dim)."""
     rows, heads, dim = query.shape
-    kv_heads, num_blocks = key_moments.shape[:2]
-    native = _native(query, key_moments, tables)
+    kv_heads, num_blocks = summary.shape[:2]
+    native = _native(query, summary, tables)
     if native is None or dim % 8 or query.dtype != torch.float32:
         return None
-    if key_moments.dtype != torch.float32 or not key_moments.is_contiguous():
+    if summary.dtype not in kinds or not summary.is_contiguous():
         return None
-    width = tables.shape[1]
-    query = query.contiguous()
-    tables = tables.to(torch.int64).contiguous()
-    tokens = tokens.to(torch.int64).contiguous()
+    query, tables = query.contiguous(), tables.to(torch.int64).contiguous()
+    width, threads = tables.shape[1], min(torch.get_num_threads(), rows * kv_heads)
     out = torch.empty(rows, kv_heads, heads // kv_heads, width)
-    status = native.key_digest_scores(
-        query.data_ptr(),
-        key_moments.data_ptr(),
-        tables.data_ptr(),
-        tokens.data_ptr(),
-        rows,
-        kv_heads,
-        heads // kv_heads,
-        width,
-        num_blocks,
-        dim,
-        spread,
-        out.data_ptr(),
-        min(torch.get_num_threads(), rows * kv_heads),
-    )
-    if status != 0:
-        raise IndexError(f"key digest: a block id outside [0, {num_blocks}) in {tables}")
+    sizes = (rows, kv_heads, heads // kv_heads, width, num_blocks, dim)
+    if call(native, query.data_ptr(), tables.data_ptr(), sizes, out.data_ptr(), threads) != 0:
+        raise IndexError(f"block scores: a block id outside [0, {num_blocks}) in {tables}")
     return out
 
 

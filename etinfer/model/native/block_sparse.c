@@ -66,81 +66,95 @@ int64_t decode_pattern(const int64_t *tables, const int64_t *lens, const uint8_t
     return entries;
 }
 
-/* Upper bounds of q.k over each block's keys, per query head: out [rows, kv_heads, group,
- * width] = sum_c max(q_c M_c, q_c m_c), with M and m the block's per-channel key maxima and
- * minima, bounds [kv_heads, num_blocks, 2, dim] (maxima first) of `kind` (float32, or the
- * 16-bit type of a cache that stores its keys so). q is [rows, kv_heads * group, dim]; `dim` a
- * multiple of 8. Every table entry is scored, padding included, as the torch form
- * does. Parallel over (row, KV head) pairs; returns -1 (nothing written) for a block id outside
- * [0, num_blocks), or a kind it does not read. */
-int key_bound_scores(const float *q, const void *bounds, int kind, const int64_t *tables,
-                     int64_t rows, int64_t kv_heads, int64_t group, int64_t width,
-                     int64_t num_blocks, int64_t dim, float *out, int64_t threads) {
-    if (kind != KV_FLOAT32 && kind != KV_FLOAT16 && kind != KV_BFLOAT16) return -1;
-    for (int64_t i = 0; i < rows * width; ++i)
-        if (tables[i] < 0 || tables[i] >= num_blocks) return -1;
+/* Whether every one of the n block ids lies in [0, num_blocks). */
+static int tables_inside(const int64_t *tables, int64_t n, int64_t num_blocks) {
+    for (int64_t i = 0; i < n; ++i)
+        if (tables[i] < 0 || tables[i] >= num_blocks) return 0;
+    return 1;
+}
+
+/* The key-bound score of one block for one query head: sum_c max(q_c M_c, q_c m_c), with the
+ * block's maxima M at bounds[top] and minima m dim after them, of `kind`. */
+static inline float bound_score(const float *query, const void *bounds, int kind, int64_t top,
+                                int64_t dim) {
+    v8 acc = {0};
+    for (int64_t c = 0; c < dim; c += 8) {
+        const v8 x = load8(query + c);
+        const v8 a = x * load_kv(bounds, top + c, kind);
+        const v8 z = x * load_kv(bounds, top + dim + c, kind);
+        const v8i more = a > z;
+        acc += (v8)((more & (v8i)a) | (~more & (v8i)z));
+    }
+    return lane_sum(acc);
+}
+
+/* The digest score of one block for one query head: q.mu + spread * ||q * sigma||, from the
+ * block's sums of keys and (dim after them) of their squares, over `count` keys. */
+static inline float digest_score(const float *query, const float *sums, int64_t count,
+                                 float spread, int64_t dim) {
+    const float inverse = 1.0f / (float)(count > 0 ? count : 1);
+    const v8 zero = {0};
+    v8 centre = {0}, reach = {0};
+    for (int64_t c = 0; c < dim; c += 8) {
+        const v8 x = load8(query + c);
+        const v8 mean = load8(sums + c) * inverse;
+        v8 variance = load8(sums + dim + c) * inverse - mean * mean;
+        variance = (v8)((v8i)variance & (variance > zero));  // rounding: never below 0
+        centre += x * mean;
+        reach += x * x * variance;
+    }
+    return lane_sum(centre) + spread * sqrtf(lane_sum(reach));
+}
+
+/* Every table entry's score per query head, out [rows, kv_heads, group, width]: by key bounds
+ * (moments NULL) or by key digest. q is [rows, kv_heads * group, dim]; `dim` a multiple of 8.
+ * Every table entry is scored, padding included, as the torch forms do. Parallel over (row, KV
+ * head) pairs; -1 (nothing written) for a block id outside [0, num_blocks). */
+static int score_blocks(const float *q, const void *bounds, int kind, const float *moments,
+                        const int64_t *tokens, float spread, const int64_t *tables, int64_t rows,
+                        int64_t kv_heads, int64_t group, int64_t width, int64_t num_blocks,
+                        int64_t dim, float *out, int64_t threads) {
+    if (!tables_inside(tables, rows * width, num_blocks)) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
         const int64_t r = pair / kv_heads, h = pair % kv_heads;
         const float *queries = q + pair * group * dim;
         float *scores = out + pair * group * width;
         for (int64_t b = 0; b < width; ++b) {
-            const int64_t top = (h * num_blocks + tables[r * width + b]) * 2 * dim, bottom = top + dim;
+            const int64_t at = (h * num_blocks + tables[r * width + b]) * 2 * dim;
             for (int64_t j = 0; j < group; ++j) {
                 const float *query = queries + j * dim;
-                v8 acc = {0};
-                for (int64_t c = 0; c < dim; c += 8) {
-                    const v8 x = load8(query + c);
-                    const v8 a = x * load_kv(bounds, top + c, kind);
-                    const v8 z = x * load_kv(bounds, bottom + c, kind);
-                    const v8i more = a > z;
-                    acc += (v8)((more & (v8i)a) | (~more & (v8i)z));
-                }
-                scores[j * width + b] = lane_sum(acc);
+                scores[j * width + b] =
+                    moments ? digest_score(query, moments + at, tokens[r * width + b], spread, dim)
+                            : bound_score(query, bounds, kind, at, dim);
             }
         }
     }
     return 0;
 }
 
-/* Each block's digest score per query head: out [rows, kv_heads, group, width] =
- * q.mu + spread * ||q * sigma||, with mu and sigma^2 the per-channel mean and variance of the
- * block's keys, from moments [kv_heads, num_blocks, 2, dim] (float32: the sums of the keys, then
- * of their squares) and tokens [rows, width] (keys in each table entry; none: counted as one).
- * The same walk over the tables as key_bound_scores, and as many bytes read a block. */
+/* Upper bounds of q.k over each block's keys, per query head, with M and m the block's
+ * per-channel key maxima and minima, bounds [kv_heads, num_blocks, 2, dim] (maxima first) of
+ * `kind` (float32, or the 16-bit type of a cache that stores its keys so); -1 also for a kind
+ * it does not read. */
+int key_bound_scores(const float *q, const void *bounds, int kind, const int64_t *tables,
+                     int64_t rows, int64_t kv_heads, int64_t group, int64_t width,
+                     int64_t num_blocks, int64_t dim, float *out, int64_t threads) {
+    if (kind != KV_FLOAT32 && kind != KV_FLOAT16 && kind != KV_BFLOAT16) return -1;
+    return score_blocks(q, bounds, kind, NULL, NULL, 0.0f, tables, rows, kv_heads, group, width,
+                        num_blocks, dim, out, threads);
+}
+
+/* Each block's digest score per query head, q.mu + spread * ||q * sigma|| with mu and sigma^2
+ * the per-channel mean and variance of its keys, from moments [kv_heads, num_blocks, 2, dim]
+ * (float32: the sums of the keys, then of their squares) and tokens [rows, width] (keys in each
+ * table entry; none: counted as one). The walk and the bytes of key_bound_scores. */
 int key_digest_scores(const float *q, const float *moments, const int64_t *tables,
                       const int64_t *tokens, int64_t rows, int64_t kv_heads, int64_t group,
                       int64_t width, int64_t num_blocks, int64_t dim, float spread, float *out,
                       int64_t threads) {
-    for (int64_t i = 0; i < rows * width; ++i)
-        if (tables[i] < 0 || tables[i] >= num_blocks) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
-        const int64_t r = pair / kv_heads, h = pair % kv_heads;
-        const float *queries = q + pair * group * dim;
-        float *scores = out + pair * group * width;
-        const v8 zero = {0};
-        for (int64_t b = 0; b < width; ++b) {
-            const float *sums = moments + (h * num_blocks + tables[r * width + b]) * 2 * dim;
-            const float *squares = sums + dim;
-            const int64_t count = tokens[r * width + b];
-            const float inverse = 1.0f / (float)(count > 0 ? count : 1);
-            for (int64_t j = 0; j < group; ++j) {
-                const float *query = queries + j * dim;
-                v8 centre = {0}, reach = {0};
-                for (int64_t c = 0; c < dim; c += 8) {
-                    const v8 x = load8(query + c);
-                    const v8 mean = load8(sums + c) * inverse;
-                    v8 variance = load8(squares + c) * inverse - mean * mean;
-                    variance = (v8)((v8i)variance & (variance > zero));  // rounding: never < 0
-                    centre += x * mean;
-                    reach += x * x * variance;
-                }
-                scores[j * width + b] = lane_sum(centre) + spread * sqrtf(lane_sum(reach));
-            }
-        }
-    }
-    return 0;
+    return score_blocks(q, NULL, KV_FLOAT32, moments, tokens, spread, tables, rows, kv_heads,
+                        group, width, num_blocks, dim, out, threads);
 }
 
 /* The index of the k-th largest of values[0, n) once they are partially ordered around it
