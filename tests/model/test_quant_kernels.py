@@ -37,7 +37,7 @@ def build(request, monkeypatch):
     """The quantized kernels as an AVX2 host would build them (and this host), in place of the
     engine's build: a row's bits must not depend on the call in any of them."""
     library = built_for(request.param, quant_kernels.compiled)
-    monkeypatch.setattr(quant_kernels, "_library", lambda: library)
+    monkeypatch.setattr(quant_kernels, "library", lambda: library)
     return request.param
 
 
@@ -221,7 +221,7 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(tmp_path, m
     with caplog.at_level("WARNING", logger="etinfer.model"):
         library = quant_kernels.compiled(native_kernels.target())
     assert "without OpenMP" in caplog.text and "no omp" in caplog.text
-    monkeypatch.setattr(quant_kernels, "_library", lambda: library)
+    monkeypatch.setattr(quant_kernels, "library", lambda: library)
     assert torch.equal(quant_kernels.BlockProduct([weight])(x), expected)
 
 
