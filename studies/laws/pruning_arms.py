@@ -26,6 +26,7 @@ class Rankings:
     fixed_sketches: tuple[int, ...] = ()  # ... by that many channels fixed per layer and head
     head_roles: tuple[float, ...] = ()  # reused-mass: that share of KV heads read every block
     own_bounds: tuple[float, ...] = ()  # ... and each layer keeps that share by its key bounds
+    own_digests: tuple[float, ...] = ()  # ... or by its key digest (two spreads)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Rankings:
@@ -45,6 +46,8 @@ LIST_OPTIONS = (
     ("--own-bounds", "own_bounds", float,
      "fidelity also with this share of blocks ranked by each layer's own key bounds added, "
      "for each reused-mass configuration"),
+    ("--own-digests", "own_digests", float,
+     "...and with this share ranked by each layer's own key digest (two spreads)"),
 )  # fmt: skip
 
 
@@ -84,6 +87,10 @@ def arms(
         runs += [
             (f"{name} own-bounds-{share}", config, OwnBoundsSelector(config, share, full))
             for share in rankings.own_bounds
+        ]
+        runs += [
+            (f"{name} own-digest-{share}", config, OwnBoundsSelector(config, share, full, 2.0))
+            for share in rankings.own_digests
         ]
         if rankings.head_roles:
             missed = calibrated(llm, config, calibration_text, context, steps)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from etinfer.bench.common.fidelity import forced_log_probs
-from etinfer.control.block_scores import key_bound_scores
+from etinfer.control.block_scores import key_bound_scores, key_digest_scores
 from etinfer.control.block_selection import EntropicSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
@@ -61,19 +61,31 @@ class MissedMass(EntropicSelector):
 
 class OwnBoundsSelector(EntropicSelector):
     """The entropic selector (reused masses), and in each pruned layer the ``share`` of the
-    row's blocks each KV head ranks best by its key bounds."""
+    row's blocks each KV head ranks best by its key bounds (by its key digest at ``spread``
+    spreads, where given)."""
 
-    def __init__(self, config: PruningConfig, share: float, full_layers: list[int]) -> None:
+    def __init__(
+        self,
+        config: PruningConfig,
+        share: float,
+        full_layers: list[int],
+        spread: float | None = None,
+    ) -> None:
         super().__init__(config, full_layers=full_layers)
         self.share = share
+        self.spread = spread
 
     def select(self, layer, query, blocks, summaries) -> Selection | None:
         selection = super().select(layer, query, blocks, summaries)
         if selection is None:  # a dense layer, or a selection layer
             return selection
-        bounds = key_bound_scores(query, summaries, blocks.block_tables).amax(2)
+        if self.spread is None:
+            estimates = key_bound_scores(query, summaries, blocks.block_tables)
+        else:
+            estimates = key_digest_scores(query, summaries, blocks, self.spread)
+        ranked = estimates.amax(2)
         budgets = (blocks.present.sum(1) * self.share).ceil().long()
-        own = self.keep_best(bounds, blocks, budgets[:, None].expand(-1, bounds.shape[1]))
+        own = self.keep_best(ranked, blocks, budgets[:, None].expand(-1, ranked.shape[1]))
         return Selection(selection.mask | own)
 
 

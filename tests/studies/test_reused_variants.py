@@ -1,6 +1,7 @@
 """The pruning study's additions to reused masses (per-head roles, each layer's own key bounds)
 and the calibration of roles (mechanics on a random cache, no model)."""
 
+import pytest
 import torch
 
 from etinfer.control.block_budgets import PruningConfig
@@ -48,11 +49,15 @@ def test_retrieval_heads_read_every_block_and_the_others_keep_the_reused_choice(
     assert not torch.equal(reused[:, 0], blocks.present)  # the roles changed something
 
 
-def test_own_bounds_add_each_heads_best_blocks_to_the_reused_choice():
+@pytest.mark.parametrize("spread", [None, 2.0])  # the key bounds, or the key digest
+def test_own_rankings_add_each_heads_best_blocks_to_the_reused_choice(spread):
     cache, tables, query, reused, blocks = case()
-    some, _ = pruned_layer_mask(OwnBoundsSelector(CONFIG, 0.2, [0, 1]), cache, tables, query)
+    own = OwnBoundsSelector(CONFIG, 0.2, [0, 1], spread)
+    some, _ = pruned_layer_mask(own, cache, tables, query)
     assert torch.equal(some & reused, reused) and (some.sum() > reused.sum())
-    every, _ = pruned_layer_mask(OwnBoundsSelector(CONFIG, 1.0, [0, 1]), cache, tables, query)
+    every, _ = pruned_layer_mask(
+        OwnBoundsSelector(CONFIG, 1.0, [0, 1], spread), cache, tables, query
+    )
     assert torch.equal(every, blocks.present[:, None].expand_as(every))
 
 
