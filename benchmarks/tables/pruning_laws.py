@@ -165,6 +165,23 @@ DIGEST = Table(
     ),
     BUDGET_LAWS.pick,
 )
+OWN_DIGEST = Table(
+    "pruning_own_digest",
+    ("blocks kept by reused masses", "added"),
+    BUDGET_LAWS.columns,
+    tuple(
+        Row((f"{s * 100:g} %", added), Pick(labels={"arm": f"reused-share-{s}{suffix}"}))
+        for s in (0.08, 0.125)
+        for added, suffix in (
+            ("-", ""),
+            ("5 % of blocks by own key bounds", " own-bounds-0.05"),
+            ("10 % of blocks by own key bounds", " own-bounds-0.1"),
+            ("5 % of blocks by own key digest", " own-digest-0.05"),
+            ("10 % of blocks by own key digest", " own-digest-0.1"),
+        )
+    ),
+    BUDGET_LAWS.pick,
+)
 GEMMA_ARMS = (
     ("`bound`, entropy law", "bound"),
     ("`bound`, a fifth", "bound-share-0.2"),
@@ -283,6 +300,7 @@ TABLES = (
     DIGEST,
     PASSKEYS_BY_LAW,
     DIGEST_PASSKEYS,
+    OWN_DIGEST,
     GEMMA,
     CROSSING,
     DIGEST_STEP,
