@@ -121,6 +121,8 @@ class EntropicSelector(BlockSelector):
         whole context (the others slide over a window and are never pruned), where the
         reused-mass scorer's selection layers must lie."""
         self.config = config = config or PruningConfig()
+        # Only the digest reads them: the other scorers' caches skip their upkeep at every write.
+        self.needs_moments = config.scorer == "digest"
         self.observes_mass = config.scorer in ("mass", "reused-mass")
         self.scale = scale
         self.selection_layers: tuple[int, ...] = ()

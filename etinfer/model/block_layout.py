@@ -76,6 +76,7 @@ class AttentionSelector(ABC):
     """The per-layer hook: which blocks each decoding sequence's attention reads."""
 
     needs_summaries = False  # the cache keeps key bounds and masses per block for it
+    needs_moments = False  # ...and the sums of each block's keys and of their squares
     observes_mass = False  # attention records each attended block's mass for it
     # It never narrows attention (a decode step may then be a captured CUDA graph).
     reads_everything = False

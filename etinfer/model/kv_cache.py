@@ -59,9 +59,9 @@ class KVCache:
     costs nothing beside the bandwidth it saves. Attention reads every key and value as stored,
     prefill's fresh ones too (``as_stored``), so a token's result does not depend on whether its
     context came from this step or the cache. With ``summaries`` it also keeps per block and KV
-    head the key bounds and moments (of the stored keys), the value sums and the last attention
-    mass, five vectors a block beside the 32 of a float32 cache's keys and values at a block size
-    of 16.
+    head the key bounds (of the stored keys), the value sums and the last attention mass, three
+    vectors a block beside the 32 of a float32 cache's keys and values at a block size of 16;
+    with ``moments`` (the digest scorer's) also the sums of the stored keys and of their squares.
     """
 
     compute_dtype = torch.float32
@@ -76,6 +76,7 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         summaries: bool = False,
+        moments: bool = False,
     ) -> None:
         if dtype not in native_kernels.KV_KINDS:
             raise ValueError(f"a KV cache of {dtype}: it stores {list(native_kernels.KV_KINDS)}")
@@ -110,9 +111,10 @@ class KVCache:
             self.value_sums = torch.empty(
                 (*per_block, head_dim), device=device, dtype=summary_dtype
             )
-            self.key_moments = torch.empty(
-                (*per_block, 2, head_dim), device=device, dtype=summary_dtype
-            )
+            if moments:  # the digest scorer's alone
+                self.key_moments = torch.empty(
+                    (*per_block, 2, head_dim), device=device, dtype=summary_dtype
+                )
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -173,7 +175,7 @@ class KVCache:
             self.key_bounds[layer],
             self.mass[layer],
             self.value_sums[layer],
-            key_moments=self.key_moments[layer],
+            key_moments=None if self.key_moments is None else self.key_moments[layer],
             layer_masses=self.mass,
         )
 
@@ -226,10 +228,12 @@ class KVCache:
             key_min.index_fill_(1, fresh_blocks, torch.inf)
             self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
             self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
-            self.key_moments[layer].index_fill_(1, fresh_blocks, 0.0)
+            if self.key_moments is not None:
+                self.key_moments[layer].index_fill_(1, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         key_max.index_reduce_(1, blocks, keys, "amax")
         key_min.index_reduce_(1, blocks, keys, "amin")
         self.value_sums[layer].index_add_(1, blocks, values)
-        keys = keys.to(self.compute_dtype)
-        self.key_moments[layer].index_add_(1, blocks, torch.stack([keys, keys.square()], 2))
+        if self.key_moments is not None:
+            keys = keys.to(self.compute_dtype)
+            self.key_moments[layer].index_add_(1, blocks, torch.stack([keys, keys.square()], 2))

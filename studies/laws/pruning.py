@@ -158,13 +158,14 @@ def dense_layer_sweep(
 
 
 def engine(args: argparse.Namespace) -> LLM:
-    """One engine for every comparison, built with pruning on so that its cache keeps the key
-    bounds; ``set_pruning`` switches it between dense and each configuration. Its batch and pool
+    """One engine for every comparison, built with pruning by the digest so that its cache keeps
+    the key bounds and the keys' moments (every scorer's summaries); ``set_pruning`` switches it
+    between dense and each configuration. Its batch and pool
     are sized for the largest batch and context asked."""
     longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
     return LLM(
         args.model,
-        control=ControlConfig(pruning=CONFIGS["bound"]),
+        control=ControlConfig(pruning=CONFIGS["digest"]),
         max_num_seqs=max(max(args.batches), 16),
         num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
         **options.engine_kwargs(args),

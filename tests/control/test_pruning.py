@@ -29,7 +29,9 @@ def filled_cache(lengths, num_blocks=64, seed=0, chunk=3, dtype=torch.float32, l
     per sequence (so bounds grow across writes), with blocks previously used by other data;
     every layer holds the same entries."""
     gen = torch.Generator().manual_seed(seed)
-    cache = KVCache(layers, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype, True)
+    cache = KVCache(
+        layers, num_blocks, BLOCK, KV_HEADS, DIM, torch.device("cpu"), dtype, True, moments=True
+    )
     # Stale contents from an earlier owner of every block: bounds must reset on reuse.
     cache.key_bounds[..., 0, :] = 100.0  # stale maxima
     cache.key_bounds[..., 1, :] = -100.0  # stale minima

@@ -137,3 +137,13 @@ def test_fidelity_benchmark_runs_end_to_end(tmp_path):
     assert {(f["arm"], f["workload"]) for f in passkeys} == {
         (arm, haystack) for arm in ("dense", "bound") for haystack in ("repeated", "varied")
     }
+
+
+def test_only_the_digests_cache_keeps_the_keys_moments(make_llm):
+    reused = make_llm(control=ControlConfig(pruning=True)).engine
+    assert reused.runner.cache.key_moments is None  # no upkeep at every write for nothing
+    with pytest.raises(ValueError, match="keys' moments"):
+        reused.set_pruning(PruningConfig(scorer="digest"))
+    digest = make_llm(control=ControlConfig(pruning=PruningConfig(scorer="digest"))).engine
+    assert digest.runner.cache.key_moments is not None
+    digest.set_pruning(PruningConfig())  # every other scorer's summaries are kept too

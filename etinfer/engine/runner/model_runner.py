@@ -93,6 +93,7 @@ class ModelRunner:
             device,
             options.kv_cache_dtype,
             summaries=summaries,
+            moments=selector.needs_moments,
         )
         self.graphs = None
         if graphs:
@@ -122,6 +123,11 @@ class ModelRunner:
     def set_selector(self, selector: AttentionSelector) -> None:
         """Decode attention asks ``selector`` from the next step on; prefill is unaffected, so one
         prefilled context can be decoded under several (benchmarks compare them on one cache)."""
+        if selector.needs_moments and self.cache.key_moments is None:
+            raise ValueError(
+                "this selector ranks blocks by their keys' moments, which the cache does not "
+                "keep: build the engine with pruning by the digest (PruningConfig(scorer='digest'))"
+            )
         if selector.needs_summaries and self.cache.key_bounds is None:
             raise ValueError(
                 "this selector scores blocks by their summaries, which the cache does not keep: "
