@@ -43,6 +43,7 @@ class Gemma3DecoderLayer(DecoderLayer):
             kernel_input_dtype(self.gate_up),
         )
         self.post_feedforward_norm = read.norm(prefix + "post_feedforward_layernorm.weight")
+        self.fusable = False  # the native decoder computes Llama's layer, not these norms
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)

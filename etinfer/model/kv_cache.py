@@ -179,6 +179,17 @@ class KVCache:
             layer_masses=self.mass,
         )
 
+    def clear_fresh(self, fresh_blocks: torch.Tensor, layers: slice) -> None:
+        """Zero the values of blocks receiving their first token, in ``layers``. Decode reads a
+        kept block whole and gives its slots past the context zero weight; zero times a NaN left
+        in reused memory is NaN, so a block's values start at zero."""
+        per_block = (self.values.shape[1], self.num_blocks, self.block_size)
+        values = self.values[layers]
+        values.view(len(values), *per_block, -1).index_fill_(2, fresh_blocks, 0)
+        if self.value_scales is not None:
+            scales = self.value_scales[layers]
+            scales.view(len(scales), *per_block).index_fill_(2, fresh_blocks, 0.0)
+
     def write(
         self,
         layer: int,
@@ -188,12 +199,7 @@ class KVCache:
         values: torch.Tensor,
     ) -> None:
         if fresh_blocks is not None and fresh_blocks.numel():
-            # Decode reads a kept block whole and gives its slots past the context zero weight;
-            # zero times a NaN left in reused memory is NaN, so a block's values start at zero.
-            per_block = (self.values.shape[1], self.num_blocks, self.block_size)
-            self.layer_values[layer].view(*per_block, -1).index_fill_(1, fresh_blocks, 0)
-            if self.value_scales is not None:
-                self.value_scales[layer].view(per_block).index_fill_(1, fresh_blocks, 0.0)
+            self.clear_fresh(fresh_blocks, slice(layer, layer + 1))
         key_cache, value_cache = self.layer_keys[layer], self.layer_values[layer]
         key_scales = value_scales = None
         if self.key_scales is not None:

@@ -25,6 +25,7 @@ from etinfer.model.gpu.weight_only import WeightOnlyLinear
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
+from etinfer.model.native_decoder import NativeDecoder, elementwise_native, rotate_heads, silu_mul
 from etinfer.model.norm import RMSNorm
 from etinfer.model.quantized import (
     BLOCK_MODES,
@@ -37,7 +38,7 @@ from etinfer.model.quantized import (
     stack_rows,
     weight_format,
 )
-from etinfer.model.rotary import RotaryEmbedding
+from etinfer.model.rotary import RotaryEmbedding, RotaryRows
 from etinfer.model.softcap import softcap
 
 logger = logging.getLogger("etinfer.model")
@@ -144,14 +145,19 @@ class DecoderLayer:
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.intermediate = config.intermediate_size
+        # Rotation and the gated activation in C where the projections run on the block kernels
+        # (the norms are native there too); then a decode step may run the whole layer in C
+        # (``native_decoder.py``), which computes exactly this layer's stages.
+        self.native = self.input_norm.native and elementwise_native(
+            self.qkv, self.o, self.gate_up, self.down, width=self.intermediate
+        )
+        self.fusable = self.native and self.q_norm is None
 
     def __call__(
         self,
         index: int,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rope: RotaryEmbedding,
+        angles: RotaryRows,
         attention: PagedAttention,
         cache: KVCache,
         meta: AttentionMetadata,
@@ -160,32 +166,33 @@ class DecoderLayer:
         _, h = self.input_norm(x)
         # As heads: [rows, q heads + k heads + v heads, head_dim], views taken in few calls.
         qkv = self.qkv(h).to(x.dtype).view(rows, -1, self.head_dim)
-        q, k, v = self.rotate(qkv, cos, sin, rope)
+        q, k, v = self.rotate(qkv, angles)
         attended = attention(index, q, k, v, cache, meta).to(x.dtype)
         return self.feed_forward(x, self.o(attended))
 
     def rotate(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding
+        self, qkv: torch.Tensor, angles: RotaryRows
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries and keys rotated (RMS-normed per head first, where the model norms them),
-        and the values, of the projected heads."""
+        and the values, of the projected heads (``qkv``, the projection's own output)."""
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         if self.q_norm is not None:
-            q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-            q = rope.apply(F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps), cos, sin)
-            return (
-                q,
-                rope.apply(F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps), cos, sin),
-                v,
-            )
+            q, k, v = qkv.split(heads, dim=1)
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
+            return RotaryEmbedding.apply(q, angles), RotaryEmbedding.apply(k, angles), v
         qk_heads = self.num_heads + self.num_kv_heads
-        q, k = rope.apply(qkv[:, :qk_heads], cos, sin).split(
-            (self.num_heads, self.num_kv_heads), dim=1
-        )
+        if self.native:
+            rotate_heads(qkv, qk_heads, angles)
+            return qkv.split(heads, dim=1)
+        q, k = RotaryEmbedding.apply(qkv[:, :qk_heads], angles).split(heads[:2], dim=1)
         return q, k, qkv[:, qk_heads:]
 
     def feed_forward(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream after the attention's output ``attended`` and the MLP."""
         x, h = self.post_attention_norm(x, attended)
+        if self.native:
+            return x + self.down(silu_mul(self.gate_up(h)))
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -274,6 +281,9 @@ class LlamaModel:
         if family.scales_embeddings:
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.attention = attention
+        # The native decoder (``native_decoder``) of the cache it was built over.
+        self.decoder_cache: KVCache | None = None
+        self.decoder: NativeDecoder | None = None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
@@ -304,13 +314,25 @@ class LlamaModel:
         meta: AttentionMetadata,
         layers: range,
     ) -> torch.Tensor:
-        tables = [rope.tables(positions) for rope in self.ropes]
+        angles = [rope.rows(positions) for rope in self.ropes]
+        decoder = self.native_decoder(cache, meta)
+        if decoder is not None:
+            return decoder(x, angles[0], meta, layers)
         for index in layers:
-            rope = self.layer_rope[index]
-            cos, sin = tables[rope]
             layer = self.layers[index]
-            x = layer(index, x, cos, sin, self.ropes[rope], self.attention, cache, meta)
+            x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)
         return x
+
+    def native_decoder(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
+        """The native decoder over ``cache`` where this step may take it, built on first use."""
+        if not self.attention.decodes_natively(meta):
+            return None
+        if self.decoder_cache is not cache:
+            self.decoder_cache, self.decoder = cache, None
+            if NativeDecoder.takes(self.layers, cache):
+                scale = self.attention.options.scale
+                self.decoder = NativeDecoder(self.config, self.layers, cache, scale)
+        return self.decoder
 
     def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:
         """The final RMS norm; without its ``weight``, the bare normalisation."""

@@ -1,6 +1,8 @@
-"""Kernels in C (``native/kernels.c``, ``native/block_sparse.c``), compiled for this machine on
-first use and called through ctypes: decode attention, the cache write, the residual add with an
-RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py`` calls those).
+"""Kernels in C (``native/kernels.c``, ``native/block_sparse.c``, ``native/decoder.c``), compiled
+for this machine on first use and called through ctypes: decode attention, the cache write, the
+residual add with an RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py``
+calls those); rotation, the gated MLP's activation and a decode step's layers in one call
+(``native_decoder.py``).
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
@@ -29,7 +31,9 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_SOURCES = [Path(__file__).parent / "native" / name for name in ("kernels.c", "block_sparse.c")]
+_SOURCES = [
+    Path(__file__).parent / "native" / name for name in ("kernels.c", "block_sparse.c", "decoder.c")
+]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
 # one the library links), where threads started by the library fought torch's spinning ones. A
@@ -157,6 +161,14 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.key_digest_scores.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
+    library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
+    library.rotate_heads.restype = None
+    library.silu_mul.argtypes = [pointer, i64, i64, pointer]
+    library.silu_mul.restype = None
+    library.decoder_work_floats.argtypes = [pointer, i64, i64]
+    library.decoder_work_floats.restype = i64
+    library.decode_layers.argtypes = [pointer, pointer, i64, pointer]
+    library.decode_layers.restype = ctypes.c_int
     return library
 
 
@@ -269,6 +281,11 @@ def write_cache(
     return True
 
 
+def attention_threads(entries: int) -> int:
+    """The threads decode attention shares a call's ``entries`` pattern entries among."""
+    return min(torch.get_num_threads(), 1 + entries // _ENTRIES_PER_THREAD)
+
+
 def decode_attention(
     q: torch.Tensor,  # [rows, dim] float32
     keys: torch.Tensor,  # [cache rows, dim] of a KV_KINDS dtype
@@ -308,7 +325,7 @@ def decode_attention(
     out = torch.empty_like(q)
     stats = torch.empty(2, rows, dtype=torch.float32)
     weights = torch.empty(cols.shape[0], dtype=torch.float32)
-    threads = min(torch.get_num_threads(), 1 + cols.shape[0] // _ENTRIES_PER_THREAD)
+    threads = attention_threads(cols.shape[0])
     status = native.decode_attention(
         q.data_ptr(),
         keys.data_ptr(),

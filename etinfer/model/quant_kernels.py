@@ -226,7 +226,7 @@ class BlockProduct:
         self.precise = precise
         self.float_activations = float_activations
         self.out_features = sum(part.out_features for part in parts)
-        self._table = (_Part * len(parts))(
+        self.table = (_Part * len(parts))(
             *(_Part(p.qtype, p.data.data_ptr(), p.out_features, p.block_bytes, p.interleaved)
               for p in parts)
         )  # fmt: skip
@@ -240,7 +240,7 @@ class BlockProduct:
         if k != self.in_features:
             raise ValueError(f"an input of {k} for a {self.name} weight of {self.in_features}")
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        common = (self._table, len(self._table), x.data_ptr(), rows, k, out.data_ptr(),
+        common = (self.table, len(self.table), x.data_ptr(), rows, k, out.data_ptr(),
                   torch.get_num_threads())  # fmt: skip
         if self.float_activations:
             status = kernels.float_linear(*common)

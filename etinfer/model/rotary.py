@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -59,16 +61,30 @@ class RotaryEmbedding:
         )
         self.cos = freqs.cos().to(device, dtype)
         self.sin = freqs.sin().to(device, dtype)
-        self.half = config.head_dim // 2
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each row, shaped [rows, 1, head_dim] to broadcast over heads.
-        rotate_half(x) = cat(-x2, x1) = roll(x, half) with the first half negated; folding the
-        sign into the sine turns rotation into one roll and one fused multiply-add."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        cos, signed_sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
-        return cos.unsqueeze(1), signed_sin.unsqueeze(1)
+    def rows(self, positions: torch.Tensor) -> RotaryRows:
+        """The angles of each row's position, shared by the layers that use these tables."""
+        return RotaryRows(self.cos[positions], self.sin[positions])
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def apply(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
         """Rotate x [rows, heads, head_dim]."""
-        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
+        cos, sin = rows.signed
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+@dataclass
+class RotaryRows:
+    """A step's rows of the tables: the cos and sin of each row's position, [rows, head_dim / 2]
+    (what the native rotation reads)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @functools.cached_property
+    def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin, shaped [rows, 1, head_dim] to broadcast over heads, built on first
+        use. rotate_half(x) = cat(-x2, x1) = roll(x, half) with the first half negated; folding
+        the sign into the sine turns rotation into one roll and one fused multiply-add."""
+        cos, sin = self.cos, self.sin
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)

@@ -14,6 +14,7 @@ import torch
 
 from etinfer.model.attention.backend import AttentionBackend
 from etinfer.model.attention.metadata import AttentionMetadata
+from etinfer.model.attention.native_backend import NativeBackend
 from etinfer.model.attention.options import AttentionOptions
 from etinfer.model.attention.pruned_decode import PrunedDecode
 from etinfer.model.attention.registry import create_backend
@@ -50,6 +51,18 @@ class PagedAttention:
         if self.prefill_selector is not None:
             selecting = SparsePrefill(selecting, self.prefill_selector)
         self.selecting = selecting
+
+    def decodes_natively(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's decode rows attend as the native decoder computes them
+        (``native_decoder.py``): the bare C kernel over the step's one dense pattern, nothing
+        narrowed, captured or windowed per layer, no prefill rows."""
+        return (
+            isinstance(self.selecting, NativeBackend)
+            and not self.options.local_layers
+            and not meta.prefills
+            and meta.dense_pattern is not None
+            and meta.capture_rows is None
+        )
 
     def __call__(
         self,

@@ -11,7 +11,8 @@
  * rows of the call nor on how they are split among threads (batching invariance). Vectors are 8
  * floats wide, which AVX2 has; the head dimension must be a multiple of 8 (the caller checks).
  */
-#include "kv_elements.h"
+#include "kernels.h"
+#include "vector_math.h"
 
 enum { MAX_GROUP = 16, MAX_LANES = 32, MAX_THREADS = 64 };
 
@@ -42,28 +43,6 @@ typedef struct {
     float *out, *row_max, *denominators, *weights;
     int64_t first_group, end_group;
 } Job;
-
-static inline v8 blend(v8i mask, v8 yes, v8 no) {
-    return (v8)((mask & (v8i)yes) | (~mask & (v8i)no));
-}
-
-/* exp(x) for x <= 0 (-inf included), within about 2 ulp of expf: x = n ln2 + r with |r| <= ln2/2,
- * exp(r) by Cephes' degree-7 expansion, 2^n put into the exponent bits. Below -87 the result
- * would leave float's normal range and is 0. */
-static inline v8 exp8(v8 x) {
-    const v8i underflow = x < -87.0f;
-    x = blend(underflow, (v8){0}, x);
-    const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return blend(underflow, (v8){0}, p * (v8)exponent);
-}
 
 #if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)

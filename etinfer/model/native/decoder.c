@@ -1,0 +1,146 @@
+/* A decode step's Llama decoder layers in one call (model/native_decoder.py builds the tables):
+ * norm, projections, rotation, cache write, attention, output projection, norm, gated MLP and
+ * both residual adds, layer after layer, with no return to Python between them. At batch 1 on
+ * the default model the layers' own arithmetic is about 60 % of a step; the rest was some 80
+ * torch and ctypes calls a layer, each a few microseconds of dispatch.
+ *
+ * Every stage is the same C the layer-by-layer path calls (kernels.c's norm, cache write and
+ * attention; the block products of quant_linear.c / quant_float.c, reached through pointers
+ * since they live in the library built only for x86-64-v3; rotate_heads and silu_mul below), in
+ * the same order: a token's result is bit for bit the same whichever path its step took, which
+ * greedy batching and recompute after preemption rest on. Each row is computed on its own.
+ */
+#include "kernels.h"
+#include "vector_math.h"
+
+typedef int (*BlockLinear)(const void *parts, int64_t count, const float *x, int64_t rows,
+                           int64_t k, float *y, int64_t threads, int64_t precise);
+typedef int (*FloatLinear)(const void *parts, int64_t count, const float *x, int64_t rows,
+                           int64_t k, float *y, int64_t threads);
+
+/* One projection as quant_kernels.BlockProduct calls it: its part table and how it multiplies. */
+typedef struct {
+    const void *parts;
+    int64_t count, precise, float_activations;
+} Product;
+
+typedef struct {
+    Product qkv, o, gate_up, down;
+    const float *qkv_bias;  // [(heads + 2 kv_heads) * head_dim], or NULL
+    const float *input_norm, *post_attention_norm;  // [hidden]
+    void *key_cache, *value_cache;  // this layer's [kv_heads, slots, head_dim]
+    float *key_scales, *value_scales;  // [kv_heads, slots] for an int8 cache, else NULL
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, kv_kind;
+    float eps, scale;
+    BlockLinear block_linear;
+    FloatLinear float_linear;
+} Shape;
+
+typedef struct {
+    float *x;  // [rows, hidden], the residual stream, updated in place
+    int64_t rows;
+    const float *cos, *sin;  // [rows, head_dim / 2], each row's angles
+    const int64_t *slots;  // [rows]
+    const int32_t *crow, *cols;  // the decode pattern (model/attention/pattern.py)
+    const uint8_t *outside;
+    int64_t nnz, threads, attention_threads;
+    float *work;  // decoder_work_floats() floats
+} Step;
+
+/* Rotate the first `heads` heads of each row in place, Hugging Face's layout (a head's two halves
+ * rotate as the pairs (x[i], x[i + half])): rows `row_stride` floats apart, cos and sin a row's
+ * half-head angles. */
+void rotate_heads(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
+                  const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+            float *first = x + r * row_stride + h * dim, *second = first + half;
+            const float *c = cos + r * half, *s = sin + r * half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = first[i], b = second[i];
+                first[i] = a * c[i] - b * s[i];
+                second[i] = b * c[i] + a * s[i];
+            }
+        }
+}
+
+/* out [rows, width] = silu(gate) * up, where gate_up [rows, 2 width] holds each row's gate then
+ * its up. silu(g) = g / (1 + exp(-g)), exp taken of -|g| only (exp8's range). `width` must be
+ * a multiple of 8. */
+void silu_mul(const float *gate_up, int64_t rows, int64_t width, float *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i += 8) {
+            const v8 g = load8(gate + i);
+            const v8i negative = g < 0.0f;
+            const v8 e = exp8(blend(negative, g, -g));  // exp(-|g|)
+            const v8 sigmoid = blend(negative, e, (v8){1, 1, 1, 1, 1, 1, 1, 1}) / (1.0f + e);
+            const v8 y = g * sigmoid * load8(up + i);
+            memcpy(out + r * width + i, &y, sizeof y);
+        }
+    }
+}
+
+static int product(const Shape *s, const Product *p, const float *x, int64_t rows, int64_t k,
+                   float *y, int64_t threads) {
+    if (p->float_activations) return s->float_linear(p->parts, p->count, x, rows, k, y, threads);
+    return s->block_linear(p->parts, p->count, x, rows, k, y, threads, p->precise);
+}
+
+/* Scratch floats a step of `rows` rows and `nnz` pattern entries needs. */
+int64_t decoder_work_floats(const Shape *s, int64_t rows, int64_t nnz) {
+    const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim, q = s->heads * s->head_dim;
+    return rows * (2 * s->hidden + width + 2 * q + 3 * s->intermediate + 2 * s->heads) + nnz;
+}
+
+/* Layers [0, count) of `layers` over the step's rows (decode rows only, one token each). Returns
+ * 0, or the first stage's nonzero status: 1000 + a product's, 2000 + the cache write's, 3000 +
+ * attention's (the layer is then half done: the caller fails the step). */
+int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step *step) {
+    const int64_t rows = step->rows, hidden = s->hidden, dim = s->head_dim;
+    const int64_t q_width = s->heads * dim, kv_width = s->kv_heads * dim;
+    const int64_t width = q_width + 2 * kv_width, inter = s->intermediate;
+    float *x = step->x, *h = step->work, *qkv = h + rows * hidden, *q = qkv + rows * width;
+    float *attended = q + rows * q_width, *gate_up = attended + rows * q_width;
+    float *act = gate_up + rows * 2 * inter, *proj = act + rows * inter;
+    float *stats = proj + rows * hidden, *weights = stats + 2 * rows * s->heads;
+    const int kind = (int)s->kv_kind;
+    for (int64_t l = 0; l < count; ++l) {
+        const Layer *layer = &layers[l];
+        residual_rms_norm(x, NULL, 0, layer->input_norm, rows, hidden, s->eps, x, h, 1);
+        int status = product(s, &layer->qkv, h, rows, hidden, qkv, step->threads);
+        if (status) return 1000 + status;
+        if (layer->qkv_bias)
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t i = 0; i < width; ++i) qkv[r * width + i] += layer->qkv_bias[i];
+        rotate_heads(qkv, rows, s->heads + s->kv_heads, dim, width, step->cos, step->sin);
+        status = write_cache(layer->key_cache, layer->value_cache, qkv + q_width,
+                             qkv + q_width + kv_width, step->slots, rows, s->kv_heads,
+                             s->num_slots, dim, width, width, kind, layer->key_scales,
+                             layer->value_scales);
+        if (status) return 2000 + status;
+        for (int64_t r = 0; r < rows; ++r)
+            memcpy(q + r * q_width, qkv + r * width, q_width * sizeof(float));
+        status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow, step->cols,
+                                  step->outside, rows * s->heads, dim, step->nnz,
+                                  s->kv_heads * s->num_slots, s->heads / s->kv_heads, s->scale,
+                                  attended, stats, stats + rows * s->heads, weights,
+                                  step->attention_threads, kind, layer->key_scales,
+                                  layer->value_scales);
+        if (status) return 3000 + status;
+        status = product(s, &layer->o, attended, rows, q_width, proj, step->threads);
+        if (status) return 1000 + status;
+        residual_rms_norm(x, proj, 1, layer->post_attention_norm, rows, hidden, s->eps, x, h, 1);
+        status = product(s, &layer->gate_up, h, rows, hidden, gate_up, step->threads);
+        if (status) return 1000 + status;
+        silu_mul(gate_up, rows, inter, act);
+        status = product(s, &layer->down, act, rows, inter, proj, step->threads);
+        if (status) return 1000 + status;
+        for (int64_t i = 0; i < rows * hidden; ++i) x[i] += proj[i];
+    }
+    return 0;
+}
