@@ -60,12 +60,13 @@ class EngineConfig:
     quantization: str = field(
         default="auto",
         metadata={
-            "help": "of the weights: auto (a GGUF keeps its own: Q4_0/Q4_1 as int4, Q8_0 as "
-            "int8, Q5_0 and K formats in their blocks), gguf (every GGUF block format in its "
-            "blocks, on etinfer's kernels with 8-bit activations), gguf-a16 (as gguf, the "
-            "activations in two 8-bit parts: closer to float, slower at batches), none (float, "
-            "dequantized at load), int8 (per row), int4 (groups of 32); on CUDA auto is none, "
-            "int4 and int8 run on the GPU's own kernel"
+            "help": "of the weights: auto (gguf where etinfer's block kernels run; else a GGUF "
+            "keeps its own: Q4_0/Q4_1 as int4, Q8_0 as int8), gguf (every GGUF block format in "
+            "its blocks, on etinfer's kernels with 8-bit activations), gguf-a16 (as gguf, the "
+            "activations in two 8-bit parts: closer to float, slower at batches), gguf-a32 (as "
+            "gguf, Q4_0/Q4_1 times float32 activations), none (float, dequantized at load), "
+            "int8 (per row), int4 (groups of 32); on CUDA auto is none, int4 and int8 run on the "
+            "GPU's own kernel"
         },
     )
     device: str = field(

@@ -32,10 +32,15 @@ def weight_forms(forms: Counter[str]) -> str:
 
 
 def startup_line(
-    config: EngineConfig, loaded: LoadedModel, forms: Counter[str], num_blocks: int
+    config: EngineConfig,
+    loaded: LoadedModel,
+    forms: Counter[str],
+    num_blocks: int,
+    one_call: bool = False,
 ) -> str:
     """An engine built with ``config`` over ``loaded``, whose weights multiply as ``forms``
-    counts and whose cache holds ``num_blocks`` blocks."""
+    counts, whose cache holds ``num_blocks`` blocks and whose decode steps run their layers in
+    ``one_call`` or layer by layer."""
     device = config.torch_device()
     where = str(device)
     if device.type == "cpu":
@@ -44,5 +49,6 @@ def startup_line(
     return (
         f"etinfer: {loaded.path.name}, {layers} layers on {where}; weights: "
         f"{weight_forms(forms)}; KV cache {kv.removeprefix('torch.')}, {num_blocks} blocks of "
-        f"{config.block_size} tokens"
+        f"{config.block_size} tokens; decode steps "
+        + ("in one native call" if one_call else "layer by layer")
     )

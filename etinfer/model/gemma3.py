@@ -25,6 +25,7 @@ from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
 from etinfer.model.linear import kernel_input_dtype
 from etinfer.model.llama import DecoderLayer, WeightReader
+from etinfer.model.native_decoder import gated_activation, norm_rows
 from etinfer.model.norm import RMSNorm
 
 
@@ -43,17 +44,31 @@ class Gemma3DecoderLayer(DecoderLayer):
             kernel_input_dtype(self.gate_up),
         )
         self.post_feedforward_norm = read.norm(prefix + "post_feedforward_layernorm.weight")
-        self.fusable = False  # the native decoder computes Llama's layer, not these norms
+
+    activation = "gelu_tanh"
+
+    def native_roles(self) -> dict[str, torch.Tensor]:
+        return self.head_norm_roles() | {
+            "input_norm": self.input_norm.weight,
+            "mlp_norm": self.pre_feedforward_norm.weight,
+            "attention_out_norm": self.post_attention_norm,
+            "mlp_out_norm": self.post_feedforward_norm,
+        }
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return norm_rows(x, weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def feed_forward(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Both halves' outputs normed again before their residual adds; a GELU-tanh MLP."""
         attended = self._rms(attended.to(x.dtype), self.post_attention_norm)
         x, h = self.pre_feedforward_norm(attended, x)
-        gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
-        out = self.down(F.gelu(gate, approximate="tanh") * up)
+        if self.native:
+            out = self.down(gated_activation(self.gate_up(h), self.activation))
+        else:
+            gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
+            out = self.down(F.gelu(gate, approximate="tanh") * up)
         return x + self._rms(out.to(x.dtype), self.post_feedforward_norm)
 
 

@@ -25,7 +25,13 @@ from etinfer.model.gpu.weight_only import WeightOnlyLinear
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
-from etinfer.model.native_decoder import NativeDecoder, elementwise_native, rotate_heads, silu_mul
+from etinfer.model.native_decoder import (
+    NativeDecoder,
+    elementwise_native,
+    gated_activation,
+    norm_heads,
+    rotate_heads,
+)
 from etinfer.model.norm import RMSNorm
 from etinfer.model.quantized import (
     BLOCK_MODES,
@@ -145,13 +151,24 @@ class DecoderLayer:
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.intermediate = config.intermediate_size
-        # Rotation and the gated activation in C where the projections run on the block kernels
-        # (the norms are native there too); then a decode step may run the whole layer in C
-        # (``native_decoder.py``), which computes exactly this layer's stages.
+        # Rotation, per-head norms and the gated activation in C where the projections run on
+        # the block kernels (the norms are native there too); then a decode step may run the
+        # whole layer in C (``native_decoder.py``), which computes exactly this layer's stages.
         self.native = self.input_norm.native and elementwise_native(
             self.qkv, self.o, self.gate_up, self.down, width=self.intermediate
         )
-        self.fusable = self.native and self.q_norm is None
+        self.fusable = self.native
+
+    activation = "silu"
+
+    def native_roles(self) -> dict[str, torch.Tensor]:
+        """The layer's norm weights by their role in the native decoder's layer."""
+        roles = {"input_norm": self.input_norm.weight, "mlp_norm": self.post_attention_norm.weight}
+        return roles | self.head_norm_roles()
+
+    def head_norm_roles(self) -> dict[str, torch.Tensor]:
+        """The query and key norms, where the model has them."""
+        return {} if self.q_norm is None else {"q_norm": self.q_norm, "k_norm": self.k_norm}
 
     def __call__(
         self,
@@ -176,15 +193,18 @@ class DecoderLayer:
         """The queries and keys rotated (RMS-normed per head first, where the model norms them),
         and the values, of the projected heads (``qkv``, the projection's own output)."""
         heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        qk_heads = self.num_heads + self.num_kv_heads
+        if self.native:  # in place, on the projection's own output
+            if self.q_norm is not None:
+                norm_heads(qkv, slice(self.num_heads), self.q_norm, self.eps)
+                norm_heads(qkv, slice(self.num_heads, qk_heads), self.k_norm, self.eps)
+            rotate_heads(qkv, qk_heads, angles)
+            return qkv.split(heads, dim=1)
         if self.q_norm is not None:
             q, k, v = qkv.split(heads, dim=1)
             q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
             k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
             return RotaryEmbedding.apply(q, angles), RotaryEmbedding.apply(k, angles), v
-        qk_heads = self.num_heads + self.num_kv_heads
-        if self.native:
-            rotate_heads(qkv, qk_heads, angles)
-            return qkv.split(heads, dim=1)
         q, k = RotaryEmbedding.apply(qkv[:, :qk_heads], angles).split(heads[:2], dim=1)
         return q, k, qkv[:, qk_heads:]
 
@@ -192,7 +212,7 @@ class DecoderLayer:
         """The residual stream after the attention's output ``attended`` and the MLP."""
         x, h = self.post_attention_norm(x, attended)
         if self.native:
-            return x + self.down(silu_mul(self.gate_up(h)))
+            return x + self.down(gated_activation(self.gate_up(h), self.activation))
         gate, up = self.gate_up(h).split(self.intermediate, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -317,11 +337,15 @@ class LlamaModel:
         angles = [rope.rows(positions) for rope in self.ropes]
         decoder = self.native_decoder(cache, meta)
         if decoder is not None:
-            return decoder(x, angles[0], meta, layers)
+            return decoder(x, angles, meta, layers)
         for index in layers:
             layer = self.layers[index]
             x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)
         return x
+
+    def decodes_in_one_call(self, cache: KVCache) -> bool:
+        """Whether decode-only steps over ``cache`` run through the native decoder."""
+        return self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)
 
     def native_decoder(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
         """The native decoder over ``cache`` where this step may take it, built on first use."""
@@ -330,8 +354,8 @@ class LlamaModel:
         if self.decoder_cache is not cache:
             self.decoder_cache, self.decoder = cache, None
             if NativeDecoder.takes(self.layers, cache):
-                scale = self.attention.options.scale
-                self.decoder = NativeDecoder(self.config, self.layers, cache, scale)
+                options = self.attention.options
+                self.decoder = NativeDecoder(self.config, self.layers, cache, options)
         return self.decoder
 
     def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:

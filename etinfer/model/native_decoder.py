@@ -1,5 +1,5 @@
-"""A decode step's Llama decoder layers as one native call (``native/decoder.c``), and the two
-elementwise kernels the layer-by-layer path shares with it (rotation, the gated activation).
+"""A decode step's decoder layers as one native call (``native/decoder.c``), and the elementwise
+kernels the layer-by-layer path shares with it (rotation, per-head norms, the gated activation).
 
 At batch 1 on the default model about 40 % of a decode step held to AVX2 was neither the
 weights' products nor attention but the torch and ctypes calls between them, some 80 a layer
@@ -8,8 +8,9 @@ attention is the plain native kernel over the step's dense pattern, the model ha
 decode rows to ``NativeDecoder`` instead: the layers' tables (weights, norms, cache pointers) are
 built once, a step passes its rows, angles, slots and pattern. Every stage is the same C the
 layer-by-layer path calls, in the same order, so a token computes bit for bit the same whichever
-path its step takes (tested); steps with prefill rows, pruned or sparse attention, captured
-queries or windows keep the layer-by-layer path.
+path its step takes (tested); steps with prefill rows, pruned or sparse attention or captured
+queries keep the layer-by-layer path. Llama's layer and Gemma 3's (``DecoderLayer.native_roles``
+names the norms each has in the C layer's roles).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.attention.metadata import AttentionMetadata
+from etinfer.model.attention.options import AttentionOptions
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear
@@ -32,19 +34,25 @@ class _Product(ctypes.Structure):
     _fields_ = [("parts", _pointer), ("count", _i64), ("precise", _i64), ("floats", _i64)]
 
 
+# The C layer's norms by role (``Layer`` in native/decoder.c).
+NORM_ROLES = ("q_norm", "k_norm", "input_norm", "mlp_norm", "attention_out_norm", "mlp_out_norm")
+# Its activations, by number.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         *((name, _Product) for name in ("qkv", "o", "gate_up", "down")),
-        *((name, _pointer) for name in ("qkv_bias", "input_norm", "post_attention_norm")),
+        *((name, _pointer) for name in ("qkv_bias", *NORM_ROLES)),
         *((name, _pointer) for name in ("keys", "values", "key_scales", "value_scales")),
+        ("local", _i64),
     ]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
-        ("num_slots", _i64),
-        ("kv_kind", _i64),
+        *((name, _i64) for name in ("num_slots", "kv_kind", "activation")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("block_linear", _pointer),
@@ -56,9 +64,12 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("x", _pointer),
         ("rows", _i64),
-        *((name, _pointer) for name in ("cos", "sin", "slots", "crow", "cols", "outside")),
-        *((name, _i64) for name in ("nnz", "threads", "attention_threads")),
+        ("slots", _pointer),
+        ("threads", _i64),
         ("work", _pointer),
+        # By kind of layer (whole-context, sliding).
+        *((name, _pointer * 2) for name in ("cos", "sin", "crow", "cols", "outside")),
+        *((name, _i64 * 2) for name in ("nnz", "attention_threads")),
     ]
 
 
@@ -82,14 +93,34 @@ def rotate_heads(qkv: torch.Tensor, heads: int, rows: RotaryRows) -> None:
     )
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of ``gate_up`` [rows, 2 * width] (float32, contiguous), [rows, width]."""
+def norm_heads(qkv: torch.Tensor, heads: slice, weight: torch.Tensor, eps: float) -> None:
+    """RMS-norm ``heads`` of each row of ``qkv`` [rows, all heads, head_dim] (float32,
+    contiguous) in place, times ``weight`` [head_dim]."""
+    native = native_kernels.library()
+    assert native is not None, "check elementwise_native() first"
+    rows, _, dim = qkv.shape
+    first = qkv[:, heads]
+    native.norm_heads(
+        first.data_ptr(), rows, first.shape[1], dim, qkv.stride(0), weight.data_ptr(), eps
+    )
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of ``gate_up`` [rows, 2 * width] (float32, contiguous), [rows, width];
+    ``activation`` one of ``ACTIVATIONS``."""
     native = native_kernels.library()
     assert native is not None, "check elementwise_native() first"
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, width, dtype=torch.float32)
-    native.silu_mul(gate_up.data_ptr(), rows, width, out.data_ptr())
+    native.gated_activation(
+        gate_up.data_ptr(), rows, width, ACTIVATIONS[activation], out.data_ptr()
+    )
     return out
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMS norm of ``x`` [rows, hidden] (float32) times ``weight``, natively."""
+    return native_kernels.residual_rms_norm(x, None, weight, eps, torch.float32)[1]
 
 
 def _product(linear: BlockLinear) -> _Product:
@@ -105,28 +136,32 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """The tables of ``layers`` (Llama decoder layers whose ``fusable`` is true) over ``cache``,
-    and the call that runs a decode-only step through them."""
+    """The tables of ``layers`` (decoder layers whose ``fusable`` is true) over ``cache``, and the
+    call that runs a decode-only step through them."""
 
-    def __init__(self, config: ModelConfig, layers: list, cache: KVCache, scale: float) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list, cache: KVCache, attention: AttentionOptions
+    ) -> None:
         native, kernels = native_kernels.library(), quant_kernels.library()
         assert native is not None and kernels is not None, "check NativeDecoder.takes() first"
         self.native, self.cache = native, cache
         self.shape = _Shape(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, cache.num_slots, native_kernels.KV_KINDS[cache.dtype],
-            config.rms_norm_eps, scale, ctypes.cast(kernels.block_linear, _pointer),
+            ACTIVATIONS[layers[0].activation], config.rms_norm_eps, attention.scale,
+            ctypes.cast(kernels.block_linear, _pointer),
             ctypes.cast(kernels.float_linear, _pointer),
         )  # fmt: skip
         self.layers = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
             key_scales, value_scales = cache.layer_scales(index)
+            roles = layer.native_roles()
             self.layers[index] = _Layer(
                 _product(layer.qkv), _product(layer.o), _product(layer.gate_up),
                 _product(layer.down), _address(layer.qkv.bias),
-                _address(layer.input_norm.weight), _address(layer.post_attention_norm.weight),
+                *(_address(roles.get(role)) for role in NORM_ROLES),
                 cache.layer_keys[index].data_ptr(), cache.layer_values[index].data_ptr(),
-                _address(key_scales), _address(value_scales),
+                _address(key_scales), _address(value_scales), index in attention.local_layers,
             )  # fmt: skip
         self.held = layers  # the tables point into their weights
 
@@ -135,28 +170,41 @@ class NativeDecoder:
         """Whether every layer and the cache are of the kinds ``decode_layers`` computes."""
         if not (cache.native and quant_kernels.available()):
             return False
-        return cache.key_bounds is None and all(layer.fusable for layer in layers)
+        activations = {layer.activation for layer in layers}
+        fusable = all(layer.fusable for layer in layers) and len(activations) == 1
+        return fusable and cache.key_bounds is None
 
     def __call__(
-        self, x: torch.Tensor, rows: RotaryRows, meta: AttentionMetadata, layers: range
+        self,
+        x: torch.Tensor,
+        angles: list[RotaryRows],
+        meta: AttentionMetadata,
+        layers: range,
     ) -> torch.Tensor:
         """The residual stream after ``layers`` of a decode-only step (``x`` [rows, hidden]
-        float32, updated in place and returned)."""
-        pattern = meta.dense_pattern
-        assert pattern is not None and not meta.prefills, "a decode-only step with its pattern"
+        float32, updated in place and returned); ``angles`` the whole-context layers' rows of
+        the tables, then the sliding layers' where they have their own."""
+        assert not meta.prefills, "a decode-only step"
         if meta.fresh_blocks is not None and meta.fresh_blocks.numel():
             self.cache.clear_fresh(meta.fresh_blocks, slice(layers.start, layers.stop))
         x = x.contiguous()
-        count, entries = x.shape[0], pattern.cols.shape[0]
-        cos, sin = rows.cos.contiguous(), rows.sin.contiguous()
-        slots = meta.slot_mapping
-        floats = self.native.decoder_work_floats(ctypes.byref(self.shape), count, entries)
+        views = [meta, meta.local or meta]  # by kind of layer
+        patterns = [view.dense_pattern for view in views]
+        tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles * 2)[:2]]
+        entries = [p.cols.shape[0] for p in patterns]
+        floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], max(entries))
         work = torch.empty(floats)
+
+        def pair(values: list, kind=_pointer):
+            return (kind * 2)(*values)
+
         step = _Step(
-            x.data_ptr(), count, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            pattern.crow.data_ptr(), pattern.cols.data_ptr(), pattern.outside.data_ptr(),
-            entries, torch.get_num_threads(), native_kernels.attention_threads(entries),
-            work.data_ptr(),
+            x.data_ptr(), x.shape[0], meta.slot_mapping.data_ptr(), torch.get_num_threads(),
+            work.data_ptr(), pair([c.data_ptr() for c, _ in tables]),
+            pair([s.data_ptr() for _, s in tables]), pair([p.crow.data_ptr() for p in patterns]),
+            pair([p.cols.data_ptr() for p in patterns]),
+            pair([p.outside.data_ptr() for p in patterns]), pair(entries, _i64),
+            pair([native_kernels.attention_threads(n) for n in entries], _i64),
         )  # fmt: skip
         first = ctypes.byref(self.layers, layers.start * ctypes.sizeof(_Layer))
         status = self.native.decode_layers(

@@ -1,8 +1,8 @@
 """Kernels in C (``native/kernels.c``, ``native/block_sparse.c``, ``native/decoder.c``), compiled
 for this machine on first use and called through ctypes: decode attention, the cache write, the
 residual add with an RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py``
-calls those); rotation, the gated MLP's activation and a decode step's layers in one call
-(``native_decoder.py``).
+calls those); rotation, per-head norms, the gated MLP's activation and a decode step's layers
+in one call (``native_decoder.py``).
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
@@ -163,8 +163,10 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.keep_largest.restype = None
     library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
     library.rotate_heads.restype = None
-    library.silu_mul.argtypes = [pointer, i64, i64, pointer]
-    library.silu_mul.restype = None
+    library.norm_heads.argtypes = [pointer] + [i64] * 4 + [pointer, ctypes.c_float]
+    library.norm_heads.restype = None
+    library.gated_activation.argtypes = [pointer, i64, i64, i64, pointer]
+    library.gated_activation.restype = None
     library.decoder_work_floats.argtypes = [pointer, i64, i64]
     library.decoder_work_floats.restype = i64
     library.decode_layers.argtypes = [pointer, pointer, i64, pointer]

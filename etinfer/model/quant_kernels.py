@@ -114,32 +114,14 @@ def available() -> bool:
     return library() is not None
 
 
-def float_activations_pay() -> bool:
-    """Whether 4-bit weights (Q4_0, Q4_1) in ``auto`` take these kernels with float32
-    activations (``native/quant_float.c``) rather than torch's int4 kernel: on hosts without
-    AVX-512, or with ATen held to AVX2, where torch's kernel took twice this one's time at batch
-    1 and no less at 16; with AVX-512 torch's is faster (BENCHMARKS.md)."""
-    return available() and _without_avx512()
-
-
-@functools.cache
-def _without_avx512() -> bool:
-    """No AVX-512 for torch's kernels: the CPU lacks it, or ATen is held below it (read once:
-    /proc/cpuinfo is long on large hosts, and a model asks for each of its weights)."""
-    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
-    return held or "avx512f" not in native_kernels.cpu_flags().split()
-
-
 def interleaves(qtype: GGMLQuantizationType, out_features: int) -> bool:
     """Whether a weight's rows are interleaved by eight when prepared for these kernels."""
     return qtype in _INTERLEAVED and out_features % 8 == 0
 
 
 def takes_float_activations(qtype: GGMLQuantizationType, out_features: int) -> bool:
-    """Whether a weight runs on ``native/quant_float.c`` in ``auto``: interleaved Q4_0/Q4_1
-    where that kernel pays (``float_activations_pay``)."""
-    four_bits = qtype in (_Q.Q4_0, _Q.Q4_1) and interleaves(qtype, out_features)
-    return four_bits and float_activations_pay()
+    """Whether ``native/quant_float.c`` takes a weight (``gguf-a32``): interleaved Q4_0/Q4_1."""
+    return qtype in (_Q.Q4_0, _Q.Q4_1) and interleaves(qtype, out_features)
 
 
 def takes(qtype: GGMLQuantizationType, in_features: int) -> bool:
@@ -212,7 +194,7 @@ class BlockProduct:
     once for each block size the parts need. ``precise``: each activation block as two 8-bit
     blocks, its codes and its remainder's, both multiplied in one pass over the weights.
     ``float_activations``: interleaved Q4_0/Q4_1 parts times the float32 activations as they
-    are (``float_activations_pay``)."""
+    are (``gguf-a32``)."""
 
     def __init__(
         self, parts: list[BlockWeight], precise: bool = False, float_activations: bool = False

@@ -4,16 +4,11 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
 ``quantization`` picks a format per weight matrix at load:
 
 - ``none``: float, dequantized by the ``gguf`` package exactly as before.
-- ``auto``: ``gguf`` where the file's blocks take ``BLOCKS_PAY_BYTES`` or more (beyond a small
-  model the block kernels are faster at every batch, in prefill and in loading). Below that a
-  GGUF keeps its own format: Q4_0 and Q4_1 become ``Int4Weight`` and Q8_0
-  ``Int8Weight`` (both group 32, as in the file), for torch's kernels, except that on hosts
-  without AVX-512 Q4_0 and Q4_1 stay in their blocks on etinfer's kernel for float32
-  activations (``quant_kernels.float_activations_pay``); Q5_0 and the K formats
-  (Q4_K, Q5_K, Q6_K) stay in their blocks for etinfer's own kernels (``quant_kernels``); float
-  tensors stay float. A block type no kernel takes is dequantized to float and the loader says
-  so (a warning naming each tensor and its type). The output head (and a tied embedding) is
-  read as in ``gguf`` where the block kernels run (``llama.WeightReader``).
+- ``auto``: ``gguf`` on the CPU wherever etinfer's block kernels run (``resolve_auto`` says why).
+  Without them a GGUF keeps its own format where torch has a kernel for it: Q4_0 and Q4_1
+  become ``Int4Weight`` and Q8_0 ``Int8Weight`` (both group 32, as in the file); float tensors
+  stay float. A block type no kernel takes is dequantized to float and the loader says so (a
+  warning naming each tensor and its type).
 - ``gguf``: every block type ``quant_kernels`` takes stays in its blocks and runs on those
   kernels (8-bit activations, as llama.cpp computes); the rest as ``auto``.
 - ``gguf-a16``: as ``gguf``, each activation block multiplied as two 8-bit blocks, its codes and
@@ -21,6 +16,9 @@ CPU's weight-only kernels take, with the exact mapping from one to the other.
   float32 path goes from 97.3 % to 99.9 % of 2,048 positions of real text (KL 0.0024 to 6e-7
   nat), for 1.0-1.25x the batch-1 step and 1.5-1.7x the batch-16 one (BENCHMARKS.md): the
   choice for output that must follow the file's float model, where ``gguf`` follows llama.cpp.
+- ``gguf-a32``: as ``gguf``, Q4_0 and Q4_1 (rows interleaved by eight) times the float32
+  activations as they are (``native/quant_float.c``): float32's tokens on the default file held
+  to AVX2, slower than 8-bit activations at every batch once a step runs in one native call.
 - ``int4``: ``Int4Weight``, group 32, asymmetric, round to nearest (Q4_1's rule). 32 because it
   is GGUF's block: a Q4_0/Q4_1 tensor maps onto it exactly, with no second rounding, and it is
   the smallest group torch's kernel takes (the smaller the group, the smaller the error).
@@ -39,9 +37,11 @@ from gguf.quants import dequantize
 
 from etinfer.model import quant_kernels
 
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4", "gguf", "gguf-a16")
-# The modes that keep every block type etinfer's kernels take in its blocks.
-BLOCK_MODES = ("gguf", "gguf-a16")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4", "gguf", "gguf-a16", "gguf-a32")
+# The modes that keep every block type etinfer's kernels take in its blocks, and the bits of
+# the activations each multiplies them by.
+ACTIVATION_BITS = {"gguf": 8, "gguf-a16": 16, "gguf-a32": 32}
+BLOCK_MODES = tuple(ACTIVATION_BITS)
 GROUP_SIZE = 32
 _Q = GGMLQuantizationType
 # Block types that map onto a kernel's format exactly.
@@ -57,7 +57,7 @@ class GGUFBlocks:
     data: torch.Tensor  # uint8 [out, bytes per row], as the file stores them
     in_features: int
     # Bits of the activations the kernels multiply it by: 8, 16 as two 8-bit parts
-    # (``gguf-a16``), or 32, float32 as they are (``auto``'s 4-bit weights without AVX-512); how
+    # (``gguf-a16``), or 32, float32 as they are (``gguf-a32``'s 4-bit weights); how
     # the product is computed, set by the mode, not read from the file.
     activation_bits: int = 8
     # Output row ``o`` is row ``order[o]`` of ``data`` (None: the file's order). Where the file
@@ -282,29 +282,21 @@ def form_of(weight: Weight | Int4Weight | Int8Weight) -> str:
     return str(weight.dtype).removeprefix("torch.")
 
 
-# ``auto`` on the CPU takes the block kernels for every format they run from this many bytes of
-# weights in blocks. In Q4_0 at 578 MiB (Llama 3.2 1B's shape) and 3.9 GiB (Llama 3 8B's) they
-# were 1.28x and 1.43x torch's int4 kernel at batch 1, 1.86x at batch 16 (1B), 1.8x and 2.4x in
-# prefill, and loaded 4-7x faster (on an AVX2-only host at 630 MiB, 1.2-1.5x the float-activation
-# kernel ``auto`` took there); at 241 MiB (Gemma 3 270M) they led at batch 1 too; at 94 MiB (the
-# default model) torch's kernel led at batch 16 and in prefill (BENCHMARKS.md).
-BLOCKS_PAY_BYTES = 128 * 2**20
-
-
 def resolve_auto(quantization: str, weights: dict[str, Weight], device: torch.device) -> str:
     """The mode ``auto`` means for these weights on ``device`` (another mode is itself).
 
     On a GPU, float weights: a small model's decode step there is bound by its launches, not
     its weights' bytes (BENCHMARKS.md), and float needs no dequantizing. On the CPU, ``gguf``
-    where the blocks are large enough to pay (``BLOCKS_PAY_BYTES``) and the kernels run."""
+    wherever the block kernels run: at every size measured (94 MiB to 3.9 GiB) and on AVX2 and
+    AVX-512 alike they are the fastest form at batch 1 and 16 and in prefill once a decode step
+    runs its layers in one native call (``native_decoder.py``), which needs every projection on
+    them; torch's int4 kernel had led on the default model with AVX-512 (BENCHMARKS.md)."""
     if quantization != "auto":
         return quantization
     if device.type != "cpu":
         return "none"
-    blocks = sum(w.data.nbytes for w in weights.values() if isinstance(w, GGUFBlocks))
-    if blocks >= BLOCKS_PAY_BYTES and quant_kernels.available():
-        return "gguf"
-    return "auto"
+    blocks = any(isinstance(w, GGUFBlocks) for w in weights.values())
+    return "gguf" if blocks and quant_kernels.available() else "auto"
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -322,16 +314,17 @@ def weight_format(weight: Weight, mode: str, name: str) -> tuple[Format, str | N
         if native and weight.qtype != _Q.Q8_0:
             return Int4Weight.from_gguf(weight), None
         return Int4Weight.quantize(as_float(weight), name), None
-    bits = 16 if mode == "gguf-a16" else 8
-    if isinstance(weight, MixedBlocks):  # a mixture the block kernels take
-        return replace(weight, activation_bits=bits), None
+    bits = ACTIVATION_BITS.get(mode, 8)
+    if isinstance(weight, MixedBlocks):  # a mixture the block kernels take, never in float32
+        return replace(weight, activation_bits=min(bits, 16)), None
     if not isinstance(weight, GGUFBlocks):  # float
         return weight, None
-    own_kernel = quant_kernels.takes(weight.qtype, weight.in_features)
-    if own_kernel and (mode in BLOCK_MODES or not native):
+    if quant_kernels.takes(weight.qtype, weight.in_features) and (
+        mode in BLOCK_MODES or not native
+    ):
+        if bits == 32 and not quant_kernels.takes_float_activations(weight.qtype, weight.shape[0]):
+            bits = 8  # the float32 kernel takes interleaved Q4_0 and Q4_1 only
         return replace(weight, activation_bits=bits), None
-    if own_kernel and quant_kernels.takes_float_activations(weight.qtype, weight.shape[0]):
-        return replace(weight, activation_bits=32), None
     if weight.qtype == _Q.Q8_0:
         return Int8Weight.from_gguf(weight), None
     if native:

@@ -1,11 +1,11 @@
-"""What ``auto`` means for a model: by device, and on the CPU by how many bytes its blocks take."""
+"""What ``auto`` means for a model: by device, and on the CPU whether the block kernels run."""
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
 from etinfer.model import quant_kernels
-from etinfer.model.quantized import BLOCKS_PAY_BYTES, GGUFBlocks, resolve_auto
+from etinfer.model.quantized import GGUFBlocks, resolve_auto
 
 CPU = torch.device("cpu")
 
@@ -24,6 +24,7 @@ def test_other_modes_are_themselves_and_auto_on_a_gpu_is_float():
 
 
 @pytest.mark.skipif(not quant_kernels.available(), reason="etinfer's block kernels are not built")
-def test_auto_takes_the_block_kernels_from_the_size_where_they_pay():
-    assert resolve_auto("auto", blocks_of(BLOCKS_PAY_BYTES // 2), CPU) == "auto"
-    assert resolve_auto("auto", blocks_of(BLOCKS_PAY_BYTES + 2**20), CPU) == "gguf"
+def test_auto_takes_the_block_kernels_for_blocks_of_any_size():
+    assert resolve_auto("auto", blocks_of(2**20), CPU) == "gguf"
+    assert resolve_auto("auto", blocks_of(2**28), CPU) == "gguf"
+    assert resolve_auto("auto", {"w": torch.zeros(4, 4)}, CPU) == "auto"  # float weights

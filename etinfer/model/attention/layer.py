@@ -52,15 +52,20 @@ class PagedAttention:
             selecting = SparsePrefill(selecting, self.prefill_selector)
         self.selecting = selecting
 
+    @property
+    def reads_natively(self) -> bool:
+        """Decode rows read through the bare C kernel, nothing narrowing what they read."""
+        return isinstance(self.selecting, NativeBackend)
+
     def decodes_natively(self, meta: AttentionMetadata) -> bool:
         """Whether this step's decode rows attend as the native decoder computes them
-        (``native_decoder.py``): the bare C kernel over the step's one dense pattern, nothing
-        narrowed, captured or windowed per layer, no prefill rows."""
+        (``native_decoder.py``): the bare C kernel over the step's dense patterns (the sliding
+        layers' own too), nothing narrowed or captured, no prefill rows."""
+        views = [meta] if not self.options.local_layers else [meta, meta.local]
         return (
-            isinstance(self.selecting, NativeBackend)
-            and not self.options.local_layers
+            self.reads_natively
             and not meta.prefills
-            and meta.dense_pattern is not None
+            and all(view is not None and view.dense_pattern is not None for view in views)
             and meta.capture_rows is None
         )
 

@@ -1,6 +1,8 @@
-/* A decode step's Llama decoder layers in one call (model/native_decoder.py builds the tables):
- * norm, projections, rotation, cache write, attention, output projection, norm, gated MLP and
- * both residual adds, layer after layer, with no return to Python between them. At batch 1 on
+/* A decode step's decoder layers in one call (model/native_decoder.py builds the tables): norm,
+ * projections, rotation, cache write, attention, output projection, norm, gated MLP and both
+ * residual adds, layer after layer, with no return to Python between them. Llama's layer, and
+ * Gemma 3's: query and key norms, the attention and MLP outputs normed before their residual
+ * adds, a GELU-tanh MLP, and sliding layers with their own angles and pattern. At batch 1 on
  * the default model the layers' own arithmetic is about 60 % of a step; the rest was some 80
  * torch and ctypes calls a layer, each a few microseconds of dispatch.
  *
@@ -10,6 +12,7 @@
  * the same order: a token's result is bit for bit the same whichever path its step took, which
  * greedy batching and recompute after preemption rest on. Each row is computed on its own.
  */
+enum { SILU = 0, GELU_TANH = 1 };
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -27,13 +30,16 @@ typedef struct {
 typedef struct {
     Product qkv, o, gate_up, down;
     const float *qkv_bias;  // [(heads + 2 kv_heads) * head_dim], or NULL
-    const float *input_norm, *post_attention_norm;  // [hidden]
+    const float *q_norm, *k_norm;  // [head_dim] each head's RMS norm before rotation, or NULL
+    const float *input_norm, *mlp_norm;  // [hidden]: before attention, before the MLP
+    const float *attention_out_norm, *mlp_out_norm;  // [hidden] before the residual adds, or NULL
     void *key_cache, *value_cache;  // this layer's [kv_heads, slots, head_dim]
     float *key_scales, *value_scales;  // [kv_heads, slots] for an int8 cache, else NULL
+    int64_t local;  // a sliding layer: the step's second angles and pattern
 } Layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, kv_kind;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, kv_kind, activation;
     float eps, scale;
     BlockLinear block_linear;
     FloatLinear float_linear;
@@ -42,12 +48,15 @@ typedef struct {
 typedef struct {
     float *x;  // [rows, hidden], the residual stream, updated in place
     int64_t rows;
-    const float *cos, *sin;  // [rows, head_dim / 2], each row's angles
     const int64_t *slots;  // [rows]
-    const int32_t *crow, *cols;  // the decode pattern (model/attention/pattern.py)
-    const uint8_t *outside;
-    int64_t nnz, threads, attention_threads;
+    int64_t threads;
     float *work;  // decoder_work_floats() floats
+    /* By kind of layer (whole-context, sliding): each row's angles [rows, head_dim / 2], and the
+     * decode pattern (model/attention/pattern.py) with the threads attention shares it among. */
+    const float *cos[2], *sin[2];
+    const int32_t *crow[2], *cols[2];
+    const uint8_t *outside[2];
+    int64_t nnz[2], attention_threads[2];
 } Step;
 
 /* Rotate the first `heads` heads of each row in place, Hugging Face's layout (a head's two halves
@@ -68,18 +77,36 @@ void rotate_heads(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t ro
         }
 }
 
-/* out [rows, width] = silu(gate) * up, where gate_up [rows, 2 width] holds each row's gate then
- * its up. silu(g) = g / (1 + exp(-g)), exp taken of -|g| only (exp8's range). `width` must be
- * a multiple of 8. */
-void silu_mul(const float *gate_up, int64_t rows, int64_t width, float *out) {
+/* RMS-norm each of the first `heads` heads of each row in place (rows `row_stride` floats apart),
+ * times `weight` [dim]: kernels.c's norm, a head at a time. */
+void norm_heads(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
+                const float *weight, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = x + r * row_stride;
+        residual_rms_norm(row, NULL, 0, weight, heads, dim, eps, row, row, 1);
+    }
+}
+
+/* exp8 holds for x <= 0 only: what follows takes it of minus a magnitude. */
+static inline v8 sigmoid8(v8 x) {  // 1 / (1 + exp(-x))
+    const v8i negative = x < 0.0f;
+    const v8 e = exp8(blend(negative, x, -x));  // exp(-|x|)
+    return blend(negative, e, (v8){1, 1, 1, 1, 1, 1, 1, 1}) / (1.0f + e);
+}
+
+/* out [rows, width] = act(gate) * up, where gate_up [rows, 2 width] holds each row's gate then
+ * its up; act is SiLU, g sigmoid(g), or GELU's tanh form (torch's approximate="tanh"),
+ * g (1 + tanh(u)) / 2 = g sigmoid(2u), without the cancellation of 1 + tanh(u) near -1. `width`
+ * must be a multiple of 8. */
+void gated_activation(const float *gate_up, int64_t rows, int64_t width, int64_t activation,
+                      float *out) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
         for (int64_t i = 0; i < width; i += 8) {
             const v8 g = load8(gate + i);
-            const v8i negative = g < 0.0f;
-            const v8 e = exp8(blend(negative, g, -g));  // exp(-|g|)
-            const v8 sigmoid = blend(negative, e, (v8){1, 1, 1, 1, 1, 1, 1, 1}) / (1.0f + e);
-            const v8 y = g * sigmoid * load8(up + i);
+            const v8 u = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (...)
+            const v8 a = g * sigmoid8(activation == GELU_TANH ? 2.0f * u : g);
+            const v8 y = a * load8(up + i);
             memcpy(out + r * width + i, &y, sizeof y);
         }
     }
@@ -91,10 +118,15 @@ static int product(const Shape *s, const Product *p, const float *x, int64_t row
     return s->block_linear(p->parts, p->count, x, rows, k, y, threads, p->precise);
 }
 
-/* Scratch floats a step of `rows` rows and `nnz` pattern entries needs. */
+/* Scratch floats a step of `rows` rows and `nnz` pattern entries (the larger pattern's) needs. */
 int64_t decoder_work_floats(const Shape *s, int64_t rows, int64_t nnz) {
     const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim, q = s->heads * s->head_dim;
     return rows * (2 * s->hidden + width + 2 * q + 3 * s->intermediate + 2 * s->heads) + nnz;
+}
+
+/* v [rows, hidden] RMS-normed in place (an output normed before its residual add). */
+static void norm_rows(float *v, int64_t rows, const Shape *s, const float *weight) {
+    residual_rms_norm(v, NULL, 0, weight, rows, s->hidden, s->eps, v, v, 1);
 }
 
 /* Layers [0, count) of `layers` over the step's rows (decode rows only, one token each). Returns
@@ -111,13 +143,18 @@ int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step
     const int kind = (int)s->kv_kind;
     for (int64_t l = 0; l < count; ++l) {
         const Layer *layer = &layers[l];
+        const int64_t at = layer->local != 0;
         residual_rms_norm(x, NULL, 0, layer->input_norm, rows, hidden, s->eps, x, h, 1);
         int status = product(s, &layer->qkv, h, rows, hidden, qkv, step->threads);
         if (status) return 1000 + status;
         if (layer->qkv_bias)
             for (int64_t r = 0; r < rows; ++r)
                 for (int64_t i = 0; i < width; ++i) qkv[r * width + i] += layer->qkv_bias[i];
-        rotate_heads(qkv, rows, s->heads + s->kv_heads, dim, width, step->cos, step->sin);
+        if (layer->q_norm) {
+            norm_heads(qkv, rows, s->heads, dim, width, layer->q_norm, s->eps);
+            norm_heads(qkv + q_width, rows, s->kv_heads, dim, width, layer->k_norm, s->eps);
+        }
+        rotate_heads(qkv, rows, s->heads + s->kv_heads, dim, width, step->cos[at], step->sin[at]);
         status = write_cache(layer->key_cache, layer->value_cache, qkv + q_width,
                              qkv + q_width + kv_width, step->slots, rows, s->kv_heads,
                              s->num_slots, dim, width, width, kind, layer->key_scales,
@@ -125,21 +162,23 @@ int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step
         if (status) return 2000 + status;
         for (int64_t r = 0; r < rows; ++r)
             memcpy(q + r * q_width, qkv + r * width, q_width * sizeof(float));
-        status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow, step->cols,
-                                  step->outside, rows * s->heads, dim, step->nnz,
-                                  s->kv_heads * s->num_slots, s->heads / s->kv_heads, s->scale,
-                                  attended, stats, stats + rows * s->heads, weights,
-                                  step->attention_threads, kind, layer->key_scales,
-                                  layer->value_scales);
+        status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow[at],
+                                  step->cols[at], step->outside[at], rows * s->heads, dim,
+                                  step->nnz[at], s->kv_heads * s->num_slots,
+                                  s->heads / s->kv_heads, s->scale, attended, stats,
+                                  stats + rows * s->heads, weights, step->attention_threads[at],
+                                  kind, layer->key_scales, layer->value_scales);
         if (status) return 3000 + status;
         status = product(s, &layer->o, attended, rows, q_width, proj, step->threads);
         if (status) return 1000 + status;
-        residual_rms_norm(x, proj, 1, layer->post_attention_norm, rows, hidden, s->eps, x, h, 1);
+        if (layer->attention_out_norm) norm_rows(proj, rows, s, layer->attention_out_norm);
+        residual_rms_norm(x, proj, 1, layer->mlp_norm, rows, hidden, s->eps, x, h, 1);
         status = product(s, &layer->gate_up, h, rows, hidden, gate_up, step->threads);
         if (status) return 1000 + status;
-        silu_mul(gate_up, rows, inter, act);
+        gated_activation(gate_up, rows, inter, s->activation, act);
         status = product(s, &layer->down, act, rows, inter, proj, step->threads);
         if (status) return 1000 + status;
+        if (layer->mlp_out_norm) norm_rows(proj, rows, s, layer->mlp_out_norm);
         for (int64_t i = 0; i < rows * hidden; ++i) x[i] += proj[i];
     }
     return 0;
