@@ -80,7 +80,10 @@ def test_greedy_equal_with_chunked_prefill_and_after_preemption(make_llm, quanti
 
 
 def test_rejected_drafts_give_their_blocks_back_and_the_prefix_cache_stays_right(make_llm):
-    llm = make_llm(speculative=ALWAYS, max_num_seqs=8)
+    # Batch-invariant: a prompt served partly from the cache prefills in other chunks than a
+    # whole one, which SDPA computes apart at about 1e-7, and 8-bit activations can turn that
+    # into another near-tied token; through the decode kernel the two are bit for bit the same.
+    llm = make_llm(speculative=ALWAYS, max_num_seqs=8, batch_invariant=True)
     engine = llm.engine
     excess = []
 
@@ -98,7 +101,8 @@ def test_rejected_drafts_give_their_blocks_back_and_the_prefix_cache_stays_right
     again = [list(o.prompt_token_ids) + o.token_ids for o in first[:2]]
     outs = llm.generate(again, GREEDY)
     assert sum(o.num_cached_tokens for o in outs) >= 32
-    assert [o.token_ids for o in outs] == tokens(make_llm(enable_prefix_caching=False), again)
+    uncached = make_llm(enable_prefix_caching=False, batch_invariant=True)
+    assert [o.token_ids for o in outs] == tokens(uncached, again)
 
 
 def test_stop_strings_max_tokens_logprobs_and_streams_as_without_drafts(make_llm):
