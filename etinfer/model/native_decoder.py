@@ -16,6 +16,7 @@ names the norms each has in the C layer's roles).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -167,7 +168,11 @@ class NativeDecoder:
 
     @staticmethod
     def takes(layers: list, cache: KVCache) -> bool:
-        """Whether every layer and the cache are of the kinds ``decode_layers`` computes."""
+        """Whether every layer and the cache are of the kinds ``decode_layers`` computes, and
+        the user left it on (``ETINFER_NATIVE_DECODER=0``: layer by layer, the same tokens, to
+        measure one against the other)."""
+        if os.environ.get("ETINFER_NATIVE_DECODER", "1") == "0":
+            return False
         if not (cache.native and quant_kernels.available()):
             return False
         activations = {layer.activation for layer in layers}

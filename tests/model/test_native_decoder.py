@@ -110,3 +110,10 @@ def test_engines_that_narrow_attention_keep_the_layer_by_layer_path(make_llm):
     llm = make_llm(quantization="gguf", control=ControlConfig(pruning=pruning), max_num_seqs=2)
     llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))
     assert not native_decoder_built(llm)
+
+
+def test_the_native_decoder_can_be_switched_off(make_llm, monkeypatch):
+    monkeypatch.setenv("ETINFER_NATIVE_DECODER", "0")
+    llm = make_llm(quantization="gguf", max_num_seqs=2)
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))
+    assert not native_decoder_built(llm)

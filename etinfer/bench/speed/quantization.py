@@ -3,7 +3,8 @@ transformers in float32 and llama.cpp on the same GGUF file, the batch-1/4/16 de
 prefill rate of one 2K-token prompt, load time, resident memory after load, and how closely our
 logits follow the float model's on real text (llama.cpp's too, as a reference: its logits on
 the same teacher-forced windows against our ``none``). A mode may carry a variant of the engine
-(``auto+batch-invariant``, ``auto+no-native``), measured in the same run.
+(``auto+batch-invariant``, ``auto+no-native``, ``auto+layer-by-layer``), measured in the same
+run.
 
 Each engine runs in a process of its own (resident memory and load time are then its alone),
 one after the other, and the whole round repeats; the best round of each is kept, which is what
@@ -48,9 +49,15 @@ from etinfer.options import non_negative_int, positive_int
 STEPS = 24
 
 
-# A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's), or
-# no-native (every native kernel off, ETINFER_NATIVE=0: their work as torch operations).
-VARIANTS = ("batch-invariant", "no-native")
+# A mode may name a variant of the engine after a "+": batch-invariant (EngineConfig's),
+# no-native (every native kernel off, ETINFER_NATIVE=0: their work as torch operations), or
+# layer-by-layer (decode steps without the native decoder, ETINFER_NATIVE_DECODER=0).
+VARIANTS = ("batch-invariant", "no-native", "layer-by-layer")
+# Each environment variant's setting.
+VARIANT_ENV = {
+    "no-native": {"ETINFER_NATIVE": "0"},
+    "layer-by-layer": {"ETINFER_NATIVE_DECODER": "0"},
+}
 MODE_CHOICES = [*QUANTIZATION_MODES, *(f"{m}+{v}" for m in QUANTIZATION_MODES for v in VARIANTS)]
 
 
@@ -198,8 +205,7 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if args.isa and engine != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
         env |= ISA_ENV[args.isa]
-    if engine.endswith("+no-native"):
-        env["ETINFER_NATIVE"] = "0"
+    env |= VARIANT_ENV.get(engine.partition("+")[2], {})
     return child_figures(command, engine, env)
 
 
