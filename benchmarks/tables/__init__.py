@@ -8,6 +8,7 @@ from benchmarks.tables import (
     gpu,
     headline,
     laws,
+    one_call,
     pruning_laws,
     seeds,
     serving,
@@ -25,4 +26,6 @@ def _by_name(*modules) -> dict[str, Table]:
     return tables
 
 
-TABLES = _by_name(headline, claims, cpu, gpu, formats, laws, pruning_laws, table1, seeds, serving)
+TABLES = _by_name(
+    headline, claims, cpu, one_call, gpu, formats, laws, pruning_laws, table1, seeds, serving
+)

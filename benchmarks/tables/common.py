@@ -14,6 +14,7 @@ GEMMA = "Gemma 3 270M Q4_K_M"
 LLAMA_1B = "1.1B Llama shape, random weights, Q4_0"
 # ``bench quantization --random-shape``'s files, as their labels name them
 GEMMA_FILE = "gemma-3-270m-q4_k_m"  # the same file as GEMMA, as a run's labels name it
+SMOLLM_FILE = "SmolLM2-135M-Instruct Q4_1"  # the same file as SMOLLM, as a run's labels name it
 LLAMA32_1B = "llama-3.2-1b-random Q4_0"
 LLAMA3_8B = "llama-3-8b-random Q4_0"
 LLAMA_CPP = "llama.cpp"

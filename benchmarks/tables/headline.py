@@ -15,6 +15,7 @@ from benchmarks.tables.common import (
     LLAMA_CPP,
     NOT_MEASURED,
     SMOLLM,
+    SMOLLM_FILE,
     figure,
     ratio_vs,
 )
@@ -45,6 +46,13 @@ BEYOND = {
     "top1": RANDOM,
     "top1lc": RANDOM,
 }
+# Where ``auto`` is ``gguf`` with decode steps in one native call: its figures are ``gguf``'s.
+ONE_CALL = {
+    "b1gguf": "= auto",
+    "b16": mode("auto"),
+    "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
+    "top1": mode("auto"),
+}
 LLAMA_CPP_TABLE = Table(
     "headline_llamacpp",
     ("host", "model (file)"),
@@ -72,23 +80,13 @@ LLAMA_CPP_TABLE = Table(
         ),
         Row(
             (HELD, f"{SMOLLM}, 94 MiB"),
-            Pick(kind=HELD, labels={"model": SMOLLM}),
-            {
-                "b16": mode("auto"),
-                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
-                "top1": mode("auto"),
-            },
+            Pick(kind=HELD, labels={"model": SMOLLM_FILE}),
+            ONE_CALL,
         ),
         Row(
             (AVX512, f"{SMOLLM}, 94 MiB"),
-            Pick(kind=AVX512, labels={"model": SMOLLM}),
-            {
-                "b1auto": tok_s_ratio("decode", "auto", batch=1),
-                "b1gguf": tok_s_ratio("decode", "gguf", batch=1),
-                "b16": tok_s_ratio("decode", "auto", " (auto)", batch=16),
-                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
-                "top1": mode("auto"),
-            },
+            Pick(kind=AVX512, labels={"model": SMOLLM_FILE}),
+            ONE_CALL,
         ),
         Row(
             (AVX512, f"{GEMMA}, 241 MiB"),
@@ -96,13 +94,9 @@ LLAMA_CPP_TABLE = Table(
             {"b16": mode("gguf"), "prefill": mode("gguf"), "top1": mode("gguf")},
         ),
         Row(
-            (AVX512, f"{GEMMA}, 241 MiB (`auto` is `gguf` from 128 MiB)"),
+            (AVX512, f"{GEMMA}, 241 MiB (`auto` is `gguf`)"),
             Pick(kind=AVX512, labels={"model": GEMMA_FILE}),
-            {
-                "b16": mode("auto"),
-                "prefill": tok_s_ratio("prefill", "auto", " (auto)"),
-                "top1": mode("auto"),
-            },
+            ONE_CALL,
         ),
         Row(
             (HELD, "Llama 3.2 1B shape, random weights, Q4_0, 578 MiB (past the 480 MiB L3)"),

@@ -134,6 +134,9 @@ class EntropicSelector(BlockSelector):
             return layer in self.selection_layers
         return self.observes_mass
 
+    def reads_all_of(self, blocks: DecodeBlocks | None) -> bool:
+        return blocks is not None and blocks.budgets is None  # ``select`` returns None
+
     def plan_budgets(
         self, record: ControlRecord, decoding: Sequence[Controlled], block_size: int
     ) -> list[int]:

@@ -94,8 +94,8 @@ class LLMEngine:
         self.jump_forward = layers.jump_forward
         self.models = {TARGET_MODEL: self.runner}  # what a step shape may name
         forms = self.runner.model.weights.forms
-        one_call = self.runner.model.decodes_in_one_call(self.runner.cache)
-        logger.info(startup_line(config, loaded, forms, self.num_blocks, one_call))
+        decode_path = self.runner.model.decode_path(self.runner.cache)
+        logger.info(startup_line(config, loaded, forms, self.num_blocks, decode_path))
         self.observers = Observers()
         # Structured output: requests wait here while their grammars compile.
         self.grammars = GrammarWaitingRoom(

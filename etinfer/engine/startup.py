@@ -36,11 +36,11 @@ def startup_line(
     loaded: LoadedModel,
     forms: Counter[str],
     num_blocks: int,
-    one_call: bool = False,
+    decode_path: str = "layer by layer",
 ) -> str:
     """An engine built with ``config`` over ``loaded``, whose weights multiply as ``forms``
-    counts, whose cache holds ``num_blocks`` blocks and whose decode steps run their layers in
-    ``one_call`` or layer by layer."""
+    counts, whose cache holds ``num_blocks`` blocks and whose decode steps run as
+    ``decode_path`` says."""
     device = config.torch_device()
     where = str(device)
     if device.type == "cpu":
@@ -49,6 +49,5 @@ def startup_line(
     return (
         f"etinfer: {loaded.path.name}, {layers} layers on {where}; weights: "
         f"{weight_forms(forms)}; KV cache {kv.removeprefix('torch.')}, {num_blocks} blocks of "
-        f"{config.block_size} tokens; decode steps "
-        + ("in one native call" if one_call else "layer by layer")
+        f"{config.block_size} tokens; decode steps {decode_path}"
     )

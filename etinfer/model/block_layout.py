@@ -85,6 +85,11 @@ class AttentionSelector(ABC):
         """Whether attention records the blocks' mass at ``layer`` (``observes_mass`` layers)."""
         return self.observes_mass
 
+    def reads_all_of(self, blocks: DecodeBlocks | None) -> bool:
+        """Whether no layer narrows this step's attention (then a decode step may run in one
+        native call, its summaries and masses kept after it)."""
+        return self.reads_everything
+
     @abstractmethod
     def select(
         self,

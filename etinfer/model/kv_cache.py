@@ -219,27 +219,39 @@ class KVCache:
                     quantized, scale = quantize_rows(rows)
                     cache.index_copy_(1, slots, quantized)
                     row_scales.index_copy_(1, slots, scale)
-        if self.key_bounds is None:
-            return
-        key_max, key_min = self.key_bounds[layer].unbind(2)
+        if self.key_bounds is not None:
+            self.update_summaries(slice(layer, layer + 1), slots, fresh_blocks)
+
+    def update_summaries(
+        self, layers: slice, slots: torch.Tensor, fresh_blocks: torch.Tensor | None
+    ) -> None:
+        """The block summaries of ``layers`` after their keys and values at ``slots`` were
+        written, read back as stored: the layer-by-layer path calls it for a layer as it
+        writes, the native decoder for all its layers after a step."""
+        key_max, key_min = self.key_bounds[layers].unbind(3)
         # The keys as stored, in the bounds' type: a 16-bit cache's own (exact), with no round
         # trip through float32.
-        same_type = key_max.dtype == self.dtype
-        keys = (keys.to(self.dtype) if same_type else self.as_stored(keys)).transpose(0, 1)
-        values = self.as_stored(values).transpose(0, 1)
+        keys = self.keys[layers][:, :, slots]
+        values = self.values[layers][:, :, slots].to(self.compute_dtype)
+        if self.key_scales is not None:
+            keys = keys.to(self.compute_dtype) * self.key_scales[layers][:, :, slots, None]
+            values *= self.value_scales[layers][:, :, slots, None]
+        keys = keys.to(key_max.dtype)
+        mass, value_sums = self.mass[layers], self.value_sums[layers]
+        moments = None if self.key_moments is None else self.key_moments[layers]
         if fresh_blocks is not None and fresh_blocks.numel():
             # A block's first token starts its bounds afresh; its mass is unknown until it is
             # attended to, and +inf keeps it in the mass scorer's ranking until then.
-            key_max.index_fill_(1, fresh_blocks, -torch.inf)
-            key_min.index_fill_(1, fresh_blocks, torch.inf)
-            self.mass[layer].index_fill_(1, fresh_blocks, torch.inf)
-            self.value_sums[layer].index_fill_(1, fresh_blocks, 0.0)
-            if self.key_moments is not None:
-                self.key_moments[layer].index_fill_(1, fresh_blocks, 0.0)
+            key_max.index_fill_(2, fresh_blocks, -torch.inf)
+            key_min.index_fill_(2, fresh_blocks, torch.inf)
+            mass.index_fill_(2, fresh_blocks, torch.inf)
+            value_sums.index_fill_(2, fresh_blocks, 0.0)
+            if moments is not None:
+                moments.index_fill_(2, fresh_blocks, 0.0)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        key_max.index_reduce_(1, blocks, keys, "amax")
-        key_min.index_reduce_(1, blocks, keys, "amin")
-        self.value_sums[layer].index_add_(1, blocks, values)
-        if self.key_moments is not None:
+        key_max.index_reduce_(2, blocks, keys, "amax")
+        key_min.index_reduce_(2, blocks, keys, "amin")
+        value_sums.index_add_(2, blocks, values)
+        if moments is not None:
             keys = keys.to(self.compute_dtype)
-            self.key_moments[layer].index_add_(1, blocks, torch.stack([keys, keys.square()], 2))
+            moments.index_add_(2, blocks, torch.stack([keys, keys.square()], 3))

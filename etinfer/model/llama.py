@@ -301,8 +301,8 @@ class LlamaModel:
         if family.scales_embeddings:
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.attention = attention
-        # The native decoder (``native_decoder``) of the cache it was built over.
-        self.decoder_cache: KVCache | None = None
+        # The native decoder (``native_decoder``) of the cache and selector it was built for.
+        self.decoder_key: tuple | None = None
         self.decoder: NativeDecoder | None = None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -343,19 +343,28 @@ class LlamaModel:
             x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)
         return x
 
-    def decodes_in_one_call(self, cache: KVCache) -> bool:
-        """Whether decode-only steps over ``cache`` run through the native decoder."""
-        return self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)
+    def decode_path(self, cache: KVCache) -> str:
+        """How decode-only steps over ``cache`` run, in words."""
+        if not (self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)):
+            return "layer by layer"
+        if self.attention.selector.reads_everything:
+            return "in one native call"
+        return "in one native call where no layer is pruned"
 
     def native_decoder(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
-        """The native decoder over ``cache`` where this step may take it, built on first use."""
+        """The native decoder over ``cache`` where this step may take it, built on first use
+        (again where the selector changed: it names the layers whose masses are kept)."""
         if not self.attention.decodes_natively(meta):
             return None
-        if self.decoder_cache is not cache:
-            self.decoder_cache, self.decoder = cache, None
+        selector = self.attention.selector
+        if self.decoder_key != (cache, selector):
+            self.decoder_key, self.decoder = (cache, selector), None
             if NativeDecoder.takes(self.layers, cache):
+                observed = []
+                if cache.mass is not None:
+                    observed = [i for i in range(len(self.layers)) if selector.observes(i)]
                 options = self.attention.options
-                self.decoder = NativeDecoder(self.config, self.layers, cache, options)
+                self.decoder = NativeDecoder(self.config, self.layers, cache, options, observed)
         return self.decoder
 
     def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pruned_decode import observe_mass
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear
@@ -47,6 +48,7 @@ class _Layer(ctypes.Structure):
         *((name, _pointer) for name in ("qkv_bias", *NORM_ROLES)),
         *((name, _pointer) for name in ("keys", "values", "key_scales", "value_scales")),
         ("local", _i64),
+        ("observed", _i64),
     ]
 
 
@@ -71,6 +73,8 @@ class _Step(ctypes.Structure):
         # By kind of layer (whole-context, sliding).
         *((name, _pointer * 2) for name in ("cos", "sin", "crow", "cols", "outside")),
         *((name, _i64 * 2) for name in ("nnz", "attention_threads")),
+        ("observed_weights", _pointer),
+        ("observed_stats", _pointer),
     ]
 
 
@@ -138,10 +142,18 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 class NativeDecoder:
     """The tables of ``layers`` (decoder layers whose ``fusable`` is true) over ``cache``, and the
-    call that runs a decode-only step through them."""
+    call that runs a decode-only step through them. ``observed``: the layers whose attention
+    weighs the cache's blocks for a pruning selector (``AttentionSelector.observes``); after a
+    step their masses and the cache's block summaries are kept as the layer-by-layer path keeps
+    them, so a pruning engine's dense steps take the native decoder too."""
 
     def __init__(
-        self, config: ModelConfig, layers: list, cache: KVCache, attention: AttentionOptions
+        self,
+        config: ModelConfig,
+        layers: list,
+        cache: KVCache,
+        attention: AttentionOptions,
+        observed: list[int],
     ) -> None:
         native, kernels = native_kernels.library(), quant_kernels.library()
         assert native is not None and kernels is not None, "check NativeDecoder.takes() first"
@@ -163,8 +175,10 @@ class NativeDecoder:
                 *(_address(roles.get(role)) for role in NORM_ROLES),
                 cache.layer_keys[index].data_ptr(), cache.layer_values[index].data_ptr(),
                 _address(key_scales), _address(value_scales), index in attention.local_layers,
+                observed.index(index) if index in observed else -1,
             )  # fmt: skip
         self.held = layers  # the tables point into their weights
+        self.observed, self.group = observed, attention.group
 
     @staticmethod
     def takes(layers: list, cache: KVCache) -> bool:
@@ -176,8 +190,7 @@ class NativeDecoder:
         if not (cache.native and quant_kernels.available()):
             return False
         activations = {layer.activation for layer in layers}
-        fusable = all(layer.fusable for layer in layers) and len(activations) == 1
-        return fusable and cache.key_bounds is None
+        return all(layer.fusable for layer in layers) and len(activations) == 1
 
     def __call__(
         self,
@@ -190,8 +203,9 @@ class NativeDecoder:
         float32, updated in place and returned); ``angles`` the whole-context layers' rows of
         the tables, then the sliding layers' where they have their own."""
         assert not meta.prefills, "a decode-only step"
-        if meta.fresh_blocks is not None and meta.fresh_blocks.numel():
-            self.cache.clear_fresh(meta.fresh_blocks, slice(layers.start, layers.stop))
+        fresh = meta.fresh_blocks
+        if fresh is not None and fresh.numel():
+            self.cache.clear_fresh(fresh, slice(layers.start, layers.stop))
         x = x.contiguous()
         views = [meta, meta.local or meta]  # by kind of layer
         patterns = [view.dense_pattern for view in views]
@@ -203,6 +217,10 @@ class NativeDecoder:
         def pair(values: list, kind=_pointer):
             return (kind * 2)(*values)
 
+        heads = x.shape[0] * self.shape.heads
+        observed_weights = torch.empty(len(self.observed), max(entries))
+        observed_stats = torch.empty(len(self.observed), 2, heads)
+
         step = _Step(
             x.data_ptr(), x.shape[0], meta.slot_mapping.data_ptr(), torch.get_num_threads(),
             work.data_ptr(), pair([c.data_ptr() for c, _ in tables]),
@@ -210,6 +228,7 @@ class NativeDecoder:
             pair([p.cols.data_ptr() for p in patterns]),
             pair([p.outside.data_ptr() for p in patterns]), pair(entries, _i64),
             pair([native_kernels.attention_threads(n) for n in entries], _i64),
+            observed_weights.data_ptr(), observed_stats.data_ptr(),
         )  # fmt: skip
         first = ctypes.byref(self.layers, layers.start * ctypes.sizeof(_Layer))
         status = self.native.decode_layers(
@@ -217,4 +236,16 @@ class NativeDecoder:
         )
         if status:
             raise RuntimeError(f"the native decoder failed at stage code {status}")
+        cache = self.cache
+        if cache.key_bounds is not None:
+            cache.update_summaries(slice(layers.start, layers.stop), meta.slot_mapping, fresh)
+        for k, layer in enumerate(self.observed):
+            if layer in layers:
+                local = self.layers[layer].local
+                pattern, count = patterns[local], entries[local]
+                denominators = observed_stats[k, 1]
+                weights = observed_weights[k, :count]
+                observe_mass(
+                    cache.mass[layer], pattern, weights, denominators, cache.block_size, self.group
+                )
         return x

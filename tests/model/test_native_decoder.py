@@ -57,7 +57,7 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str], layer_by_layer: bool, monk
         if layer_by_layer:
             patch.setattr(LlamaModel, "native_decoder", lambda self, cache, meta: None)
         engine = llm.engine
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
         ids = [engine.add_request(prompts[0], params)]
         outputs, steps = {}, 0
         while engine.has_unfinished_requests():
@@ -105,11 +105,28 @@ def test_the_native_decoder_adds_query_key_and_value_biases(tiny_model, monkeypa
     assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
 
 
-def test_engines_that_narrow_attention_keep_the_layer_by_layer_path(make_llm):
-    pruning = PruningConfig(min_context=64, min_blocks=3, dense_layers=0)
-    llm = make_llm(quantization="gguf", control=ControlConfig(pruning=pruning), max_num_seqs=2)
-    llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))
-    assert not native_decoder_built(llm)
+@pytest.mark.parametrize("scorer", ["reused-mass", "mass", "digest"])
+def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, monkeypatch, scorer):
+    """Steps where no layer is pruned (contexts under 48 tokens here) take the native decoder;
+    the block summaries and masses it keeps after them decide the pruned steps that follow
+    (blocks of 4 tokens, two to four kept of up to 17), so the two paths give the same tokens and
+    logprobs only if they keep the same ones (without either, the scorers that read it parted)."""
+    pruning = PruningConfig(
+        scorer=scorer, min_context=48, min_blocks=2, sink_blocks=1, recent_blocks=1,
+        dense_layers=0, budget_low=0.125, budget_high=0.25,
+    )  # fmt: skip
+    llm = make_llm(
+        control=ControlConfig(pruning=pruning),
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        block_size=4,
+    )
+    assert llm.engine.runner.model.decode_path(llm.engine.runner.cache) == (
+        "in one native call where no layer is pruned"
+    )
+    fused = tokens_and_logprobs(llm, PROMPTS[:4], False, monkeypatch)
+    assert native_decoder_built(llm)
+    assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
 
 
 def test_the_native_decoder_can_be_switched_off(make_llm, monkeypatch):

@@ -165,7 +165,7 @@ def test_default_engine_runs_quantized_kernels(llm, float_llm):
     if quant_kernels.available():
         # Q4_1 in its blocks with 8-bit activations, and decode steps in one native call.
         assert isinstance(model.layers[0].gate_up, BlockLinear)
-        assert model.decodes_in_one_call(llm.engine.runner.cache)
+        assert model.decode_path(llm.engine.runner.cache) == "in one native call"
     else:
         assert isinstance(model.layers[0].gate_up, Int4Linear)
     if quant_kernels.available():

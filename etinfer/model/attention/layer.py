@@ -54,16 +54,18 @@ class PagedAttention:
 
     @property
     def reads_natively(self) -> bool:
-        """Decode rows read through the bare C kernel, nothing narrowing what they read."""
-        return isinstance(self.selecting, NativeBackend)
+        """Decode rows read through the C kernel (narrowed by a selector on some steps)."""
+        return isinstance(self.backend, NativeBackend)
 
     def decodes_natively(self, meta: AttentionMetadata) -> bool:
         """Whether this step's decode rows attend as the native decoder computes them
-        (``native_decoder.py``): the bare C kernel over the step's dense patterns (the sliding
-        layers' own too), nothing narrowed or captured, no prefill rows."""
+        (``native_decoder.py``): the C kernel over the step's dense patterns (the sliding
+        layers' own too), no layer narrowed (a pruning engine's dense steps), nothing
+        captured, no prefill rows."""
         views = [meta] if not self.options.local_layers else [meta, meta.local]
         return (
             self.reads_natively
+            and self.selector.reads_all_of(meta.decode_blocks)
             and not meta.prefills
             and all(view is not None and view.dense_pattern is not None for view in views)
             and meta.capture_rows is None

@@ -36,6 +36,7 @@ typedef struct {
     void *key_cache, *value_cache;  // this layer's [kv_heads, slots, head_dim]
     float *key_scales, *value_scales;  // [kv_heads, slots] for an int8 cache, else NULL
     int64_t local;  // a sliding layer: the step's second angles and pattern
+    int64_t observed;  // -1, or where its attention weights go among the step's observed layers
 } Layer;
 
 typedef struct {
@@ -57,6 +58,10 @@ typedef struct {
     const int32_t *crow[2], *cols[2];
     const uint8_t *outside[2];
     int64_t nnz[2], attention_threads[2];
+    /* Observed layers' attention (pruning's mass scorers weigh blocks by it): each entry's
+     * weight [observed, largest nnz] and each row's largest score and softmax denominator
+     * [observed, 2, rows * heads]; unread where no layer is observed. */
+    float *observed_weights, *observed_stats;
 } Step;
 
 /* Rotate the first `heads` heads of each row in place, Hugging Face's layout (a head's two halves
@@ -162,12 +167,19 @@ int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step
         if (status) return 2000 + status;
         for (int64_t r = 0; r < rows; ++r)
             memcpy(q + r * q_width, qkv + r * width, q_width * sizeof(float));
+        float *layer_stats = stats, *layer_weights = weights;
+        if (layer->observed >= 0) {
+            const int64_t largest = step->nnz[0] > step->nnz[1] ? step->nnz[0] : step->nnz[1];
+            layer_stats = step->observed_stats + layer->observed * 2 * rows * s->heads;
+            layer_weights = step->observed_weights + layer->observed * largest;
+        }
         status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow[at],
                                   step->cols[at], step->outside[at], rows * s->heads, dim,
                                   step->nnz[at], s->kv_heads * s->num_slots,
-                                  s->heads / s->kv_heads, s->scale, attended, stats,
-                                  stats + rows * s->heads, weights, step->attention_threads[at],
-                                  kind, layer->key_scales, layer->value_scales);
+                                  s->heads / s->kv_heads, s->scale, attended, layer_stats,
+                                  layer_stats + rows * s->heads, layer_weights,
+                                  step->attention_threads[at], kind, layer->key_scales,
+                                  layer->value_scales);
         if (status) return 3000 + status;
         status = product(s, &layer->o, attended, rows, q_width, proj, step->threads);
         if (status) return 1000 + status;
