@@ -26,7 +26,7 @@ from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
 from etinfer.model.native_decoder import (
-    NativeDecoder,
+    NativeDecoders,
     elementwise_native,
     gated_activation,
     norm_heads,
@@ -301,9 +301,7 @@ class LlamaModel:
         if family.scales_embeddings:
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.attention = attention
-        # The native decoder (``native_decoder``) of the cache and selector it was built for.
-        self.decoder_key: tuple | None = None
-        self.decoder: NativeDecoder | None = None
+        self.decoders = NativeDecoders(config, self.layers, attention)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
@@ -335,7 +333,7 @@ class LlamaModel:
         layers: range,
     ) -> torch.Tensor:
         angles = [rope.rows(positions) for rope in self.ropes]
-        decoder = self.native_decoder(cache, meta)
+        decoder = self.decoders.for_step(cache, meta)
         if decoder is not None:
             return decoder(x, angles, meta, layers)
         for index in layers:
@@ -345,27 +343,7 @@ class LlamaModel:
 
     def decode_path(self, cache: KVCache) -> str:
         """How decode-only steps over ``cache`` run, in words."""
-        if not (self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)):
-            return "layer by layer"
-        if self.attention.selector.reads_everything:
-            return "in one native call"
-        return "in one native call where no layer is pruned"
-
-    def native_decoder(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
-        """The native decoder over ``cache`` where this step may take it, built on first use
-        (again where the selector changed: it names the layers whose masses are kept)."""
-        if not self.attention.decodes_natively(meta):
-            return None
-        selector = self.attention.selector
-        if self.decoder_key != (cache, selector):
-            self.decoder_key, self.decoder = (cache, selector), None
-            if NativeDecoder.takes(self.layers, cache):
-                observed = []
-                if cache.mass is not None:
-                    observed = [i for i in range(len(self.layers)) if selector.observes(i)]
-                options = self.attention.options
-                self.decoder = NativeDecoder(self.config, self.layers, cache, options, observed)
-        return self.decoder
+        return self.decoders.path(cache)
 
     def final_norm(self, x: torch.Tensor, weight: bool = True) -> torch.Tensor:
         """The final RMS norm; without its ``weight``, the bare normalisation."""

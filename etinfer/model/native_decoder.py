@@ -21,6 +21,7 @@ import os
 import torch
 
 from etinfer.model import native_kernels, quant_kernels
+from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.options import AttentionOptions
 from etinfer.model.attention.pruned_decode import observe_mass
@@ -249,3 +250,39 @@ class NativeDecoder:
                     cache.mass[layer], pattern, weights, denominators, cache.block_size, self.group
                 )
         return x
+
+
+class NativeDecoders:
+    """A model's native decoder for each step that may take it: built on first use over the
+    step's cache, and again where the attention's selector changed (it names the layers whose
+    masses are kept)."""
+
+    def __init__(self, config: ModelConfig, layers: list, attention: PagedAttention) -> None:
+        self.config, self.layers, self.attention = config, layers, attention
+        self.key: tuple | None = None  # the cache and selector ``decoder`` was built for
+        self.decoder: NativeDecoder | None = None
+
+    def path(self, cache: KVCache) -> str:
+        """How decode-only steps over ``cache`` run, in words (the start-up line's)."""
+        if not (self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)):
+            return "layer by layer"
+        if self.attention.selector.reads_everything:
+            return "in one native call"
+        return "in one native call where no layer is pruned"
+
+    def for_step(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
+        """The native decoder over ``cache`` where this step may take it."""
+        attention = self.attention
+        if not attention.decodes_natively(meta):
+            return None
+        selector = attention.selector
+        if self.key != (cache, selector):
+            self.key, self.decoder = (cache, selector), None
+            if NativeDecoder.takes(self.layers, cache):
+                observed = []
+                if cache.mass is not None:
+                    observed = [i for i in range(len(self.layers)) if selector.observes(i)]
+                self.decoder = NativeDecoder(
+                    self.config, self.layers, cache, attention.options, observed
+                )
+        return self.decoder

@@ -16,9 +16,8 @@ from etinfer import LLM, SamplingParams
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.model import native_kernels, quant_kernels
-from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
-from etinfer.model.native_decoder import gated_activation, rotate_heads
+from etinfer.model.native_decoder import NativeDecoders, gated_activation, rotate_heads
 from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.rotary import RotaryEmbedding
 from tests.conftest import PROMPTS
@@ -55,7 +54,7 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str], layer_by_layer: bool, monk
     decode steps share their batch with prefill rows), with the native decoder or without."""
     with monkeypatch.context() as patch:
         if layer_by_layer:
-            patch.setattr(LlamaModel, "native_decoder", lambda self, cache, meta: None)
+            patch.setattr(NativeDecoders, "for_step", lambda self, cache, meta: None)
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
         ids = [engine.add_request(prompts[0], params)]
@@ -71,7 +70,7 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str], layer_by_layer: bool, monk
 
 
 def native_decoder_built(llm: LLM) -> bool:
-    return llm.engine.runner.model.decoder is not None
+    return llm.engine.runner.model.decoders.decoder is not None
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
