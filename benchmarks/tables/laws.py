@@ -181,9 +181,11 @@ HEADS = Table(
 )
 
 
-def step_table(name: str, arms: tuple[tuple[str, str], ...], kind: str) -> Table:
+def step_table(
+    name: str, arms: tuple[tuple[str, str], ...], kind: str, result: str | None = None
+) -> Table:
     """A decode step over dense's per (batch, context) at 1-8K tokens, a column per (header,
-    arm), from the pruning runs of host ``kind`` (wall clock)."""
+    arm), from the pruning runs of host ``kind`` (wall clock; ``result``: that run alone)."""
     return Table(
         name,
         ("batch", "context"),
@@ -195,7 +197,11 @@ def step_table(name: str, arms: tuple[tuple[str, str], ...], kind: str) -> Table
         ),
         PRUNING.under(
             Pick(
-                kind=kind, subject="decode step", unit="x", labels={"vs": "dense", "clock": "wall"}
+                kind=kind,
+                subject="decode step",
+                unit="x",
+                labels={"vs": "dense", "clock": "wall"},
+                result=result,
             )
         ),
     )

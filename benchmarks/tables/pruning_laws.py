@@ -266,6 +266,17 @@ CROSSING = step_table(
         ("`reused-mass`, the default (dense below 2,048)", "reused"),
     ),
     HELD,
+    "pruning/2026-11-28-43c8aec-crossing-avx2-held.json",
+)
+# The same against a dense step in one native call (its pruned steps layer by layer).
+CROSSING_ONE_CALL = step_table(
+    "pruning_crossing_one_call",
+    (
+        ("`reused-mass`, from any context", "reused-ungated"),
+        ("`reused-mass`, dense below 2,048 (the default then)", "reused"),
+    ),
+    HELD,
+    "pruning/2026-11-28-16f47bc-crossing-one-call-avx2-held.json",
 )
 DIGEST_STEP = step_table(
     "pruning_digest_speed",
@@ -303,6 +314,7 @@ TABLES = (
     OWN_DIGEST,
     GEMMA,
     CROSSING,
+    CROSSING_ONE_CALL,
     DIGEST_STEP,
     ATTENTION_ROW,
 )

@@ -25,17 +25,16 @@ SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass")
 BUDGET_LAWS = ("entropy", "fixed", "top-p", "attention-entropy", "entropy+top-p")
 MEASURED_LAWS = ("top-p", "attention-entropy", "entropy+top-p")
 SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth in the model
-# Per scorer, the context from which pruning costs less than it saves at batch 1, where its
-# fixed cost per step weighs most: the shortest measured length whose pruned step was below
-# dense's (BENCHMARKS.md, "Entropic pruning": 1.15-1.18x at 2K and 0.97x at 4K for the key
-# bounds, 1.01-1.03x at 1K and 0.92x at 2K for reused masses, on an AVX-512 Xeon). At batch 8
-# both pay from about half of it; the batch-1 figure keeps every batch at or below dense.
-PAYING_CONTEXT = {
-    "bound": 4096,
-    "bound-value": 4096,
-    "digest": 4096,  # scored as the bounds are, at the same bytes a block
-    "mass": 4096,
-    "reused-mass": 2048,
+# Per scorer, the context from which pruning costs less than it saves, by the step's decoding
+# sequences: (from this many, this context), the largest count not above the step's applies.
+# Since a dense decode step runs its layers in one native call and a pruned one layer by layer,
+# reused masses, the cheapest scorer, cost 1.50x dense at 2K, 1.27-1.30x at 4K and 1.00-1.04x
+# at 8K at batch 1, and at batch 8 0.93-0.97x at 2K and 0.74-0.77x at 4K (held to AVX2); the
+# other scorers, which cost more a step, were not measured again and start at batch 1's
+# crossing at every batch (BENCHMARKS.md, "Entropic pruning").
+PAYING_CONTEXT: dict[str, tuple[tuple[int, int], ...]] = {
+    **dict.fromkeys(("bound", "bound-value", "digest", "mass"), ((1, 8192),)),
+    "reused-mass": ((1, 8192), (8, 2048)),
 }
 
 
@@ -110,10 +109,11 @@ class PruningConfig:
                 )
 
 
-def dense_below(config: PruningConfig) -> int:
-    """The context, in tokens, under which a sequence attends densely."""
+def dense_below(config: PruningConfig, decoding: int = 1) -> int:
+    """The context, in tokens, under which a sequence attends densely in a step that decodes
+    ``decoding`` sequences."""
     if config.min_context is None:
-        return PAYING_CONTEXT[config.scorer]
+        return next(c for n, c in reversed(PAYING_CONTEXT[config.scorer]) if decoding >= n)
     return config.min_context
 
 
@@ -150,13 +150,16 @@ def plan_budget(
     refresh: bool,
     config: PruningConfig,
     block_size: int,
+    decoding: int = 1,
 ) -> int:
-    """The blocks a decoding sequence keeps this step: its whole context where it attends
-    densely (no entropy measured yet, a context under ``min_context``, a mass refresh step),
+    """The blocks a decoding sequence keeps this step (one of ``decoding``): its whole context
+    where it attends densely (no entropy measured yet, a context under ``min_context`` or, by
+    default, under where pruning pays at this many sequences, a mass refresh step),
     else its law's budget (the cap, for a law the layers finish). A dense step counts as the
     previous budget, so the rate limit also holds where pruning starts."""
     in_context = -(-context_len // block_size)
-    if predictive_entropy_upper is None or context_len < dense_below(config) or refresh:
+    dense_context = context_len < dense_below(config, decoding)
+    if predictive_entropy_upper is None or dense_context or refresh:
         return in_context
     if config.budget_law == "fixed":
         return min(in_context, max(config.min_blocks, -(-config.token_budget // block_size)))

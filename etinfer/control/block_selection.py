@@ -159,6 +159,7 @@ class EntropicSelector(BlockSelector):
                     refresh,
                     config,
                     block_size,
+                    len(decoding),
                 )
             )
         return budgets

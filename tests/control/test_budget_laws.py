@@ -13,7 +13,7 @@ from tests.control.test_pruning import DIM, HEADS
 from tests.control.test_reused_mass import REUSED, step
 
 
-@pytest.mark.parametrize(("context", "entropy", "kept"), [(4096, 0.1, 64), (4096, 6.0, 64)])
+@pytest.mark.parametrize(("context", "entropy", "kept"), [(8192, 0.1, 64), (8192, 6.0, 64)])
 def test_the_fixed_law_keeps_its_tokens_whatever_the_entropy(context, entropy, kept):
     config = PruningConfig(budget_law="fixed", token_budget=1024)
     assert plan_budget(entropy, context, None, False, config, 16) == kept

@@ -128,12 +128,18 @@ def test_plan_budget_attends_densely_where_the_guards_say():
     assert plan(0.0, 120, 15, False) == 8
 
 
-@pytest.mark.parametrize(("scorer", "paying"), [("bound", 4096), ("reused-mass", 2048)])
-def test_by_default_each_scorer_prunes_from_where_it_pays_at_batch_one(scorer, paying):
+@pytest.mark.parametrize(
+    ("scorer", "decoding", "paying"),
+    [("bound", 1, 8192), ("bound", 8, 8192), ("reused-mass", 1, 8192), ("reused-mass", 7, 8192),
+     ("reused-mass", 8, 2048), ("reused-mass", 32, 2048)],
+)  # fmt: skip
+def test_by_default_each_scorer_prunes_from_where_it_pays_at_a_steps_batch(
+    scorer, decoding, paying
+):
     config = PruningConfig(scorer=scorer, max_shrink=1.0)
     in_context = paying // 16
-    assert plan_budget(0.0, paying - 1, None, False, config, 16) == in_context  # dense
-    assert plan_budget(0.0, paying, None, False, config, 16) < in_context
+    assert plan_budget(0.0, paying - 1, None, False, config, 16, decoding) == in_context  # dense
+    assert plan_budget(0.0, paying, None, False, config, 16, decoding) < in_context
 
 
 @pytest.mark.parametrize(
