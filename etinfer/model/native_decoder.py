@@ -276,7 +276,7 @@ class NativeDecoders:
         if not attention.decodes_natively(meta):
             return None
         selector = attention.selector
-        if self.key != (cache, selector):
+        if self.key is None or self.key[0] is not cache or self.key[1] is not selector:
             self.key, self.decoder = (cache, selector), None
             if NativeDecoder.takes(self.layers, cache):
                 observed = []
