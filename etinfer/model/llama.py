@@ -81,13 +81,6 @@ class WeightReader:
                 "(they need x86-64-v3, a C compiler and ETINFER_NATIVE not 0); the weights run "
                 "as in 'auto'"
             )
-        # The output head (and an embedding tied to it) in ``auto`` on the CPU takes the block
-        # kernels where they run and take its format: on the default Q8_0 head a product 1.8x
-        # (AVX-512) to 2.4x (AVX2) faster than torch's int8 kernel (a Q4_0/Q4_1 head 2.5-3.7x
-        # torch's int4 kernel), and one copy of the matrix where torch's per-row codes needed a
-        # second beside the rows the embedding and the candidates read (BENCHMARKS.md).
-        head_blocks = self.quantization == "auto" and device.type == "cpu"
-        self.head_quantization = "gguf" if head_blocks else self.quantization
         self.used: set[str] = set()
         self.dequantized: list[str] = []
         self.forms: Counter[str] = Counter()  # how the matrices multiply, counted
@@ -107,13 +100,11 @@ class WeightReader:
         1 + weight, computed so in float32), then in the engine's dtype."""
         return (as_float(self.raw(name)).float() + self.norm_offset).to(self.device, self.dtype)
 
-    def matrix(self, *names: str, head: bool = False, lookup: bool = False) -> Format:
-        """The weights of ``names`` stacked by output rows, in their format (the output head's,
-        ``head``, where it differs); a ``lookup`` (an embedding only read by rows) is not
-        counted among the forms that multiply."""
-        mode = self.head_quantization if head else self.quantization
+    def matrix(self, *names: str, lookup: bool = False) -> Format:
+        """The weights of ``names`` stacked by output rows, in their format; a ``lookup`` (an
+        embedding only read by rows) is not counted among the forms that multiply."""
         weight, dequantized = weight_format(
-            stack_rows([self.raw(n) for n in names]), mode, "+".join(names)
+            stack_rows([self.raw(n) for n in names]), self.quantization, "+".join(names)
         )
         if dequantized:
             self.dequantized.append(dequantized)
@@ -157,7 +148,6 @@ class DecoderLayer:
         self.native = self.input_norm.native and elementwise_native(
             self.qkv, self.o, self.gate_up, self.down, width=self.intermediate
         )
-        self.fusable = self.native
 
     activation = "silu"
 
@@ -237,12 +227,12 @@ class LlamaWeights:
     ) -> None:
         read = WeightReader(weights, quantization, device, dtype, family.norm_offset)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.embed = read.matrix("model.embed_tokens.weight", head=tied, lookup=not tied)
+        self.embed = read.matrix("model.embed_tokens.weight", lookup=not tied)
         self.layers = [
             family.layer(config, read, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
         self.norm = read.norm("model.norm.weight")
-        self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight", head=True))
+        self.lm_head = make_head(self.embed if tied else read.matrix("lm_head.weight"))
         head_weight = getattr(self.lm_head, "weight", None)
         if tied and isinstance(head_weight, WeightOnlyLinear | BlockLinear):
             self.embed = head_weight  # the tied rows read from the head's own copy

@@ -142,7 +142,7 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """The tables of ``layers`` (decoder layers whose ``fusable`` is true) over ``cache``, and the
+    """The tables of ``layers`` (decoder layers whose ``native`` is true) over ``cache``, and the
     call that runs a decode-only step through them. ``observed``: the layers whose attention
     weighs the cache's blocks for a pruning selector (``AttentionSelector.observes``); after a
     step their masses and the cache's block summaries are kept as the layer-by-layer path keeps
@@ -191,7 +191,7 @@ class NativeDecoder:
         if not (cache.native and quant_kernels.available()):
             return False
         activations = {layer.activation for layer in layers}
-        return all(layer.fusable for layer in layers) and len(activations) == 1
+        return all(layer.native for layer in layers) and len(activations) == 1
 
     def __call__(
         self,
@@ -210,7 +210,7 @@ class NativeDecoder:
         x = x.contiguous()
         views = [meta, meta.local or meta]  # by kind of layer
         patterns = [view.dense_pattern for view in views]
-        tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles * 2)[:2]]
+        tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles[0], angles[-1])]
         entries = [p.cols.shape[0] for p in patterns]
         floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], max(entries))
         work = torch.empty(floats)
