@@ -124,6 +124,8 @@ class EntropicSelector(BlockSelector):
         # Only the digest reads them: the other scorers' caches skip their upkeep at every write.
         self.needs_moments = config.scorer == "digest"
         self.observes_mass = config.scorer in ("mass", "reused-mass")
+        # Reused masses rank by what the selection layers measured, not by the layer's query.
+        self.selects_without_query = config.scorer == "reused-mass"
         self.scale = scale
         self.selection_layers: tuple[int, ...] = ()
         if config.scorer == "reused-mass":

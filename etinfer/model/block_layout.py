@@ -80,6 +80,10 @@ class AttentionSelector(ABC):
     observes_mass = False  # attention records each attended block's mass for it
     # It never narrows attention (a decode step may then be a captured CUDA graph).
     reads_everything = False
+    # Its answer at a layer does not read that layer's query (``select`` is then asked with
+    # None): a pruned step may run in native calls, one per run of layers reading the same
+    # blocks (``PrunedDecode.segments``).
+    selects_without_query = False
 
     def observes(self, layer: int) -> bool:
         """Whether attention records the blocks' mass at ``layer`` (``observes_mass`` layers)."""
@@ -94,12 +98,13 @@ class AttentionSelector(ABC):
     def select(
         self,
         layer: int,
-        query: torch.Tensor,
+        query: torch.Tensor | None,
         blocks: DecodeBlocks,
         summaries: BlockSummaries | None,
     ) -> Selection | None:
         """The blocks to attend to, or None for all of them. ``query`` is [num_seqs,
-        num_heads, head_dim]; the mask is [num_seqs, num_kv_heads, max_blocks]."""
+        num_heads, head_dim] (None for a selector that ``selects_without_query``); the mask is
+        [num_seqs, num_kv_heads, max_blocks]."""
         ...
 
 

@@ -325,7 +325,9 @@ class LlamaModel:
         angles = [rope.rows(positions) for rope in self.ropes]
         decoder = self.decoders.for_step(cache, meta)
         if decoder is not None:
-            return decoder(x, angles, meta, layers)
+            for run, pattern in self.attention.segments(cache, meta, layers):
+                x = decoder(x, angles, meta, run, pattern)
+            return x
         for index in layers:
             layer = self.layers[index]
             x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)

@@ -24,6 +24,7 @@ from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pattern import DecodePattern
 from etinfer.model.attention.pruned_decode import observe_mass
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
@@ -199,17 +200,18 @@ class NativeDecoder:
         angles: list[RotaryRows],
         meta: AttentionMetadata,
         layers: range,
+        pattern: DecodePattern | None = None,
     ) -> torch.Tensor:
         """The residual stream after ``layers`` of a decode-only step (``x`` [rows, hidden]
         float32, updated in place and returned); ``angles`` the whole-context layers' rows of
-        the tables, then the sliding layers' where they have their own."""
+        the tables, then the sliding layers' where they have their own; ``pattern``: what the
+        whole-context layers read where a selector narrowed it (None: the step's dense one)."""
         assert not meta.prefills, "a decode-only step"
         fresh = meta.fresh_blocks
         if fresh is not None and fresh.numel():
             self.cache.clear_fresh(fresh, slice(layers.start, layers.stop))
         x = x.contiguous()
-        views = [meta, meta.local or meta]  # by kind of layer
-        patterns = [view.dense_pattern for view in views]
+        patterns = [pattern or meta.dense_pattern, (meta.local or meta).dense_pattern]
         tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles[0], angles[-1])]
         entries = [p.cols.shape[0] for p in patterns]
         floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], max(entries))
@@ -266,8 +268,11 @@ class NativeDecoders:
         """How decode-only steps over ``cache`` run, in words (the start-up line's)."""
         if not (self.attention.reads_natively and NativeDecoder.takes(self.layers, cache)):
             return "layer by layer"
-        if self.attention.selector.reads_everything:
+        selector = self.attention.selector
+        if selector.reads_everything:
             return "in one native call"
+        if selector.selects_without_query:
+            return "in one native call, or one per run of layers reading the same blocks"
         return "in one native call where no layer is pruned"
 
     def for_step(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:

@@ -19,8 +19,10 @@ class PrunedLayer:
     # ranked without them (then the layer certifies nothing it dropped: a dropped mass of 1)
     bounds: torch.Tensor | None
     visible: torch.Tensor  # [seqs, kv_heads, blocks] the blocks read
-    row_max: torch.Tensor  # [seqs * heads] each query row's largest score (scaled)
-    denominators: torch.Tensor  # [seqs * heads] its softmax denominator over the kept entries
+    # [seqs * heads] each query row's largest score (scaled) and its softmax denominator over
+    # the kept entries, where there are bounds to weigh against them (else None)
+    row_max: torch.Tensor | None
+    denominators: torch.Tensor | None
 
 
 @dataclass

@@ -11,9 +11,12 @@ import torch
 from etinfer import LLM, SamplingParams
 from etinfer.bench.common.fidelity import divergences, forced_log_probs
 from etinfer.bench.speed.kv_cache import fidelity_texts
+from etinfer.control.block_selection import PruningConfig
+from etinfer.control.config import ControlConfig
 from etinfer.corpus import corpus_text
 from etinfer.model.linear import BlockLinear
 from etinfer.model.loader import load_model
+from etinfer.model.native_decoder import NativeDecoder
 from etinfer.model.quantized import GGUFBlocks
 from tests.conftest import gguf_files_parsed_once
 from tests.model.test_native_decoder import native_decoder_built, tokens_and_logprobs
@@ -134,6 +137,30 @@ def test_the_native_decoder_computes_the_layer_by_layer_steps_bit_for_bit(gemma,
     fused = tokens_and_logprobs(llm, prompts, False, monkeypatch)
     assert native_decoder_built(llm)
     assert len(llm.engine.tokenizer.encode(prompts[1])) > gemma.config.sliding_window
+    assert fused == tokens_and_logprobs(llm, prompts, True, monkeypatch)
+
+
+def test_pruned_steps_run_natively_past_the_sliding_layers(gemma, monkeypatch):
+    """Reused masses on Gemma: its one selection layer (5, the first whole-context layer
+    pruning reaches) ranks blocks for the layers after it, in one native call in which the
+    sliding layers read their window and the whole-context ones (11, 17) the kept blocks; the
+    same tokens and logprobs as layer by layer."""
+    pruning = PruningConfig(min_context=48, min_blocks=2, recent_blocks=1, budget_high=0.25)
+    llm = LLM(
+        gemma, max_num_seqs=4, enable_prefix_caching=False, block_size=4,
+        control=ControlConfig(pruning=pruning),
+    )  # fmt: skip
+    runs = []
+    call = NativeDecoder.__call__
+
+    def counting(self, x, angles, meta, layers, pattern=None):
+        runs.append((layers, pattern is not None))
+        return call(self, x, angles, meta, layers, pattern)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", counting)
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[5], PROMPTS[1]]
+    fused = tokens_and_logprobs(llm, prompts, False, monkeypatch)
+    assert (range(6, 18), True) in runs and (range(0, 6), False) in runs
     assert fused == tokens_and_logprobs(llm, prompts, True, monkeypatch)
 
 

@@ -17,7 +17,12 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.model import native_kernels, quant_kernels
 from etinfer.model.loader import LoadedModel
-from etinfer.model.native_decoder import NativeDecoders, gated_activation, rotate_heads
+from etinfer.model.native_decoder import (
+    NativeDecoder,
+    NativeDecoders,
+    gated_activation,
+    rotate_heads,
+)
 from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.rotary import RotaryEmbedding
 from tests.conftest import PROMPTS
@@ -106,7 +111,8 @@ def test_the_native_decoder_adds_query_key_and_value_biases(tiny_model, monkeypa
 
 @pytest.mark.parametrize("scorer", ["reused-mass", "mass", "digest"])
 def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, monkeypatch, scorer):
-    """Steps where no layer is pruned (contexts under 48 tokens here) take the native decoder;
+    """Steps where no layer is pruned (contexts under 48 tokens here) take the native decoder,
+    and so do pruned steps of reused masses, a call per run of layers reading the same blocks;
     the block summaries and masses it keeps after them decide the pruned steps that follow
     (blocks of 4 tokens, two to four kept of up to 17), so the two paths give the same tokens and
     logprobs only if they keep the same ones (without either, the scorers that read it parted)."""
@@ -120,12 +126,25 @@ def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, m
         enable_prefix_caching=False,
         block_size=4,
     )
-    assert llm.engine.runner.model.decode_path(llm.engine.runner.cache) == (
-        "in one native call where no layer is pruned"
-    )
+    path = llm.engine.runner.model.decode_path(llm.engine.runner.cache)
+    runs = []  # the native calls' layers, where a pattern narrowed them
+    call = NativeDecoder.__call__
+
+    def counting(self, x, angles, meta, layers, pattern=None):
+        if pattern is not None:
+            runs.append(layers)
+        return call(self, x, angles, meta, layers, pattern)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", counting)
     fused = tokens_and_logprobs(llm, PROMPTS[:4], False, monkeypatch)
     assert native_decoder_built(llm)
     assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
+    if scorer == "reused-mass":
+        # Pruned steps too, a call per run of layers after each selection layer (0 and 18).
+        assert path == "in one native call, or one per run of layers reading the same blocks"
+        assert set(runs) == {range(1, 18), range(19, 30)}
+    else:  # the others rank by each layer's query: pruned steps go layer by layer
+        assert path == "in one native call where no layer is pruned" and not runs
 
 
 def test_the_native_decoder_can_be_switched_off(make_llm, monkeypatch):

@@ -10,12 +10,15 @@ pruned or prefill sparse, the backend is wrapped by the layer that narrows it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from etinfer.model.attention.backend import AttentionBackend
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.native_backend import NativeBackend
 from etinfer.model.attention.options import AttentionOptions
+from etinfer.model.attention.pattern import DecodePattern
 from etinfer.model.attention.pruned_decode import PrunedDecode
 from etinfer.model.attention.registry import create_backend
 from etinfer.model.attention.sparse_prefill import SparsePrefill
@@ -46,8 +49,9 @@ class PagedAttention:
         self.selector = selector
         # The backend with the selectors in force wrapped around it: what the layer calls.
         selecting = self.backend
+        self.pruned: PrunedDecode | None = None
         if not selector.reads_everything:
-            selecting = PrunedDecode(selecting, selector)
+            selecting = self.pruned = PrunedDecode(selecting, selector)
         if self.prefill_selector is not None:
             selecting = SparsePrefill(selecting, self.prefill_selector)
         self.selecting = selecting
@@ -60,16 +64,29 @@ class PagedAttention:
     def decodes_natively(self, meta: AttentionMetadata) -> bool:
         """Whether this step's decode rows attend as the native decoder computes them
         (``native_decoder.py``): the C kernel over the step's dense patterns (the sliding
-        layers' own too), no layer narrowed (a pruning engine's dense steps), nothing
-        captured, no prefill rows."""
+        layers' own too) or, for a selector that answers without a layer's query, over the
+        blocks it keeps for each run of layers (``segments``); nothing captured, no prefill
+        rows."""
         views = [meta] if not self.options.local_layers else [meta, meta.local]
+        selector = self.selector
         return (
             self.reads_natively
-            and self.selector.reads_all_of(meta.decode_blocks)
+            and (selector.reads_all_of(meta.decode_blocks) or selector.selects_without_query)
             and not meta.prefills
             and all(view is not None and view.dense_pattern is not None for view in views)
             and meta.capture_rows is None
         )
+
+    def segments(
+        self, cache: KVCache, meta: AttentionMetadata, layers: range
+    ) -> Iterator[tuple[range, DecodePattern | None]]:
+        """A native decode step's ``layers`` as runs that read the same blocks, each with the
+        pattern its whole-context layers read (None: the step's dense one); compute each run
+        before asking for the next, which may read the masses it observed."""
+        if self.pruned is None or self.selector.reads_all_of(meta.decode_blocks):
+            yield layers, None
+        else:
+            yield from self.pruned.segments(cache, meta, layers)
 
     def __call__(
         self,

@@ -5,13 +5,16 @@ selector reads everything never builds one."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from etinfer.model.attention.backend import Attended, AttentionBackend, BackendDecorator
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.pattern import DecodePattern
+from etinfer.model.attention.pattern_decode import PatternDecode
 from etinfer.model.attention.torch_backend import TorchBackend
-from etinfer.model.block_layout import AttentionSelector
+from etinfer.model.block_layout import AttentionSelector, BlockSummaries, Selection
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.pruning_telemetry import PrunedLayer
 
@@ -26,6 +29,17 @@ class PrunedDecode(BackendDecorator):
         if selector.observes_mass and not inner.reports_weights:
             self.weighing = TorchBackend(inner.options)
 
+    def select(
+        self, layer: int, q: torch.Tensor | None, cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[Selection | None, BlockSummaries | None]:
+        """The selector's answer for ``layer`` (None: every block) and the layer's summaries.
+        A sliding layer of a model that mixes windows is sparse already: it reads its window,
+        and only the layers that see the whole context are pruned."""
+        summaries = cache.summaries(layer) if self.selector.needs_summaries else None
+        if layer in self.options.local_layers:
+            return None, summaries
+        return self.selector.select(layer, q, meta.decode_blocks, summaries), summaries
+
     def decode(
         self,
         layer: int,
@@ -35,15 +49,9 @@ class PrunedDecode(BackendDecorator):
         window: int | None,
         block_mask: torch.Tensor | None = None,
     ) -> Attended:
-        selector = self.selector
-        summaries = cache.summaries(layer) if selector.needs_summaries else None
-        # A sliding layer of a model that mixes windows is sparse already: it reads its window,
-        # and only the layers that see the whole context are pruned.
-        selection = None
-        if layer not in self.options.local_layers:
-            selection = selector.select(layer, q, meta.decode_blocks, summaries)
+        selection, summaries = self.select(layer, q, cache, meta)
         observing = summaries is not None and summaries.mass is not None
-        observing = observing and selector.observes(layer)
+        observing = observing and self.selector.observes(layer)
         backend = self.weighing if observing else self.inner
         mask = None if selection is None else selection.mask
         attended = backend.decode(layer, q, cache, meta, window, mask)
@@ -67,6 +75,43 @@ class PrunedDecode(BackendDecorator):
                 self.options.group,
             )
         return attended
+
+    def segments(
+        self, cache: KVCache, meta: AttentionMetadata, layers: range
+    ) -> Iterator[tuple[range, DecodePattern | None]]:
+        """``layers`` as runs that read the same blocks, each with the pattern of what its
+        whole-context layers read (None: all of it), for a selector that answers without the
+        layer's query (``selects_without_query``): the native decoder runs a run in one call.
+        A run ends at a layer whose mass the selector observes, since the next answer may
+        read it: the caller computes a run before asking for the next."""
+        assert self.selector.selects_without_query and isinstance(self.inner, PatternDecode)
+        local = self.options.local_layers
+        start, current, decided = layers.start, None, False  # decided: a whole-context layer
+        for layer in layers:
+            if layer not in local:  # a sliding layer reads its window whatever the run reads
+                selection, _ = self.select(layer, None, cache, meta)
+                mask = None if selection is None else selection.mask
+                if decided and mask is not current:
+                    yield from self._run(range(start, layer), current, cache, meta)
+                    start = layer
+                current, decided = mask, True
+            if self.selector.observes(layer) or layer + 1 == layers.stop:
+                yield from self._run(range(start, layer + 1), current, cache, meta)
+                start, current, decided = layer + 1, None, False
+
+    def _run(
+        self, layers: range, mask: torch.Tensor | None, cache: KVCache, meta: AttentionMetadata
+    ) -> Iterator[tuple[range, DecodePattern | None]]:
+        if mask is None:
+            yield layers, None
+            return
+        window, local = self.options.sliding_window, self.options.local_layers
+        visible, pattern = self.inner.masked_pattern(meta.decode_blocks, cache, mask, window)
+        if meta.telemetry is not None:
+            for layer in layers:
+                if layer not in local:
+                    meta.telemetry.record(PrunedLayer(layer, None, visible, None, None))
+        yield layers, pattern
 
 
 def observe_mass(
