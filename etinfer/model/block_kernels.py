@@ -1,6 +1,7 @@
-"""The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``): the CSR
-pattern of the blocks each decode row reads, the key-bound and digest scores of every block, and
-the mask of each row's best blocks.
+"""The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``,
+``native/block_summaries.c``): the CSR pattern of the blocks each decode row reads, the key-bound
+and digest scores of every block, the mask of each row's best blocks, and the mass attention
+gave each block.
 
 Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
 the attention that pruning saves. Their torch forms (``attention/pattern.py``,
@@ -159,3 +160,24 @@ def keep_largest(scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | 
         scratch.data_ptr(),
     )
     return mask.view(scores.shape)
+
+
+def observe_block_mass(
+    mass: torch.Tensor,  # [kv_heads, blocks] float32, contiguous
+    pattern,  # the decode pattern attention read (``attention/pattern.py``)
+    weights: torch.Tensor,  # [nnz] float32 unnormalised weights of its entries
+    denominators: torch.Tensor,  # [rows] float32
+    block_size: int,
+    group: int,
+) -> bool:
+    """Each attended block's share of attention into ``mass`` (``observe_mass``'s arithmetic);
+    False (nothing done) where the native form does not apply."""
+    native = _native(mass, weights)
+    tensors = (mass, weights, denominators)
+    if native is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return False
+    native.observe_block_mass(
+        mass.data_ptr(), pattern.crow.data_ptr(), pattern.cols.data_ptr(), weights.data_ptr(),
+        denominators.data_ptr(), denominators.shape[0], block_size, group,
+    )  # fmt: skip
+    return True

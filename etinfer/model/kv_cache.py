@@ -227,7 +227,11 @@ class KVCache:
     ) -> None:
         """The block summaries of ``layers`` after their keys and values at ``slots`` were
         written, read back as stored: the layer-by-layer path calls it for a layer as it
-        writes, the native decoder for all its layers after a step."""
+        writes; the native decoder keeps them inside its step, with the same C."""
+        if self.native and slots.dtype == torch.int64:
+            for layer in range(*layers.indices(len(self.keys))):
+                self._update_summaries_natively(layer, slots.contiguous(), fresh_blocks)
+            return
         key_max, key_min = self.key_bounds[layers].unbind(3)
         # The keys as stored, in the bounds' type: a 16-bit cache's own (exact), with no round
         # trip through float32.
@@ -255,3 +259,23 @@ class KVCache:
         if moments is not None:
             keys = keys.to(self.compute_dtype)
             moments.index_add_(2, blocks, torch.stack([keys, keys.square()], 3))
+
+    def _update_summaries_natively(
+        self, layer: int, slots: torch.Tensor, fresh_blocks: torch.Tensor | None
+    ) -> None:
+        """``update_summaries`` for one layer in one call (``native/block_summaries.c``)."""
+        native = native_kernels.library()
+        fresh = fresh_blocks if fresh_blocks is not None else slots[:0]
+        fresh = fresh.to(torch.int64).contiguous()
+        key_scales, value_scales = self.layer_scales(layer)
+        moments = None if self.key_moments is None else self.key_moments[layer].data_ptr()
+        native.update_block_summaries(
+            self.layer_keys[layer].data_ptr(), self.layer_values[layer].data_ptr(),
+            None if key_scales is None else key_scales.data_ptr(),
+            None if value_scales is None else value_scales.data_ptr(),
+            native_kernels.KV_KINDS[self.dtype], slots.data_ptr(), slots.shape[0],
+            self.keys.shape[1], self.num_slots, self.keys.shape[-1], self.block_size,
+            fresh.data_ptr(), fresh.shape[0], self.key_bounds[layer].data_ptr(),
+            native_kernels.KV_KINDS[self.key_bounds.dtype], self.mass[layer].data_ptr(),
+            self.value_sums[layer].data_ptr(), moments,
+        )  # fmt: skip

@@ -25,7 +25,6 @@ from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.options import AttentionOptions
 from etinfer.model.attention.pattern import DecodePattern
-from etinfer.model.attention.pruned_decode import observe_mass
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear
@@ -50,6 +49,8 @@ class _Layer(ctypes.Structure):
         *((name, _pointer) for name in ("qkv_bias", *NORM_ROLES)),
         *((name, _pointer) for name in ("keys", "values", "key_scales", "value_scales")),
         ("local", _i64),
+        ("key_bounds", _pointer),
+        *((name, _pointer) for name in ("mass", "value_sums", "key_moments")),
         ("observed", _i64),
     ]
 
@@ -58,6 +59,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         *((name, _i64) for name in ("num_slots", "kv_kind", "activation")),
+        *((name, _i64) for name in ("block_size", "bound_kind")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("block_linear", _pointer),
@@ -75,8 +77,8 @@ class _Step(ctypes.Structure):
         # By kind of layer (whole-context, sliding).
         *((name, _pointer * 2) for name in ("cos", "sin", "crow", "cols", "outside")),
         *((name, _i64 * 2) for name in ("nnz", "attention_threads")),
-        ("observed_weights", _pointer),
-        ("observed_stats", _pointer),
+        ("fresh", _pointer),
+        ("num_fresh", _i64),
     ]
 
 
@@ -145,9 +147,9 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 class NativeDecoder:
     """The tables of ``layers`` (decoder layers whose ``native`` is true) over ``cache``, and the
     call that runs a decode-only step through them. ``observed``: the layers whose attention
-    weighs the cache's blocks for a pruning selector (``AttentionSelector.observes``); after a
-    step their masses and the cache's block summaries are kept as the layer-by-layer path keeps
-    them, so a pruning engine's dense steps take the native decoder too."""
+    weighs the cache's blocks for a pruning selector (``AttentionSelector.observes``); inside
+    the step their masses and the cache's block summaries are kept by the C the layer-by-layer
+    path calls (``native/block_summaries.c``), so a pruning engine's steps take it too."""
 
     def __init__(
         self,
@@ -160,14 +162,18 @@ class NativeDecoder:
         native, kernels = native_kernels.library(), quant_kernels.library()
         assert native is not None and kernels is not None, "check NativeDecoder.takes() first"
         self.native, self.cache = native, cache
+        bounds = cache.key_bounds
         self.shape = _Shape(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, cache.num_slots, native_kernels.KV_KINDS[cache.dtype],
-            ACTIVATIONS[layers[0].activation], config.rms_norm_eps, attention.scale,
+            ACTIVATIONS[layers[0].activation], cache.block_size,
+            native_kernels.KV_KINDS[bounds.dtype] if bounds is not None else 0,
+            config.rms_norm_eps, attention.scale,
             ctypes.cast(kernels.block_linear, _pointer),
             ctypes.cast(kernels.float_linear, _pointer),
         )  # fmt: skip
         self.layers = (_Layer * len(layers))()
+        summaries = (bounds, cache.mass, cache.value_sums, cache.key_moments)
         for index, layer in enumerate(layers):
             key_scales, value_scales = cache.layer_scales(index)
             roles = layer.native_roles()
@@ -177,10 +183,10 @@ class NativeDecoder:
                 *(_address(roles.get(role)) for role in NORM_ROLES),
                 cache.layer_keys[index].data_ptr(), cache.layer_values[index].data_ptr(),
                 _address(key_scales), _address(value_scales), index in attention.local_layers,
-                observed.index(index) if index in observed else -1,
+                *(None if t is None else _address(t[index]) for t in summaries),
+                index in observed,
             )  # fmt: skip
         self.held = layers  # the tables point into their weights
-        self.observed, self.group = observed, attention.group
 
     @staticmethod
     def takes(layers: list, cache: KVCache) -> bool:
@@ -220,10 +226,8 @@ class NativeDecoder:
         def pair(values: list, kind=_pointer):
             return (kind * 2)(*values)
 
-        heads = x.shape[0] * self.shape.heads
-        observed_weights = torch.empty(len(self.observed), max(entries))
-        observed_stats = torch.empty(len(self.observed), 2, heads)
-
+        if fresh is None:
+            fresh = meta.slot_mapping[:0]
         step = _Step(
             x.data_ptr(), x.shape[0], meta.slot_mapping.data_ptr(), torch.get_num_threads(),
             work.data_ptr(), pair([c.data_ptr() for c, _ in tables]),
@@ -231,7 +235,7 @@ class NativeDecoder:
             pair([p.cols.data_ptr() for p in patterns]),
             pair([p.outside.data_ptr() for p in patterns]), pair(entries, _i64),
             pair([native_kernels.attention_threads(n) for n in entries], _i64),
-            observed_weights.data_ptr(), observed_stats.data_ptr(),
+            fresh.data_ptr(), fresh.numel(),
         )  # fmt: skip
         first = ctypes.byref(self.layers, layers.start * ctypes.sizeof(_Layer))
         status = self.native.decode_layers(
@@ -239,18 +243,6 @@ class NativeDecoder:
         )
         if status:
             raise RuntimeError(f"the native decoder failed at stage code {status}")
-        cache = self.cache
-        if cache.key_bounds is not None:
-            cache.update_summaries(slice(layers.start, layers.stop), meta.slot_mapping, fresh)
-        for k, layer in enumerate(self.observed):
-            if layer in layers:
-                local = self.layers[layer].local
-                pattern, count = patterns[local], entries[local]
-                denominators = observed_stats[k, 1]
-                weights = observed_weights[k, :count]
-                observe_mass(
-                    cache.mass[layer], pattern, weights, denominators, cache.block_size, self.group
-                )
         return x
 
 

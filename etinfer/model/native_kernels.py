@@ -32,7 +32,8 @@ import torch
 logger = logging.getLogger("etinfer.model")
 
 _SOURCES = [
-    Path(__file__).parent / "native" / name for name in ("kernels.c", "block_sparse.c", "decoder.c")
+    Path(__file__).parent / "native" / name
+    for name in ("kernels.c", "block_sparse.c", "block_summaries.c", "decoder.c")
 ]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
@@ -161,6 +162,11 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.key_digest_scores.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
+    library.update_block_summaries.argtypes = [pointer] * 4 + [ctypes.c_int, pointer] + [i64] * 5
+    library.update_block_summaries.argtypes += [pointer, i64, pointer, ctypes.c_int] + [pointer] * 3
+    library.update_block_summaries.restype = None
+    library.observe_block_mass.argtypes = [pointer] * 5 + [i64] * 3
+    library.observe_block_mass.restype = None
     library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
     library.rotate_heads.restype = None
     library.norm_heads.argtypes = [pointer] + [i64] * 4 + [pointer, ctypes.c_float]

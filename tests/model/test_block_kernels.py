@@ -1,6 +1,6 @@
 """The native forms of block-sparse decode's bookkeeping against their torch forms, on random
 layouts: the decode pattern bit for bit, the key-bound scores up to float rounding, the best
-blocks exactly."""
+blocks exactly, the block summaries and masses the cache keeps."""
 
 import pytest
 import torch
@@ -13,7 +13,9 @@ from etinfer.control.block_scores import (
 )
 from etinfer.model import block_kernels, native_kernels
 from etinfer.model.attention.pattern import build_decode_pattern, decode_pattern, visible_blocks
+from etinfer.model.attention.pruned_decode import observe_mass
 from etinfer.model.block_layout import BlockSummaries, DecodeBlocks
+from etinfer.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.skipif(
     native_kernels.compiler() is None or not native_kernels.enabled(), reason="no C compiler"
@@ -122,3 +124,44 @@ def test_keep_largest_takes_exactly_the_budget_through_ties_and_nan():
     assert got.tolist() == [[False, True, True, False, False, False]]  # ties in index order
     got = block_kernels.keep_largest(scores, torch.tensor([6]))
     assert got.all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_native_block_summaries_are_the_torch_ones(dtype):
+    """Three steps of writes (blocks starting fresh, several rows into one block, a block
+    written again) keep the same key bounds (exactly: they are stored keys), value sums, key
+    moments and masses in C as in torch."""
+    caches = [
+        KVCache(2, 8, 4, 3, 16, torch.device("cpu"), dtype, summaries=True, moments=True)
+        for _ in range(2)
+    ]
+    caches[1].native = False  # the torch form
+    gen = torch.Generator().manual_seed(5)
+    for cache in caches:
+        for tensor in cache.tensors:
+            tensor.zero_()
+    for slots, fresh in (([0, 1, 2, 8], [0, 2]), ([3, 9, 10], []), ([4, 5, 11], [1])):
+        keys, values = torch.randn(2, len(slots), 3, 16, generator=gen) * 3
+        for cache in caches:
+            for layer in range(2):
+                cache.write(layer, torch.tensor(slots), torch.tensor(fresh), keys, values)
+    native, torch_form = caches
+    assert torch.equal(native.key_bounds, torch_form.key_bounds)
+    assert torch.equal(native.mass, torch_form.mass)  # +inf at every block begun, else 0
+    torch.testing.assert_close(native.value_sums, torch_form.value_sums, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(native.key_moments, torch_form.key_moments, rtol=1e-6, atol=1e-5)
+
+
+def test_native_block_mass_is_the_torch_one():
+    blocks, gen = layout([5, 40, 300], seed=3)
+    kv_heads, group = 2, 3
+    _, pattern = decode_pattern(blocks, kv_heads, group, NUM_BLOCKS * BLOCK)
+    weights = torch.rand(pattern.nnz, generator=gen)
+    denominators = torch.rand(pattern.crow.numel() - 1, generator=gen) + 1
+    masses = [torch.full((kv_heads, NUM_BLOCKS), 7.0) for _ in range(2)]
+    observe_mass(masses[0], pattern, weights, denominators, BLOCK, group)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_kernels, "observe_block_mass", lambda *args: False)
+        observe_mass(masses[1], pattern, weights, denominators, BLOCK, group)
+    torch.testing.assert_close(masses[0], masses[1], rtol=1e-6, atol=1e-7)
+    assert (masses[0] == 7.0).sum() > 0 and (masses[0] != 7.0).sum() > 0  # only blocks read

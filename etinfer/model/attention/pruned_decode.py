@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from etinfer.model import block_kernels
 from etinfer.model.attention.backend import Attended, AttentionBackend, BackendDecorator
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.pattern import DecodePattern
@@ -125,6 +126,8 @@ def observe_mass(
     """Record each attended block's attention mass in ``mass`` [kv_heads, blocks], averaged
     over the ``group`` query heads that share its KV head (what the mass scorer ranks by, until
     the block is read again)."""
+    if block_kernels.observe_block_mass(mass, pattern, weights, denominators, block_size, group):
+        return
     probs = weights / denominators[pattern.row_ids] / group
     ids = torch.div(pattern.cols, block_size, rounding_mode="floor").long()  # head * blocks + block
     flat = mass.view(-1)

@@ -36,11 +36,16 @@ typedef struct {
     void *key_cache, *value_cache;  // this layer's [kv_heads, slots, head_dim]
     float *key_scales, *value_scales;  // [kv_heads, slots] for an int8 cache, else NULL
     int64_t local;  // a sliding layer: the step's second angles and pattern
-    int64_t observed;  // -1, or where its attention weights go among the step's observed layers
+    /* Pruning's block summaries of this layer (block_summaries.c), or NULL where the cache keeps
+     * none; `observed`: its attention's mass per block goes into `mass`. */
+    void *key_bounds;
+    float *mass, *value_sums, *key_moments;
+    int64_t observed;
 } Layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, kv_kind, activation;
+    int64_t block_size, bound_kind;  // the cache's blocks; the type its key bounds are kept in
     float eps, scale;
     BlockLinear block_linear;
     FloatLinear float_linear;
@@ -58,10 +63,8 @@ typedef struct {
     const int32_t *crow[2], *cols[2];
     const uint8_t *outside[2];
     int64_t nnz[2], attention_threads[2];
-    /* Observed layers' attention (pruning's mass scorers weigh blocks by it): each entry's
-     * weight [observed, largest nnz] and each row's largest score and softmax denominator
-     * [observed, 2, rows * heads]; unread where no layer is observed. */
-    float *observed_weights, *observed_stats;
+    const int64_t *fresh;  // [num_fresh] blocks receiving their first token (their summaries reset)
+    int64_t num_fresh;
 } Step;
 
 /* Rotate the first `heads` heads of each row in place, Hugging Face's layout (a head's two halves
@@ -165,22 +168,25 @@ int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step
                              s->num_slots, dim, width, width, kind, layer->key_scales,
                              layer->value_scales);
         if (status) return 2000 + status;
+        if (layer->key_bounds)
+            update_block_summaries(layer->key_cache, layer->value_cache, layer->key_scales,
+                                   layer->value_scales, kind, step->slots, rows, s->kv_heads,
+                                   s->num_slots, dim, s->block_size, step->fresh, step->num_fresh,
+                                   layer->key_bounds, (int)s->bound_kind, layer->mass,
+                                   layer->value_sums, layer->key_moments);
         for (int64_t r = 0; r < rows; ++r)
             memcpy(q + r * q_width, qkv + r * width, q_width * sizeof(float));
-        float *layer_stats = stats, *layer_weights = weights;
-        if (layer->observed >= 0) {
-            const int64_t largest = step->nnz[0] > step->nnz[1] ? step->nnz[0] : step->nnz[1];
-            layer_stats = step->observed_stats + layer->observed * 2 * rows * s->heads;
-            layer_weights = step->observed_weights + layer->observed * largest;
-        }
         status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow[at],
                                   step->cols[at], step->outside[at], rows * s->heads, dim,
                                   step->nnz[at], s->kv_heads * s->num_slots,
-                                  s->heads / s->kv_heads, s->scale, attended, layer_stats,
-                                  layer_stats + rows * s->heads, layer_weights,
-                                  step->attention_threads[at], kind, layer->key_scales,
-                                  layer->value_scales);
+                                  s->heads / s->kv_heads, s->scale, attended, stats,
+                                  stats + rows * s->heads, weights, step->attention_threads[at],
+                                  kind, layer->key_scales, layer->value_scales);
         if (status) return 3000 + status;
+        if (layer->observed)
+            observe_block_mass(layer->mass, step->crow[at], step->cols[at], weights,
+                               stats + rows * s->heads, rows * s->heads, s->block_size,
+                               s->heads / s->kv_heads);
         status = product(s, &layer->o, attended, rows, q_width, proj, step->threads);
         if (status) return 1000 + status;
         if (layer->attention_out_norm) norm_rows(proj, rows, s, layer->attention_out_norm);

@@ -1,5 +1,6 @@
-/* The entry points of kernels.c that other native code calls too (decoder.c runs a decode
- * step's layers through them, so that a fused step computes what the separate calls do). */
+/* The entry points of kernels.c and block_summaries.c that other native code calls too
+ * (decoder.c runs a decode step's layers through them, so that a fused step computes what the
+ * separate calls do). */
 #ifndef ETINFER_KERNELS_H
 #define ETINFER_KERNELS_H
 #include "kv_elements.h"
@@ -18,5 +19,16 @@ int write_cache(void *key_cache, void *value_cache, const float *keys, const flo
 void residual_rms_norm(const float *x, const void *residual, int residual_float,
                        const float *weight, int64_t rows, int64_t hidden, float eps, float *x_out,
                        void *h, int h_float);
+
+void update_block_summaries(const void *keys, const void *values, const float *key_scales,
+                            const float *value_scales, int kind, const int64_t *slots,
+                            int64_t rows, int64_t kv_heads, int64_t num_slots, int64_t dim,
+                            int64_t block_size, const int64_t *fresh, int64_t num_fresh,
+                            void *bounds, int bound_kind, float *mass, float *value_sums,
+                            float *moments);
+
+void observe_block_mass(float *mass, const int32_t *crow, const int32_t *cols,
+                        const float *weights, const float *denominators, int64_t rows,
+                        int64_t block_size, int64_t group);
 
 #endif
