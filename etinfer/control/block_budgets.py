@@ -27,14 +27,15 @@ MEASURED_LAWS = ("top-p", "attention-entropy", "entropy+top-p")
 SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth in the model
 # Per scorer, the context from which pruning costs less than it saves, by the step's decoding
 # sequences: (from this many, this context), the largest count not above the step's applies.
-# Since a dense decode step runs its layers in one native call and a pruned one layer by layer,
-# reused masses, the cheapest scorer, cost 1.50x dense at 2K, 1.27-1.30x at 4K and 1.00-1.04x
-# at 8K at batch 1, and at batch 8 0.93-0.97x at 2K and 0.74-0.77x at 4K (held to AVX2); the
-# other scorers, which cost more a step, were not measured again and start at batch 1's
-# crossing at every batch (BENCHMARKS.md, "Entropic pruning").
+# Reused masses, which answer without a layer's query, prune in native calls between their
+# selection layers: held to AVX2 they cost 1.08x dense at 1K, 0.95-1.02x at 2K, 0.79-0.83x at
+# 4K and 0.64-0.68x at 8K at batch 1, and at batch 8 0.84x at 1K. The other scorers rank by each
+# layer's query, so their pruned steps run layer by layer against a dense step in one native
+# call: they start where reused masses did before (8K), at every batch (BENCHMARKS.md,
+# "Entropic pruning").
 PAYING_CONTEXT: dict[str, tuple[tuple[int, int], ...]] = {
     **dict.fromkeys(("bound", "bound-value", "digest", "mass"), ((1, 8192),)),
-    "reused-mass": ((1, 8192), (8, 2048)),
+    "reused-mass": ((1, 3072), (8, 1024)),
 }
 
 

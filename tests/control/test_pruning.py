@@ -130,8 +130,8 @@ def test_plan_budget_attends_densely_where_the_guards_say():
 
 @pytest.mark.parametrize(
     ("scorer", "decoding", "paying"),
-    [("bound", 1, 8192), ("bound", 8, 8192), ("reused-mass", 1, 8192), ("reused-mass", 7, 8192),
-     ("reused-mass", 8, 2048), ("reused-mass", 32, 2048)],
+    [("bound", 1, 8192), ("bound", 8, 8192), ("reused-mass", 1, 3072), ("reused-mass", 7, 3072),
+     ("reused-mass", 8, 1024), ("reused-mass", 32, 1024)],
 )  # fmt: skip
 def test_by_default_each_scorer_prunes_from_where_it_pays_at_a_steps_batch(
     scorer, decoding, paying
