@@ -182,10 +182,15 @@ HEADS = Table(
 
 
 def step_table(
-    name: str, arms: tuple[tuple[str, str], ...], kind: str, result: str | None = None
+    name: str,
+    arms: tuple[tuple[str, str], ...],
+    kind: str,
+    result: str | None = None,
+    contexts: tuple[int, ...] = (1024, 2048, 4096, 8000),
 ) -> Table:
-    """A decode step over dense's per (batch, context) at 1-8K tokens, a column per (header,
-    arm), from the pruning runs of host ``kind`` (wall clock; ``result``: that run alone)."""
+    """A decode step over dense's per (batch, context) at ``contexts`` tokens, a column per
+    (header, arm), from the pruning runs of host ``kind`` (wall clock; ``result``: that run
+    alone)."""
     return Table(
         name,
         ("batch", "context"),
@@ -193,7 +198,7 @@ def step_table(
         tuple(
             Row((str(b), f"{c:,}"), Pick(labels={"batch": b, "context": c}))
             for b in (1, 8)
-            for c in (1024, 2048, 4096, 8000)
+            for c in contexts
         ),
         PRUNING.under(
             Pick(

@@ -278,6 +278,17 @@ CROSSING_ONE_CALL = step_table(
     HELD,
     "pruning/2026-11-28-16f47bc-crossing-one-call-avx2-held.json",
 )
+# Pruned steps of reused masses in native calls too, one per run of layers reading the same blocks.
+CROSSING_NATIVE = step_table(
+    "pruning_crossing_native",
+    (
+        ("`reused-mass`, from any context", "reused-ungated"),
+        ("`reused-mass`, the default (dense below 3,072; from 8 sequences 1,024)", "reused"),
+    ),
+    HELD,
+    "pruning/2026-11-28-9087e06-crossing-native-avx2-held.json",
+    contexts=(1024, 2048, 3072, 4096, 8000),
+)
 DIGEST_STEP = step_table(
     "pruning_digest_speed",
     (
@@ -315,6 +326,7 @@ TABLES = (
     GEMMA,
     CROSSING,
     CROSSING_ONE_CALL,
+    CROSSING_NATIVE,
     DIGEST_STEP,
     ATTENTION_ROW,
 )

@@ -248,12 +248,11 @@ class NativeDecoder:
 
 class NativeDecoders:
     """A model's native decoder for each step that may take it: built on first use over the
-    step's cache, and again where the attention's selector changed (it names the layers whose
-    masses are kept)."""
+    step's cache, and again where the layers whose masses are kept (the selector's) changed."""
 
     def __init__(self, config: ModelConfig, layers: list, attention: PagedAttention) -> None:
         self.config, self.layers, self.attention = config, layers, attention
-        self.key: tuple | None = None  # the cache and selector ``decoder`` was built for
+        self.key: tuple | None = None  # the cache and observed layers ``decoder`` was built for
         self.decoder: NativeDecoder | None = None
 
     def path(self, cache: KVCache) -> str:
@@ -272,14 +271,16 @@ class NativeDecoders:
         attention = self.attention
         if not attention.decodes_natively(meta):
             return None
-        selector = attention.selector
-        if self.key is None or self.key[0] is not cache or self.key[1] is not selector:
-            self.key, self.decoder = (cache, selector), None
+        observed: tuple[int, ...] = ()
+        if cache.mass is not None:
+            selector = attention.selector
+            observed = tuple(i for i in range(len(self.layers)) if selector.observes(i))
+        # Keyed by what the tables hold, not by the selector: a benchmark that switches between
+        # selectors each step would otherwise rebuild them each step.
+        if self.key is None or self.key[0] is not cache or self.key[1] != observed:
+            self.key, self.decoder = (cache, observed), None
             if NativeDecoder.takes(self.layers, cache):
-                observed = []
-                if cache.mass is not None:
-                    observed = [i for i in range(len(self.layers)) if selector.observes(i)]
                 self.decoder = NativeDecoder(
-                    self.config, self.layers, cache, attention.options, observed
+                    self.config, self.layers, cache, attention.options, list(observed)
                 )
         return self.decoder
