@@ -286,7 +286,7 @@ CROSSING_NATIVE = step_table(
         ("`reused-mass`, the default (dense below 3,072; from 8 sequences 1,024)", "reused"),
     ),
     HELD,
-    "pruning/2026-11-28-9087e06-crossing-native-avx2-held.json",
+    "pruning/2026-11-28-2e8c739-crossing-native-avx2-held.json",
     contexts=(1024, 2048, 3072, 4096, 8000),
 )
 DIGEST_STEP = step_table(
