@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from etinfer.server.errors import APIError
 from etinfer.server.protocol import ChatMessage, NamedToolChoice, Tool
 from etinfer.structured.params import StructuredOutputsParams
+from etinfer.structured.schema_support import hoisted
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+_SPACE = re.compile(r"\s*")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _SYSTEM = (
     "You are a function calling AI model. You may call one or more functions to assist with "
@@ -93,8 +95,14 @@ class ToolCalling:
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(self._tool(self.name)))
         if self.mode == "required":
-            items = {"anyOf": [_call_schema(t) for t in self.tools]}
-            schema = {"type": "array", "minItems": 1, "items": items}
+            # Each tool's parameters are a definition of the list's root, their own $defs
+            # beside them: references resolve from the root wherever the list puts them.
+            defs: dict = {}
+            calls = []
+            for i, tool in enumerate(self.tools):
+                defs.update(hoisted(_parameters(tool), f"tool{i}"))
+                calls.append(_call_schema(tool, {"$ref": f"#/$defs/tool{i}"}))
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
             if not self.parallel:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema)
@@ -105,11 +113,8 @@ class ToolCalling:
         if self.mode == "named":
             return None, [ToolCall(self.name, text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-                return None, [ToolCall(i["name"], json.dumps(i["arguments"])) for i in items]
-            except (ValueError, TypeError, KeyError):
-                return text, []  # cut short (max_tokens): no call to report
+            calls = [ToolCall(i["name"], json.dumps(i["arguments"])) for i in _whole_items(text)]
+            return (None, calls) if calls else (text, [])
         return self._parse_hermes(text)
 
     def _parse_hermes(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -140,12 +145,33 @@ def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object"}
 
 
-def _call_schema(tool: Tool) -> dict:
+def _call_schema(tool: Tool, arguments: dict) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": _parameters(tool)},
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
         "required": ["name", "arguments"],
     }
+
+
+def _whole_items(text: str) -> list[dict]:
+    """The complete call objects of a JSON array of calls (the grammar's), in order: all of
+    them, or those written before ``max_tokens`` cut the array (a model sampling hot can list
+    calls until the limit; the calls it finished are still calls)."""
+    decoder, items = json.JSONDecoder(), []
+    at = _SPACE.match(text).end()
+    if not text.startswith("[", at):
+        return []
+    while True:
+        try:
+            item, at = decoder.raw_decode(text, _SPACE.match(text, at + 1).end())
+        except ValueError:
+            return items
+        if not (isinstance(item, dict) and "name" in item and "arguments" in item):
+            return items
+        items.append(item)
+        at = _SPACE.match(text, at).end()
+        if not text.startswith(",", at):
+            return items
 
 
 class ToolCallStream:

@@ -2,12 +2,16 @@
 
 xgrammar compiles some schemas whose every constraint it does not enforce: it warns (or says
 nothing) and the output may then break the schema. Measured with xgrammar 0.2.8 by feeding a
-violating value to a matcher: ``not``, ``allOf`` of more than one schema (the branches are not
-merged), ``format`` together with ``minLength``/``maxLength`` (the lengths are dropped), and
-the formats ``regex``, ``idn-email``, ``iri`` and any it does not know (the format is
-dropped). A schema that uses one of them is refused, naming the keyword and where it is,
-rather than answered with JSON that may not validate. ``oneOf`` is enforced as ``anyOf``:
-exact for disjoint branches (the usual discriminated union), looser where branches overlap.
+violating value to a matcher (tests/structured/test_schema_keywords.py holds each): ``not``,
+``uniqueItems``, ``contains`` (and its counts), ``dependentRequired``, ``dependentSchemas``,
+``dependencies``, ``if``/``then``/``else``, ``multipleOf`` on numbers that need not be integers,
+``allOf`` of more than one schema (the branches are not merged), ``pattern`` together with
+``minLength``/``maxLength`` or ``format`` (all but the pattern dropped), ``format`` together with
+``minLength``/``maxLength`` (the lengths are dropped), and the formats ``regex``, ``idn-email``,
+``iri`` and any it does not know (the format is dropped). A schema that uses one of them is
+refused, naming the keyword and where it is, rather than answered with JSON that may not
+validate. ``oneOf`` is enforced as ``anyOf``: exact for disjoint branches (the usual
+discriminated union), looser where branches overlap.
 """
 
 from __future__ import annotations
@@ -59,19 +63,43 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+# Keywords xgrammar 0.2.8 compiles and does not enforce (a value that breaks them is accepted);
+# llguidance refuses each of them as unimplemented.
+_IGNORED_KEYWORDS = (
+    "not",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "if",
+    "then",
+    "else",
+)
+
+
 def unenforced_feature(schema: object) -> str | None:
     """The first feature of ``schema`` a grammar would not enforce, with where it is."""
     for path, node in subschemas(schema):
         where = "/".join(path) or "(root)"
-        if "not" in node:
-            return f"'not' (at {where})"
+        ignored = next((k for k in _IGNORED_KEYWORDS if k in node), None)
+        if ignored is not None:
+            return f"{ignored!r} (at {where})"
+        if node.get("uniqueItems") is True:
+            return f"'uniqueItems' (at {where})"
+        if "multipleOf" in node and node.get("type") != "integer":
+            return f"'multipleOf' on a type other than integer (at {where})"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' of more than one schema (at {where})"
+        lengths = "minLength" in node or "maxLength" in node
+        if "pattern" in node and (lengths or "format" in node):
+            return f"'pattern' with minLength, maxLength or format (at {where})"
         fmt = node.get("format")
         if fmt is not None:
             if fmt not in ENFORCED_FORMATS:
                 return f"format {fmt!r} (at {where})"
-            if "minLength" in node or "maxLength" in node:
+            if lengths:
                 return f"format with minLength or maxLength (at {where})"
     return None
 
@@ -99,6 +127,38 @@ def bounded_fractions(schema: object) -> object:
         if node.get("format") in BOUNDED_FORMATS and "pattern" not in node:
             node["pattern"] = BOUNDED_FORMATS[node.pop("format")]
     return bounded
+
+
+def hoisted(schema: object, name: str) -> dict[str, Any]:
+    """Definitions under which ``schema`` can sit inside an enclosing schema (the call list of
+    ``tool_choice: "required"`` holds each tool's parameters so): ``schema`` itself as ``name``
+    and each of its ``$defs`` and ``definitions`` as ``name.defs.NAME``, every reference within
+    them rewritten to resolve from the enclosing schema's root, whose ``$defs`` must hold them
+    all. Left in place, a reference such as ``#/$defs/Address`` (every Pydantic model with a
+    nested one) points at the enclosing root, where nothing of that name is."""
+    copy = json.loads(json.dumps(schema))
+    if not isinstance(copy, dict):
+        return {name: copy}
+    defs = {name: copy}
+    for key in ("$defs", "definitions"):
+        for inner, definition in (copy.pop(key, None) or {}).items():
+            defs[f"{name}.defs.{inner}"] = definition
+    for definition in defs.values():
+        for _, node in subschemas(definition):
+            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+                node["$ref"] = _rebased(node["$ref"], name)
+    return defs
+
+
+def _rebased(ref: str, name: str) -> str:
+    """A reference from a schema's root made to resolve from the root holding ``hoisted``'s
+    definitions (JSON pointer segments escape ``~`` and ``/`` as ``~0`` and ``~1``)."""
+    parts = ref[1:].split("/")
+    if len(parts) >= 3 and parts[0] == "" and parts[1] in ("$defs", "definitions"):
+        inner = parts[2].replace("~1", "/").replace("~0", "~")
+        target = f"{name}.defs.{inner}".replace("~", "~0").replace("/", "~1")
+        return "/".join(["#", "$defs", target, *parts[3:]])
+    return f"#/$defs/{name.replace('~', '~0').replace('/', '~1')}{ref[1:]}"
 
 
 def subschemas(schema: object) -> Iterator[tuple[list[str], dict[str, Any]]]:

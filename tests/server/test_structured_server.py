@@ -176,6 +176,56 @@ def test_required_tool_choice_gives_calls_whose_arguments_validate(client, model
     assert len(single.message.tool_calls) == 1
 
 
+# What Pydantic writes for a model with a nested one: pydantic-ai sends its output tool so,
+# with tool_choice "required".
+ORDER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "final_result",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 16},
+                "address": {"$ref": "#/$defs/Address"},
+            },
+            "required": ["name", "address"],
+            "$defs": {
+                "Address": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string", "maxLength": 16},
+                        "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+                    },
+                    "required": ["city", "zip"],
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_required_calls_keep_a_tools_own_defs_at_any_temperature(client, model_name, temperature):
+    """The nested model resolves inside the call list; every reply is a valid call of the tool
+    (its complete calls kept where a hot sample lists calls until max_tokens cuts it)."""
+    parameters = ORDER_TOOL["function"]["parameters"]
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "Ship a parcel to Ada in Oslo, 0150."}],
+            tools=[ORDER_TOOL, TIME_TOOL],
+            tool_choice="required",
+            temperature=temperature,
+            seed=seed,
+            max_tokens=100,
+        ).choices[0]
+        assert reply.message.tool_calls, reply.message.content
+        for call in reply.message.tool_calls:
+            assert call.function.name in ("final_result", "get_time")
+            if call.function.name == "final_result":
+                jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
 def test_a_tool_result_is_rendered_and_answered(client, model_name):
     messages = [
         *ASK_WEATHER,
@@ -222,6 +272,10 @@ def test_a_tool_result_is_rendered_and_answered(client, model_name):
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
+        ),
+        (  # xgrammar does not enforce it: refused, not loosened
+            {"response_format": schema_format("x", {"type": "array", "uniqueItems": True})},
+            "response_format.json_schema.schema",
         ),
     ],
 )
