@@ -18,15 +18,20 @@ FIELDS = {f.name: f.name for f in dataclasses.fields(SamplingParams)}
 MAX_SEED = 2**63
 
 
-def check_request(request: GenerationRequest, model_name: str) -> None:
-    """The checks every generation request passes before its prompt is read."""
-    if request.model is not None and request.model != model_name:
+def check_model(model: str | None, model_name: str) -> None:
+    """A request's ``model``, where it names one, is the served one."""
+    if model is not None and model != model_name:
         raise APIError(
             400,
-            f"The model `{request.model}` does not exist; this server serves `{model_name}`",
+            f"The model `{model}` does not exist; this server serves `{model_name}`",
             param="model",
             code="model_not_found",
         )
+
+
+def check_request(request: GenerationRequest, model_name: str) -> None:
+    """The checks every generation request passes before its prompt is read."""
+    check_model(request.model, model_name)
     name = request.unsupported_field()
     if name is not None:
         raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")

@@ -23,8 +23,10 @@ from etinfer.server.playground import add_playground
 from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from etinfer.server.serving import OpenAIServing
+from etinfer.server.tokenizer_routes import TOKENIZER_PATHS, add_tokenizer_routes
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
+GUARDED_PATHS = ("/v1", *TOKENIZER_PATHS)
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -34,8 +36,8 @@ def default_model_name(engine: LLMEngine) -> str:
 
 
 class APIKeyMiddleware:
-    """401 for ``/v1`` requests without ``Authorization: Bearer <key>``, before the body is
-    read. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client
+    """401 for ``/v1`` and tokenizer requests without ``Authorization: Bearer <key>``, before
+    the body is read. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client
     disconnects from the streaming responses behind it."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -43,7 +45,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(
@@ -145,6 +147,7 @@ def create_app(
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(request, raw)
 
+    add_tokenizer_routes(app, stack.encoder, serving.model_name, engine.max_model_len)
     return app
 
 

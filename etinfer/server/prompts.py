@@ -98,6 +98,36 @@ class PromptEncoder:
         size = sum(len(m["content"]) for m in messages) + len(str(tools or ""))
         return await self._run(encode, "messages", size)
 
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s ids, whatever their count (``/tokenize``: its caller compares them with
+        the context)."""
+
+        def encode() -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await self._run(encode, "prompt", len(text))
+
+    async def tokenize_chat(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    ) -> list[int]:
+        """The conversation as the chat template renders it, in ids, whatever their count."""
+
+        def encode() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt
+                )
+            except (ValueError, jinja2.TemplateError) as e:
+                raise APIError(400, f"chat template: {e}", param="messages") from e
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        size = sum(len(m["content"]) for m in messages) + len(str(tools or ""))
+        return await self._run(encode, "messages", size)
+
     async def _run(self, work: Callable[[], T], param: str, text_chars: int) -> T:
         lane = self._long if text_chars > LONG_TEXT_CHARS else self._short
         if lane.pending >= self.max_pending:
