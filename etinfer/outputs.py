@@ -94,6 +94,9 @@ class RequestOutput:
     error: str | None = None
     # Structured output: per generated token, what the grammar's mask did (None without one).
     constraint: ConstraintTrace | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), its
+    # log-probability and the top-N, by token id; complete once the prompt is prefilled.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # A delta (streamed with delta=True) carries only what its step added: the per-token lists
     # and the text cover the new tokens, everything else is the request's state now.
     delta: bool = False
@@ -132,6 +135,7 @@ class RequestOutput:
                 self.blocks_kept, self.dropped_mass = [], []
             self.blocks_kept += delta.blocks_kept
             self.dropped_mass += delta.dropped_mass
+        self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason
         self.error = delta.error
         self.metrics = delta.metrics

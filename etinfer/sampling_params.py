@@ -39,6 +39,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token (N <= 20)
+    # vLLM's: the log-probability of each prompt token after the first, with its top-N
+    # alternatives (N <= 20), computed in prefill; the prompt is then not served from the
+    # prefix cache, whose positions would have no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Structured output: a grammar every generated token must follow (a JSON schema, any JSON
     # object, a regex, an EBNF grammar, a choice); a dict is read as StructuredOutputsParams.
@@ -90,8 +94,9 @@ class SamplingParams:
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
             )
         self.stop_token_ids = [check_int("stop_token_ids", t, low=0) for t in self.stop_token_ids]
-        if self.logprobs is not None:
-            self.logprobs = check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS))
         if isinstance(self.structured, dict):
             self.structured = StructuredOutputsParams(**self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):

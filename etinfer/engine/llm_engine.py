@@ -258,6 +258,8 @@ class LLMEngine:
             emitted = sample_verified(
                 batch, result.logits, decisions.temperature_states, self._sample, self._take
             )
+        for scores in result.prompt_scores:
+            scores.record(self.tokenizer.token_text)
         progress.stage = "committing"
         for seq, start, n in zip(batch.seqs, starts, batch.num_tokens, strict=True):
             self.kv.commit(seq, start, n)

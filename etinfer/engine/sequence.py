@@ -99,6 +99,10 @@ class Sequence:
         self.tempered_entropies: list[float] = []
         self.temperatures: list[float] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # Per prompt token, None for the first (nothing precedes it); filled as prefill runs.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         # Which model wrote each output token, where a smaller model writes some: speculation
         # (accepted drafts) and switching both append to it, neither touching the other's state.
         self.token_models: list[str] = []
@@ -260,6 +264,7 @@ class Sequence:
             tempered_entropies=self.tempered_entropies[tokens:],
             temperatures=self.temperatures[tokens:],
             logprobs=None if self.logprobs is None else self.logprobs[tokens:],
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             finish_reason=self.finish_reason,
             error=self.error,
             metrics=RequestMetrics(**vars(self.metrics)),

@@ -11,7 +11,7 @@ from etinfer.server.engine_loop import EngineRequest
 from etinfer.server.errors import APIError, invalid_value
 from etinfer.server.limits import check_lists
 from etinfer.server.prompts import EncodedPrompt
-from etinfer.server.protocol import GenerationRequest
+from etinfer.server.protocol import CompletionRequest, GenerationRequest
 
 # A request's SamplingParams field names, as the request spells them.
 FIELDS = {f.name: f.name for f in dataclasses.fields(SamplingParams)}
@@ -26,6 +26,20 @@ def check_model(model: str | None, model_name: str) -> None:
             f"The model `{model}` does not exist; this server serves `{model_name}`",
             param="model",
             code="model_not_found",
+        )
+
+
+def check_echo(request: CompletionRequest) -> None:
+    """``echo`` returns whole choices: one each (no ``n``), not streamed; and only with echo
+    may a completion generate nothing."""
+    if request.echo:
+        if request.stream:
+            raise APIError(400, "echo is not supported with stream: true", param="echo")
+        if request.n > 1:
+            raise APIError(400, f"echo takes n = 1, got n = {request.n}", param="echo")
+    elif request.max_tokens == 0:
+        raise APIError(
+            400, "max_tokens must be at least 1 (0 only with echo: true)", param="max_tokens"
         )
 
 

@@ -144,6 +144,11 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None  # None: DEFAULT_COMPLETION_TOKENS, as OpenAI does
     logprobs: int | None = None  # top-N per token, as in OpenAI's legacy completions
+    # The prompt before the completion, and with logprobs the prompt tokens' too (0 tokens to
+    # generate allowed): how evaluation harnesses score a text by the model.
+    echo: bool = False
+    # vLLM's: each prompt token's log-probability and top-N, as the choice's prompt_logprobs
+    prompt_logprobs: int | None = None
 
 
 class TextPart(_Strict):

@@ -7,9 +7,11 @@ delta from an empty cursor, so both paths share the same code. Each choice also 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from etinfer.model.tokenizer import Tokenizer
 from etinfer.outputs import Logprob, RequestOutput
 from etinfer.server.tool_calls import ToolCalling, ToolCallStream
 
@@ -149,6 +151,10 @@ def completion_logprobs(out: RequestOutput, tokens: range, cursor: Cursor) -> di
     }
 
 
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
 def usage(outputs: list[RequestOutput], n: int) -> dict:
     """Token counts of a request whose prompts each had ``n`` choices (a prompt counts once)."""
     firsts = outputs[::n]
@@ -162,25 +168,97 @@ def usage(outputs: list[RequestOutput], n: int) -> dict:
     }
 
 
+def echoed_logprobs(out: RequestOutput, cursor: Cursor, tokenizer: Tokenizer) -> dict:
+    """The prompt's part of a completion's logprobs (echo): each prompt token, its logprob and
+    top-N (none for the first, which nothing precedes), text offsets from the prompt's start."""
+    strings, values, tops, offsets = [], [], [], []
+    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+        scored = None if entry is None else entry[token]
+        strings.append(tokenizer.token_text(token) if scored is None else scored.token)
+        values.append(None if scored is None else _logprob(scored.logprob))
+        tops.append(
+            None if entry is None else {lp.token: _logprob(lp.logprob) for lp in entry.values()}
+        )
+        offsets.append(cursor.text_offset)
+        cursor.text_offset += len(strings[-1])
+    return {
+        "tokens": strings,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def vllm_prompt_logprobs(out: RequestOutput) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token, by token id, its logprob, rank
+    and text."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token): {
+                "logprob": _logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.token,
+            }
+            for token, lp in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]
+
+
 class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, logprobs: int | None, attention_entropy: bool = False) -> None:
+    def __init__(
+        self,
+        logprobs: int | None,
+        attention_entropy: bool = False,
+        *,
+        echo: Tokenizer | None = None,
+        prompt_logprobs: bool = False,
+        prompt_only: bool = False,
+    ) -> None:
+        """``echo``: the tokenizer that writes the prompt back, where the request echoes it;
+        ``prompt_only``: nothing was asked to be generated (echo with max_tokens 0)."""
         self.logprobs = logprobs
         self.with_logprobs = logprobs is not None
         self.attention_entropy = attention_entropy
+        self.echo, self.prompt_logprobs, self.prompt_only = echo, prompt_logprobs, prompt_only
+
+    def reported(self, out: RequestOutput) -> RequestOutput:
+        """A whole output as it is reported: with ``prompt_only``, without the token computed
+        only to end the request."""
+        if not self.prompt_only:
+            return out
+        return dataclasses.replace(
+            out, text="", token_ids=[], entropies=[], tempered_entropies=[], temperatures=[],
+            logprobs=None if out.logprobs is None else [], finish_reason="length",
+        )  # fmt: skip
 
     def choice(self, index: int, out: RequestOutput, cursor: Cursor, delta: Delta) -> dict:
-        return {
+        text, logprobs = delta.text, None
+        if self.echo is not None:
+            prompt = out.prompt
+            if prompt is None:
+                prompt = self.echo.decode(out.prompt_token_ids, skip_special_tokens=False)
+            text = prompt + text
+            if self.logprobs is not None:
+                logprobs = echoed_logprobs(out, cursor, self.echo)
+        if self.logprobs is not None:
+            generated = completion_logprobs(out, delta.tokens, cursor)
+            logprobs = generated if logprobs is None else _joined(logprobs, generated)
+        choice = {
             "index": index,
-            "text": delta.text,
-            "logprobs": None
-            if self.logprobs is None
-            else completion_logprobs(out, delta.tokens, cursor),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "etinfer": telemetry(out, delta, self.attention_entropy),
         }
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out)
+        return choice
 
     chunk_choice = choice
 
@@ -191,6 +269,9 @@ class CompletionFormat:
 class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def reported(self, out: RequestOutput) -> RequestOutput:
+        return out
 
     def __init__(
         self,

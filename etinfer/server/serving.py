@@ -7,6 +7,7 @@ behind; once queued, the request is aborted (its KV blocks freed) whenever its c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ from etinfer.outputs import RequestOutput
 from etinfer.server.admission import (
     FIELDS,
     check_choices,
+    check_echo,
     check_request,
     engine_requests,
     sampling_params,
@@ -86,18 +88,31 @@ class OpenAIServing:
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_TOKENS
-        params = sampling_params(request, max_tokens, request.logprobs, FIELDS)
+        check_echo(request)
+        # Nothing to generate (echo alone): one token is computed and not reported.
+        prompt_only = max_tokens == 0
+        computed = 1 if prompt_only else max_tokens
+        params = sampling_params(request, computed, request.logprobs, FIELDS)
+        scored = request.prompt_logprobs
+        if scored is None and request.echo and request.logprobs is not None:
+            scored = request.logprobs
+        try:
+            params = dataclasses.replace(params, prompt_logprobs=scored)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt_logprobs") from e
         params = await self._constrained(request, params, None)
         encoded = await self.encoder.encode_completion(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = engine_requests(self.engine, request_id, encoded, params, request, arrival)
-        return await self._answer(
-            request,
-            raw,
-            request_id,
-            requests,
-            CompletionFormat(request.logprobs, request.return_attention_entropy),
+        tokenizer = self.engine.tokenizer
+        fmt = CompletionFormat(
+            request.logprobs,
+            request.return_attention_entropy,
+            echo=tokenizer if request.echo else None,
+            prompt_logprobs=request.prompt_logprobs is not None,
+            prompt_only=prompt_only,
         )
+        return await self._answer(request, raw, request_id, requests, fmt)
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
@@ -189,6 +204,7 @@ class OpenAIServing:
         if outputs is None:
             # Nobody reads this; 499 is what proxies log for a client that closed first.
             return JSONResponse({}, status_code=499)
+        outputs = [fmt.reported(out) for out in outputs]
         choices = [
             fmt.choice(i, out, cursor := Cursor(), advance(cursor, out, every_token=True))
             for i, out in enumerate(outputs)

@@ -23,7 +23,10 @@ def test_every_sampling_field_is_a_request_field() -> None:
     openai_named = {"temperature", "top_p", "seed", "max_tokens", "stop", "logprobs"}
     # A constraint comes from response_format, tools or vLLM's structured-output fields.
     constraint = {"structured"}
-    assert set(FIELDS) - openai_named - constraint == set(SamplingExtensions.model_fields)
+    # Completions alone return the prompt's scores (CompletionRequest.prompt_logprobs, echo).
+    completions_only = {"prompt_logprobs"}
+    named = openai_named | constraint | completions_only
+    assert set(FIELDS) - named == set(SamplingExtensions.model_fields)
 
 
 def test_chat_applies_the_chat_template(

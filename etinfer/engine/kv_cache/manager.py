@@ -50,9 +50,10 @@ class KVCacheManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of ``seq``'s tokens, in order.
 
-        The last token is never served from the cache: its logits are needed to sample.
+        The last token is never served from the cache: its logits are needed to sample. Nor
+        is any token of a prompt whose log-probabilities were asked for: each needs its row.
         """
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         blocks = []
         for index in range((seq.num_tokens - 1) // self.block_size):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +12,7 @@ from etinfer.engine.runner.attention_stats import AttentionStats
 from etinfer.engine.runner.cuda_graphs import DecodeGraphs
 from etinfer.engine.runner.options import RunnerOptions
 from etinfer.engine.runner.step_inputs import QueryCapturer, StepInputBuilder
+from etinfer.engine.sampling.prompt_logprobs import PromptScores, score_prompts
 from etinfer.engine.sampling.sampler import Sampler, SamplerOutput
 from etinfer.engine.sampling.sampling_batch import SamplingBatch
 from etinfer.engine.scheduler import ScheduledBatch
@@ -30,6 +31,8 @@ class StepResult:
     # [sample rows, vocab] before any sampling transform (see StepInputs.sample_rows); None
     # when the step samples nothing.
     logits: torch.Tensor | None
+    # Prefill chunks' prompt log-probabilities, where their requests asked for them.
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -151,9 +154,11 @@ class ModelRunner:
                 seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
         telemetry = inputs.meta.telemetry
         stats = None if telemetry is None else AttentionStats.of(batch, telemetry)
+        scores = score_prompts(hidden, inputs.meta.prefills, prefilling, self.model.compute_logits)
         if not batch.sampled:
-            return StepResult(stats, None)
-        return StepResult(stats, self.model.compute_logits(hidden[inputs.sample_rows]))
+            return StepResult(stats, None, scores)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        return StepResult(stats, logits, scores)
 
     def _replayable(self, batch: ScheduledBatch, decisions: StepDecisions) -> bool:
         """Whether the step is a plain decode step a graph computes: one row per sequence, each

@@ -134,7 +134,7 @@ class Sampler:
             temperature = torch.where(greedy, 0.0, temperature)
         logprobs = None
         if batch.num_logprobs is not None:
-            logprobs = self._logprobs(model.logprobs(logits), tokens, batch.num_logprobs)
+            logprobs = self.logprobs_of(model.logprobs(logits), tokens, batch.num_logprobs)
         columns = [tokens, model.entropy, tempered, temperature, *predictive, state]
         if batch.allowed is not None:
             constrained = batch.constrained
@@ -231,7 +231,8 @@ class Sampler:
                 state[group.rows] = next_state
 
     @staticmethod
-    def _logprobs(logp: torch.Tensor, tokens: torch.Tensor, count: int) -> SampledLogprobs:
+    def logprobs_of(logp: torch.Tensor, tokens: torch.Tensor, count: int) -> SampledLogprobs:
+        """Each row's log-probability of its token in ``tokens``, its rank, its top ``count``."""
         token_logp = logp.gather(1, tokens[:, None])
         top_logp, top_ids = logp.topk(count, dim=-1)
         return SampledLogprobs(

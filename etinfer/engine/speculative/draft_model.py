@@ -40,6 +40,7 @@ class _Shadow:
     kv_offset: int = 0  # never compressed
     kv_compressed: bool = False
     kv_compression: None = None  # the layer's state: its cache is never compressed
+    prompt_logprobs: None = None  # a draft scores no prompt
 
 
 class DraftModelProposer:

@@ -69,7 +69,7 @@ class ModelSwitcher:
             small_logits[small_row[i]] if i in small else result.logits[large_row[i]]
             for i in batch.sampled
         ]
-        return StepResult(result.attention, torch.stack(rows)), small
+        return StepResult(result.attention, torch.stack(rows), result.prompt_scores), small
 
     def update(self, batch: ScheduledBatch, starts: list[int], small: set[int]) -> None:
         """After the step's tokens are appended and committed: note which model wrote each, move

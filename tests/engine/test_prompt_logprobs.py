@@ -1,0 +1,77 @@
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs): equal to transformers' on the
+same file in float32, the same however the prompt is chunked, never taken from the prefix
+cache, scored once through a preemption, and refused past their limit."""
+
+import pytest
+import torch
+
+from etinfer import SamplingParams
+from tests.conftest import PROMPTS
+
+LONG = " ".join(PROMPTS)  # about 70 tokens: several chunks at 16 tokens a step
+
+
+def prompt_scores(llm, prompt, k=3):
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k)
+    return llm.generate([prompt], params)[0]
+
+
+def test_prompt_logprobs_equal_transformers_in_float32(make_llm, hf_reference):
+    llm = make_llm(
+        quantization="none", dtype="float32", kv_cache_dtype="float32",
+        max_num_batched_tokens=16,  # the prompt in chunks: each chunk's last row scores too
+    )  # fmt: skip
+    out = prompt_scores(llm, LONG)
+    ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids) > 48
+    with torch.no_grad():
+        expected = hf_reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        token = ids[position]
+        assert token in entry and len(entry) in (3, 4)  # the top 3, and the prompt's token
+        for candidate, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(
+                expected[position - 1, candidate].item(), abs=1e-4
+            )
+        rank = int((expected[position - 1] > expected[position - 1, token]).sum()) + 1
+        assert entry[token].rank == rank
+
+
+def test_the_same_scores_chunked_cached_or_preempted(make_llm):
+    whole = prompt_scores(make_llm(), LONG)
+    chunked = prompt_scores(make_llm(max_num_batched_tokens=16), LONG)
+    assert [e and sorted(e) for e in chunked.prompt_logprobs] == [
+        e and sorted(e) for e in whole.prompt_logprobs
+    ]
+    for a, b in zip(chunked.prompt_logprobs[1:], whole.prompt_logprobs[1:], strict=True):
+        for token in a:
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=2e-3)
+    llm = make_llm()
+    llm.generate([LONG], SamplingParams(max_tokens=1))  # its blocks now in the prefix cache
+    again = prompt_scores(llm, LONG)
+    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(whole.prompt_logprobs)
+    without = llm.generate([LONG], SamplingParams(max_tokens=1))[0]
+    assert without.num_cached_tokens > 0 and without.prompt_logprobs is None
+
+
+def test_a_preempted_prompt_is_scored_once(make_llm):
+    """Eight blocks of 16 tokens hold fewer than two of these requests at full length: some
+    are preempted and computed again, their prompts with them."""
+    tiny = make_llm(num_kvcache_blocks=8, enable_prefix_caching=False)
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[7], PROMPTS[2]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    outs = tiny.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    for out in outs:
+        alone = prompt_scores(make_llm(), out.prompt, 1)
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert [e and sorted(e) for e in out.prompt_logprobs] == [
+            e and sorted(e) for e in alone.prompt_logprobs
+        ]
+
+
+def test_prompt_logprobs_past_the_limit_are_refused():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
