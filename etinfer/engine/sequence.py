@@ -264,7 +264,10 @@ class Sequence:
             tempered_entropies=self.tempered_entropies[tokens:],
             temperatures=self.temperatures[tokens:],
             logprobs=None if self.logprobs is None else self.logprobs[tokens:],
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            # Complete before any output (prefill scores it): a delta shares it, as the ids.
+            prompt_logprobs=self.prompt_logprobs
+            if delta or self.prompt_logprobs is None
+            else list(self.prompt_logprobs),
             finish_reason=self.finish_reason,
             error=self.error,
             metrics=RequestMetrics(**vars(self.metrics)),

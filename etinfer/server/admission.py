@@ -73,10 +73,12 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     fields: dict[str, str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     # Without max_tokens the limit depends on each prompt's length; 1 stands in for now.
     try:
-        return request.sampling_params(1 if max_tokens is None else max_tokens, logprobs)
+        limit = 1 if max_tokens is None else max_tokens
+        return request.sampling_params(limit, logprobs, prompt_logprobs)
     except ValueError as e:
         raise invalid_value(e, fields) from e
 

@@ -81,11 +81,7 @@ class PromptEncoder:
         self, messages: list[Message], tools: list[dict] | None = None
     ) -> list[int]:
         def encode() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tools=tools)
-            except (ValueError, jinja2.TemplateError) as e:
-                # The model's template refuses some conversations (say, roles out of order).
-                raise APIError(400, f"chat template: {e}", param="messages") from e
+            text = self._render(messages, tools, add_generation_prompt=True)
             # Checked once rendered: a template may add text, or leave some out.
             self.validator.check_text_length(text)
             # The template writes BOS itself where the model wants one.
@@ -95,8 +91,7 @@ class PromptEncoder:
             self.validator.check_length(len(ids))
             return ids
 
-        size = sum(len(m["content"]) for m in messages) + len(str(tools or ""))
-        return await self._run(encode, "messages", size)
+        return await self._run(encode, "messages", _chat_size(messages, tools))
 
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
         """``text``'s ids, whatever their count (``/tokenize``: its caller compares them with
@@ -117,16 +112,21 @@ class PromptEncoder:
         """The conversation as the chat template renders it, in ids, whatever their count."""
 
         def encode() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt
-                )
-            except (ValueError, jinja2.TemplateError) as e:
-                raise APIError(400, f"chat template: {e}", param="messages") from e
+            text = self._render(messages, tools, add_generation_prompt)
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        size = sum(len(m["content"]) for m in messages) + len(str(tools or ""))
-        return await self._run(encode, "messages", size)
+        return await self._run(encode, "messages", _chat_size(messages, tools))
+
+    def _render(
+        self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt
+            )
+        except (ValueError, jinja2.TemplateError) as e:
+            # The model's template refuses some conversations (say, roles out of order).
+            raise APIError(400, f"chat template: {e}", param="messages") from e
 
     async def _run(self, work: Callable[[], T], param: str, text_chars: int) -> T:
         lane = self._long if text_chars > LONG_TEXT_CHARS else self._short
@@ -152,6 +152,11 @@ class PromptEncoder:
                 return await asyncio.get_running_loop().run_in_executor(lane.pool, run)
         finally:
             lane.pending -= 1
+
+
+def _chat_size(messages: list[Message], tools: list[dict] | None) -> int:
+    """Characters of a conversation, for its lane."""
+    return sum(len(m["content"]) for m in messages) + len(str(tools or ""))
 
 
 @contextmanager

@@ -121,7 +121,9 @@ class GenerationRequest(SamplingExtensions):
                 return name
         return "logit_bias" if self.logit_bias else None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ``ValueError`` naming the field for a value out of range."""
         fields = {
             name: value
@@ -132,7 +134,9 @@ class GenerationRequest(SamplingExtensions):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **fields
+        )
 
     @property
     def include_usage(self) -> bool:

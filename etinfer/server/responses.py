@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from etinfer.model.tokenizer import Tokenizer
@@ -133,16 +134,28 @@ def chat_logprobs(out: RequestOutput, tokens: range, top_n: int) -> dict:
 
 
 def completion_logprobs(out: RequestOutput, tokens: range, cursor: Cursor) -> dict:
+    return legacy_logprobs(((out.token_ids[j], out.logprobs[j]) for j in tokens), cursor)
+
+
+def legacy_logprobs(
+    scored: Iterable[tuple[int, dict[int, Logprob] | None]],
+    cursor: Cursor,
+    token_text: Callable[[int], str] | None = None,
+) -> dict:
+    """OpenAI's legacy completions logprobs of ``scored`` tokens (each with its entry, or None
+    for an echoed prompt's first token, which nothing precedes; ``token_text`` then names it):
+    each token's text and logprob, the top-N and the token by text, text offsets from
+    ``cursor``."""
     strings, values, tops, offsets = [], [], [], []
-    for j in tokens:
-        entry = out.logprobs[j]
-        sampled = entry[out.token_ids[j]]
-        strings.append(sampled.token)
-        values.append(_logprob(sampled.logprob))
-        # OpenAI's legacy format: the top-N and the sampled token, by token text.
-        tops.append({lp.token: _logprob(lp.logprob) for lp in entry.values()})
+    for token, entry in scored:
+        chosen = None if entry is None else entry[token]
+        strings.append(token_text(token) if chosen is None else chosen.token)
+        values.append(None if chosen is None else _logprob(chosen.logprob))
+        tops.append(
+            None if entry is None else {lp.token: _logprob(lp.logprob) for lp in entry.values()}
+        )
         offsets.append(cursor.text_offset)
-        cursor.text_offset += len(sampled.token)
+        cursor.text_offset += len(strings[-1])
     return {
         "tokens": strings,
         "token_logprobs": values,
@@ -165,27 +178,6 @@ def usage(outputs: list[RequestOutput], n: int) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in firsts)},
-    }
-
-
-def echoed_logprobs(out: RequestOutput, cursor: Cursor, tokenizer: Tokenizer) -> dict:
-    """The prompt's part of a completion's logprobs (echo): each prompt token, its logprob and
-    top-N (none for the first, which nothing precedes), text offsets from the prompt's start."""
-    strings, values, tops, offsets = [], [], [], []
-    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
-        scored = None if entry is None else entry[token]
-        strings.append(tokenizer.token_text(token) if scored is None else scored.token)
-        values.append(None if scored is None else _logprob(scored.logprob))
-        tops.append(
-            None if entry is None else {lp.token: _logprob(lp.logprob) for lp in entry.values()}
-        )
-        offsets.append(cursor.text_offset)
-        cursor.text_offset += len(strings[-1])
-    return {
-        "tokens": strings,
-        "token_logprobs": values,
-        "top_logprobs": tops,
-        "text_offset": offsets,
     }
 
 
@@ -245,7 +237,8 @@ class CompletionFormat:
                 prompt = self.echo.decode(out.prompt_token_ids, skip_special_tokens=False)
             text = prompt + text
             if self.logprobs is not None:
-                logprobs = echoed_logprobs(out, cursor, self.echo)
+                prompt_scores = zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+                logprobs = legacy_logprobs(prompt_scores, cursor, self.echo.token_text)
         if self.logprobs is not None:
             generated = completion_logprobs(out, delta.tokens, cursor)
             logprobs = generated if logprobs is None else _joined(logprobs, generated)

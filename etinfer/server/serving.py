@@ -7,7 +7,6 @@ behind; once queued, the request is aborted (its KV blocks freed) whenever its c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -91,15 +90,11 @@ class OpenAIServing:
         check_echo(request)
         # Nothing to generate (echo alone): one token is computed and not reported.
         prompt_only = max_tokens == 0
-        computed = 1 if prompt_only else max_tokens
-        params = sampling_params(request, computed, request.logprobs, FIELDS)
         scored = request.prompt_logprobs
-        if scored is None and request.echo and request.logprobs is not None:
-            scored = request.logprobs
-        try:
-            params = dataclasses.replace(params, prompt_logprobs=scored)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt_logprobs") from e
+        if scored is None and request.echo:
+            scored = request.logprobs  # the echoed prompt's logprobs, as many as the output's
+        computed = 1 if prompt_only else max_tokens
+        params = sampling_params(request, computed, request.logprobs, FIELDS, scored)
         params = await self._constrained(request, params, None)
         encoded = await self.encoder.encode_completion(prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"

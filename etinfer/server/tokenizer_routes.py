@@ -40,12 +40,14 @@ def add_tokenizer_routes(
         else:
             special = request.add_special_tokens is not False
             tokens = await encoder.tokenize_text(request.prompt, special)
-        strings = [tokenizer.backend.id_to_token(t) for t in tokens]
+        strings = None
+        if request.return_token_strs:
+            strings = [tokenizer.backend.id_to_token(t) for t in tokens]
         return {
             "count": len(tokens),
             "max_model_len": max_model_len,
             "tokens": tokens,
-            "token_strs": strings if request.return_token_strs else None,
+            "token_strs": strings,
         }
 
     @app.post("/detokenize")

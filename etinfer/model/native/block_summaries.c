@@ -6,27 +6,9 @@
  */
 #include "kernels.h"
 
-/* A float as a 16-bit cache stores it: the value is one such a cache holds (a key bound is a
- * stored key), so the conversion is exact whichever way it rounds. */
-static inline uint16_t to_16(float x, int kind) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if (kind == KV_BFLOAT16) return (uint16_t)(bits >> 16);
-#if defined(__F16C__)
-    return (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT), 0);
-#else
-    const uint32_t sign = (bits >> 16) & 0x8000u, exponent = (bits >> 23) & 0xffu;
-    const uint32_t mantissa = bits & 0x7fffffu;
-    if (exponent == 0xff) return (uint16_t)(sign | 0x7c00u | (mantissa ? 0x200u : 0));
-    if (exponent > 112) return (uint16_t)(sign | ((exponent - 112) << 10) | (mantissa >> 13));
-    if (exponent < 103) return (uint16_t)sign;  // zero (a stored half is never smaller)
-    return (uint16_t)(sign | ((mantissa | 0x800000u) >> (126 - exponent)));  // subnormal
-#endif
-}
-
-static inline float bound_at(const void *bounds, int64_t at, int kind) {
-    if (kind == KV_FLOAT32) return ((const float *)bounds)[at];
-    const uint16_t h = ((const uint16_t *)bounds)[at];
+/* Element `at` of a 16-bit array (a cache's or its bounds'), widened to float32. */
+static inline float widened(const void *base, int64_t at, int kind) {
+    const uint16_t h = ((const uint16_t *)base)[at];
     if (kind == KV_FLOAT16) return half_to_float(h);
     const uint32_t bits = (uint32_t)h << 16;
     float x;
@@ -34,11 +16,26 @@ static inline float bound_at(const void *bounds, int64_t at, int kind) {
     return x;
 }
 
-static inline void set_bound(void *bounds, int64_t at, int kind, float x) {
+static inline float bound_at(const void *bounds, int64_t at, int kind) {
+    return kind == KV_FLOAT32 ? ((const float *)bounds)[at] : widened(bounds, at, kind);
+}
+
+/* A bound takes a key: a 16-bit cache's bounds are in its own type and take the stored element
+ * itself (exact, no conversion back); float32 bounds take its float32 value. */
+static inline void take_key(void *bounds, int64_t at, int kind, float key, const void *cache,
+                            int64_t from) {
     if (kind == KV_FLOAT32)
-        ((float *)bounds)[at] = x;
+        ((float *)bounds)[at] = key;
     else
-        ((uint16_t *)bounds)[at] = to_16(x, kind);
+        ((uint16_t *)bounds)[at] = ((const uint16_t *)cache)[from];
+}
+
+/* An empty bound: -inf for a largest, +inf for a smallest, in the bounds' type. */
+static inline void set_empty(void *bounds, int64_t at, int kind, int largest) {
+    if (kind == KV_FLOAT32)
+        ((float *)bounds)[at] = largest ? -INFINITY : INFINITY;
+    else
+        ((uint16_t *)bounds)[at] = (largest ? 0x8000u : 0) | (kind == KV_FLOAT16 ? 0x7c00u : 0x7f80u);
 }
 
 /* Element i of a stored cache row (an int8 row times its scale), in float32. */
@@ -48,7 +45,7 @@ static inline float stored(const void *cache, int64_t row, int64_t i, int64_t di
     switch (kind) {
         case KV_FLOAT32: return ((const float *)cache)[at];
         case KV_INT8: return (float)((const int8_t *)cache)[at] * scales[row];
-        default: return bound_at(cache, at, kind);
+        default: return widened(cache, at, kind);
     }
 }
 
@@ -70,8 +67,8 @@ void update_block_summaries(const void *keys, const void *values, const float *k
         for (int64_t f = 0; f < num_fresh; ++f) {
             const int64_t block = h * blocks + fresh[f];
             for (int64_t i = 0; i < dim; ++i) {
-                set_bound(bounds, 2 * block * dim + i, bound_kind, -INFINITY);
-                set_bound(bounds, (2 * block + 1) * dim + i, bound_kind, INFINITY);
+                set_empty(bounds, 2 * block * dim + i, bound_kind, 1);
+                set_empty(bounds, (2 * block + 1) * dim + i, bound_kind, 0);
                 value_sums[block * dim + i] = 0.0f;
                 if (moments) moments[2 * block * dim + i] = moments[(2 * block + 1) * dim + i] = 0;
             }
@@ -82,9 +79,11 @@ void update_block_summaries(const void *keys, const void *values, const float *k
             const int64_t row = h * num_slots + slots[r], block = h * blocks + slots[r] / block_size;
             for (int64_t i = 0; i < dim; ++i) {
                 const float key = stored(keys, row, i, dim, kind, key_scales);
-                const int64_t high = 2 * block * dim + i, low = high + dim;
-                if (key > bound_at(bounds, high, bound_kind)) set_bound(bounds, high, bound_kind, key);
-                if (key < bound_at(bounds, low, bound_kind)) set_bound(bounds, low, bound_kind, key);
+                const int64_t high = 2 * block * dim + i, low = high + dim, at = row * dim + i;
+                if (key > bound_at(bounds, high, bound_kind))
+                    take_key(bounds, high, bound_kind, key, keys, at);
+                if (key < bound_at(bounds, low, bound_kind))
+                    take_key(bounds, low, bound_kind, key, keys, at);
                 value_sums[block * dim + i] += stored(values, row, i, dim, kind, value_scales);
                 if (moments) {
                     moments[high] += key;
