@@ -22,6 +22,7 @@ from etinfer.server.metrics import ServerMetrics
 from etinfer.server.playground import add_playground
 from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from etinfer.server.responses_api import ResponsesRequest, ResponsesServing
 from etinfer.server.serving import OpenAIServing
 from etinfer.server.tokenizer_routes import TOKENIZER_PATHS, add_tokenizer_routes
 
@@ -146,6 +147,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(request, raw)
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(request, raw)
 
     add_tokenizer_routes(app, stack.encoder, serving.model_name, engine.max_model_len)
     return app

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +33,14 @@ from etinfer.server.engine_loop import (
     RequestGroup,
 )
 from etinfer.server.errors import APIError
+from etinfer.server.formats import (
+    ChatFormat,
+    CompletionFormat,
+    Cursor,
+    advance,
+    usage,
+    whole_delta,
+)
 from etinfer.server.playground import control_layers
 from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import (
@@ -40,7 +49,6 @@ from etinfer.server.protocol import (
     CompletionRequest,
     GenerationRequest,
 )
-from etinfer.server.responses import ChatFormat, CompletionFormat, Cursor, advance, usage
 from etinfer.server.structured_outputs import (
     compiled,
     constraint_params,
@@ -49,8 +57,19 @@ from etinfer.server.structured_outputs import (
 )
 from etinfer.server.tool_calls import ToolCalling, template_messages
 
+Format = CompletionFormat | ChatFormat
 
-def _dumps(body: dict) -> str:
+
+@dataclass
+class Prepared:
+    """A checked request's engine requests (one per choice), not yet queued."""
+
+    request_id: str
+    requests: list[EngineRequest]
+    fmt: Format
+
+
+def dumps(body: dict) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -107,9 +126,14 @@ class OpenAIServing:
             prompt_logprobs=request.prompt_logprobs is not None,
             prompt_only=prompt_only,
         )
-        return await self._answer(request, raw, request_id, requests, fmt)
+        return await self._answer(request, raw, Prepared(request_id, requests, fmt))
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        return await self._answer(request, raw, await self.prepare_chat(request))
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Prepared:
+        """Every check of a chat request, its prompt encoded and its engine requests built;
+        nothing queued yet (the Responses API runs its requests through here too)."""
         arrival = time.perf_counter()
         check_request(request, self.model_name)
         check_choices(request.n, self.loop.max_waiting_requests)
@@ -146,13 +170,18 @@ class OpenAIServing:
             to_context_end=max_tokens is None,
         )
         chat = ChatFormat(logprobs, request.return_attention_entropy, tools)
-        return await self._answer(request, raw, request_id, requests, chat)
+        return Prepared(request_id, requests, chat)
 
     async def _constrained(self, request: GenerationRequest, params, tools: ToolCalling | None):
         """``params`` with the request's output constraint (its structured-output fields, or
         the tool choice's), once compiled; a 400 naming the field when it cannot be."""
         asked = requested_constraint(request)
         constraint = None if tools is None else tools.constraint()
+        if asked is not None and constraint is not None and asked[0].startswith("response_format"):
+            # OpenAI's response_format shapes the reply's text, and a forced call (named or
+            # required) writes none: the call's schema is the one constraint (instructor's
+            # Responses mode sends both, the same schema twice).
+            asked = None
         if asked is not None and constraint is not None:
             raise APIError(
                 400, f"{asked[0]} and tool_choice both constrain the output", param=asked[0]
@@ -167,23 +196,48 @@ class OpenAIServing:
 
     # -- running --------------------------------------------------------------------------
 
-    async def _answer(
-        self,
-        request: GenerationRequest,
-        raw: Request,
-        request_id: str,
-        requests: list[EngineRequest],
-        fmt: CompletionFormat | ChatFormat,
-    ) -> Response:
+    def submit(self, requests: list[EngineRequest]) -> RequestGroup:
         try:
-            group = self.loop.submit(requests)
+            return self.loop.submit(requests)
         except QueueFull as e:
             # Too many requests, as OpenAI answers: its clients retry after Retry-After.
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
+
+    async def finished(self, group: RequestGroup, raw: Request) -> list[RequestOutput] | None:
+        """The group's final outputs, or None if the client went away first (its requests
+        are aborted, their blocks freed)."""
+        try:
+            return await _until_done_or_gone(group, raw)
+        finally:
+            self.loop.abort(group)  # the client left, or we failed: free its blocks
+
+    @staticmethod
+    def whole_choices(fmt: Format, outputs: list[RequestOutput]) -> list[dict]:
+        return [fmt.choice(i, out, Cursor(), whole_delta(out)) for i, out in enumerate(outputs)]
+
+    async def chunk_choices(self, group: RequestGroup, fmt: Format) -> AsyncIterator[list[dict]]:
+        """The streamed choices of each update: what each step added to each choice. Raises
+        ``EngineError`` if the engine could not run them."""
+        cursors = [Cursor() for _ in group.request_ids]
+        async for fresh in group.updates():
+            choices = []
+            for i in fresh:
+                out = group.outputs[i]
+                delta = advance(cursors[i], out, every_token=fmt.with_logprobs)
+                if delta is not None:
+                    choices.append(fmt.chunk_choice(i, out, cursors[i], delta))
+            if choices:
+                yield choices
+
+    async def _answer(
+        self, request: GenerationRequest, raw: Request, prepared: Prepared
+    ) -> Response:
+        group = self.submit(prepared.requests)
+        fmt = prepared.fmt
         header = {
-            "id": request_id,
+            "id": prepared.request_id,
             "created": int(time.time()),
             "model": self.model_name,
         }
@@ -192,57 +246,38 @@ class OpenAIServing:
                 self._stream(group, fmt, header, request.n, request.include_usage),
                 media_type="text/event-stream",
             )
-        try:
-            outputs = await _until_done_or_gone(group, raw)
-        finally:
-            self.loop.abort(group)  # the client left, or we failed: free its blocks
+        outputs = await self.finished(group, raw)
         if outputs is None:
             # Nobody reads this; 499 is what proxies log for a client that closed first.
             return JSONResponse({}, status_code=499)
         outputs = [fmt.reported(out) for out in outputs]
-        choices = [
-            fmt.choice(i, out, cursor := Cursor(), advance(cursor, out, every_token=True))
-            for i, out in enumerate(outputs)
-        ]
+        choices = self.whole_choices(fmt, outputs)
         return JSONResponse(
             {**header, "object": fmt.object, "choices": choices, "usage": usage(outputs, request.n)}
         )
 
     async def _stream(
-        self,
-        group: RequestGroup,
-        fmt: CompletionFormat | ChatFormat,
-        header: dict,
-        n: int,
-        include_usage: bool,
+        self, group: RequestGroup, fmt: Format, header: dict, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events; a client that disconnects cancels this generator, which aborts
         its requests (the finally clause)."""
         chunk = {**header, "object": fmt.chunk_object}
         if include_usage:
             chunk["usage"] = None
-        cursors = [Cursor() for _ in group.request_ids]
         try:
-            opening = fmt.opening_chunk_choices(len(cursors))
+            opening = fmt.opening_chunk_choices(len(group.request_ids))
             if opening:
-                yield f"data: {_dumps({**chunk, 'choices': opening})}\n\n"
+                yield f"data: {dumps({**chunk, 'choices': opening})}\n\n"
             try:
-                async for fresh in group.updates():
-                    choices = []
-                    for i in fresh:
-                        out = group.outputs[i]
-                        delta = advance(cursors[i], out, every_token=fmt.with_logprobs)
-                        if delta is not None:
-                            choices.append(fmt.chunk_choice(i, out, cursors[i], delta))
-                    if choices:
-                        yield f"data: {_dumps({**chunk, 'choices': choices})}\n\n"
+                async for choices in self.chunk_choices(group, fmt):
+                    yield f"data: {dumps({**chunk, 'choices': choices})}\n\n"
             except EngineError as e:
                 error = APIError(500, str(e), code="engine_error")
-                yield f"data: {_dumps(error.body())}\n\n"
+                yield f"data: {dumps(error.body())}\n\n"
             else:
                 if include_usage:
                     body = {**chunk, "choices": [], "usage": usage(group.outputs, n)}
-                    yield f"data: {_dumps(body)}\n\n"
+                    yield f"data: {dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.loop.abort(group)

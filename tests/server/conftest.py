@@ -16,6 +16,7 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from etinfer.config import EngineConfig
 from etinfer.engine.llm_engine import LLMEngine
@@ -147,3 +148,18 @@ def post(server: ServerThread, path: str, body: dict | bytes, **kwargs) -> httpx
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {**AUTH, "Content-Type": "application/json"}
     return HTTP.post(f"{server.url}{path}", content=content, headers=headers, **kwargs)
+
+
+# A model with a nested model: what structured-output libraries send as $defs and $ref.
+class Address(BaseModel):
+    city: str
+    country: str
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    address: Address
+
+
+EXTRACT_PERSON = "Alice is 30 and lives in Paris, France. Extract the person."

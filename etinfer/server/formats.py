@@ -56,6 +56,11 @@ def advance(cursor: Cursor, out: RequestOutput, *, every_token: bool) -> Delta |
     return delta
 
 
+def whole_delta(out: RequestOutput) -> Delta:
+    """All of a finished choice, as one delta from nothing sent."""
+    return advance(Cursor(), out, every_token=True)
+
+
 def telemetry(out: RequestOutput, delta: Delta, attention_entropy: bool = False) -> dict:
     """The ``etinfer`` object of a choice: the entropy signal of the delta's tokens; with
     ``attention_entropy``, the finished reply also carries the prompt's attention profile."""
