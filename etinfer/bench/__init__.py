@@ -18,6 +18,7 @@ STUDIES = (
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     # Imported here: `etinfer generate` and `etinfer serve` need none of them.
+    from etinfer.bench.quality import perplexity
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
     from etinfer.bench.speed import (
         kernels,
@@ -44,6 +45,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     kv_cache.add_command(kinds)
     memory.add_command(kinds)
     structured.add_command(kinds)
+    perplexity.add_command(kinds)
     for name in STUDIES:
         # No option prefix: whatever the study's own flags were, they are taken as they come.
         study = kinds.add_parser(

@@ -1,0 +1,1 @@
+"""Benchmarks of what a model computes: perplexity on shipped human text."""
