@@ -1,7 +1,16 @@
 """Weight formats, the KV cache's element types, and memory against the file."""
 
 from benchmarks.layout import Column, Pick, Ratio, Row, Table
-from benchmarks.tables.common import AVX512, HELD, SMOLLM, figure, ratio_vs
+from benchmarks.tables.common import (
+    AVX512,
+    GEMMA,
+    GEMMA_FILE,
+    HELD,
+    SMOLLM,
+    SMOLLM_FILE,
+    figure,
+    ratio_vs,
+)
 
 
 def over_float32(mode: str, batch: int) -> Ratio:
@@ -84,4 +93,30 @@ MEMORY = Table(
     ratio_vs("resident memory", "file + KV pool").under(Pick(benchmark="memory", kind=AVX512)),
 )
 
-TABLES = (MODES, KV_CACHE, MEMORY)
+PERPLEXITY = Table(
+    "perplexity",
+    ("model (file)", "engine"),
+    (
+        Column("perplexity", Pick(subject="perplexity", unit="", decimals=3)),
+        Column(
+            "over transformers float32",
+            Pick(subject="perplexity", unit="x", labels={"vs": "hf"}, decimals=4),
+            "ratio",
+        ),
+    ),
+    tuple(
+        Row(
+            (name, engine),
+            Pick(labels={"model": file, "engine": engine}),
+            {"ratio": "the reference"} if engine.startswith("transformers") else {},
+        )
+        for name, file, engines in (
+            (SMOLLM, SMOLLM_FILE, ("etinfer auto", "etinfer none", "llama.cpp")),
+            (GEMMA, GEMMA_FILE, ("etinfer auto", "etinfer gguf", "etinfer none", "llama.cpp")),
+        )
+        for engine in (*engines, "transformers float32")
+    ),
+    Pick(benchmark="perplexity", kind=AVX512),
+)
+
+TABLES = (MODES, KV_CACHE, MEMORY, PERPLEXITY)
