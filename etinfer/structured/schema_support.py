@@ -10,8 +10,10 @@ violating value to a matcher (tests/structured/test_schema_keywords.py holds eac
 ``minLength``/``maxLength`` (the lengths are dropped), and the formats ``regex``, ``idn-email``,
 ``iri`` and any it does not know (the format is dropped). A schema that uses one of them is
 refused, naming the keyword and where it is, rather than answered with JSON that may not
-validate. ``oneOf`` is enforced as ``anyOf``: exact for disjoint branches (the usual
-discriminated union), looser where branches overlap.
+validate. ``oneOf`` is compiled as ``anyOf``, which is exact only where no value can match
+two branches: a ``oneOf`` is kept where its branches are of distinct types, distinct constants,
+or objects told apart by a required property's constants (the discriminated union Pydantic
+writes), and refused where they may overlap.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def unenforced_feature(schema: object) -> str | None:
             return f"'uniqueItems' (at {where})"
         if "multipleOf" in node and node.get("type") != "integer":
             return f"'multipleOf' on a type other than integer (at {where})"
+        if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], schema):
+            return f"'oneOf' whose branches may overlap (at {where})"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"'allOf' of more than one schema (at {where})"
         lengths = "minLength" in node or "maxLength" in node
@@ -102,6 +106,65 @@ def unenforced_feature(schema: object) -> str | None:
             if lengths:
                 return f"format with minLength or maxLength (at {where})"
     return None
+
+
+def _disjoint(branches: list, root: object) -> bool:
+    """Whether no value can match two of ``branches`` (local references resolved from
+    ``root``), by what a schema states outright; anything else counts as a possible overlap."""
+    resolved = [_resolved(branch, root) for branch in branches]
+    return all(_apart(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+
+
+def _apart(a: dict, b: dict, root: object) -> bool:
+    types_a, types_b = _types(a), _types(b)
+    if types_a is not None and types_b is not None and not types_a & types_b:
+        return True
+    values_a, values_b = _constants(a), _constants(b)
+    if values_a is not None and values_b is not None and not values_a & values_b:
+        return True
+    # Objects that each require a property whose constants the other's do not take.
+    shared = set(a.get("required", ())) & set(b.get("required", ()))
+    for name in shared:
+        keys = [_constants(_resolved(s.get("properties", {}).get(name), root)) for s in (a, b)]
+        if None not in keys and not keys[0] & keys[1]:
+            return True
+    return False
+
+
+def _types(schema: dict) -> set[str] | None:
+    """The JSON types a schema allows, where it says (an integer is a number too)."""
+    named = schema.get("type")
+    if named is None:
+        return None
+    found = {named} if isinstance(named, str) else set(named)
+    if "number" in found:
+        found.add("integer")
+    if "integer" in found:
+        found.add("number")
+    return found
+
+
+def _constants(schema: dict) -> set[str] | None:
+    """The values a schema allows, where it lists them (as canonical JSON text)."""
+    if "const" in schema:
+        return {json.dumps(schema["const"], sort_keys=True)}
+    if isinstance(schema.get("enum"), list):
+        return {json.dumps(value, sort_keys=True) for value in schema["enum"]}
+    return None
+
+
+def _resolved(schema: object, root: object, depth: int = 8) -> dict:
+    """``schema``, following local references (``#/...``) from ``root``; {} where it is not an
+    object or a reference does not resolve."""
+    while depth and isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        ref, node = schema["$ref"], root
+        if not ref.startswith("#"):
+            return {}
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        schema, depth = node, depth - 1
+    return schema if isinstance(schema, dict) else {}
 
 
 def closed_objects(schema: object) -> object:

@@ -269,9 +269,13 @@ def test_a_tool_result_is_rendered_and_answered(client, model_name):
             {"tools": [{**WEATHER_TOOL, "function": {"name": "f", "parameters": {"type": 3}}}]},
             "tools[0].function.parameters",
         ),
-        (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
+        (  # vLLM's whole-output constraint and a forced call cannot both hold
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "structured_outputs": {"json_object": True},
+            },
+            "structured_outputs",
         ),
         (  # xgrammar does not enforce it: refused, not loosened
             {"response_format": schema_format("x", {"type": "array", "uniqueItems": True})},
@@ -285,6 +289,23 @@ def test_bad_constraints_are_a_400_naming_the_field(server, model_name, body, pa
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_a_forced_call_with_a_response_format_is_the_call(client, model_name):
+    """response_format shapes a reply's text; a forced call writes none, so the call's schema
+    is the constraint (instructor's Responses mode sends both)."""
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice="required",
+        response_format={"type": "json_object"},
+        max_tokens=100,
+        temperature=0,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name in {t["function"]["name"] for t in TOOLS}
+    json.loads(call.function.arguments)
 
 
 def test_n_choices_each_follow_the_schema(client, model_name):

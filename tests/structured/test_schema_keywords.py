@@ -59,6 +59,27 @@ ENFORCED = {
     "enum": ({"enum": [1, "x"]}, "2", '"x"'),
     "type list": ({"type": ["string", "null"]}, "1", "null"),
     "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "null", "1"),
+    "oneOf of distinct types": ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "null", "1"),
+    "oneOf of distinct constants": ({"oneOf": [{"const": 1}, {"enum": [2, 3]}]}, "4", "3"),
+    "oneOf told apart by a required property": (
+        {
+            "$defs": {
+                "Cat": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                    "required": ["kind", "lives"],
+                },
+                "Dog": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "dog"}, "bark": {"type": "string"}},
+                    "required": ["kind", "bark"],
+                },
+            },
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        },
+        '{"kind": "cat", "bark": "x"}',
+        '{"kind": "dog", "bark": "x"}',
+    ),
     "allOf of one": ({"allOf": [{"type": "integer", "minimum": 2}]}, "1", "2"),
     "$ref": ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A"}, '"x"', "1"),
     "format": ({"type": "string", "format": "date"}, '"2024-13-01"', '"2024-12-01"'),
@@ -90,6 +111,8 @@ REFUSED = {
     "multipleOf": ({"type": "number", "multipleOf": 0.5}, "0.3", "1.5"),
     "pattern": ({"type": "string", "pattern": "^a*$", "minLength": 2}, '"a"', '"aa"'),
     "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 2}]}, "1", "2"),
+    # 3 matches both branches, so oneOf refuses it; compiled as anyOf, the grammar takes it.
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "3", "1"),
     "format": (
         {"type": "string", "format": "email", "maxLength": 8},
         '"abc@example.com"',
