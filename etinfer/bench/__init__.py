@@ -18,7 +18,7 @@ STUDIES = (
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     # Imported here: `etinfer generate` and `etinfer serve` need none of them.
-    from etinfer.bench.quality import perplexity
+    from etinfer.bench.quality import perplexity, prompt_logprobs_cost
     from etinfer.bench.serving import abuse, server_load, serving, serving_sweep
     from etinfer.bench.speed import (
         kernels,
@@ -46,6 +46,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     memory.add_command(kinds)
     structured.add_command(kinds)
     perplexity.add_command(kinds)
+    prompt_logprobs_cost.add_command(kinds)
     for name in STUDIES:
         # No option prefix: whatever the study's own flags were, they are taken as they come.
         study = kinds.add_parser(

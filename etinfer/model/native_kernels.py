@@ -33,7 +33,7 @@ logger = logging.getLogger("etinfer.model")
 
 _SOURCES = [
     Path(__file__).parent / "native" / name
-    for name in ("kernels.c", "block_sparse.c", "block_summaries.c", "decoder.c")
+    for name in ("kernels.c", "block_sparse.c", "block_summaries.c", "decoder.c", "row_scores.c")
 ]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
@@ -167,6 +167,8 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.update_block_summaries.restype = None
     library.observe_block_mass.argtypes = [pointer] * 5 + [i64] * 3
     library.observe_block_mass.restype = None
+    library.score_rows.argtypes = [pointer, i64, i64, pointer, i64, i64] + [pointer] * 4
+    library.score_rows.restype = ctypes.c_int
     library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
     library.rotate_heads.restype = None
     library.norm_heads.argtypes = [pointer] + [i64] * 4 + [pointer, ctypes.c_float]

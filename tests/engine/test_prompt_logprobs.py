@@ -75,3 +75,29 @@ def test_prompt_logprobs_past_the_limit_are_refused():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 20])
+def test_the_native_scores_equal_torch(count, monkeypatch):
+    """Two passes over each row in C against the log-sum-exp, comparison and top-k of torch,
+    on rows with ties and a width that is no multiple of the kernel's 16."""
+    from etinfer.engine.sampling import prompt_logprobs
+    from etinfer.model import native_kernels
+
+    if not native_kernels.available():
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 50_001, generator=generator) * 4
+    logits[3, :40] = logits[3].max() + 1  # forty tied maxima
+    targets = torch.randint(0, 50_001, (37,), generator=generator)
+    targets[3] = 7
+    native = prompt_logprobs._scored(logits, targets, count)
+    monkeypatch.setattr(native_kernels, "library", lambda: None)
+    expected = prompt_logprobs._scored(logits.clone(), targets, count)
+    torch.testing.assert_close(native.token_logprob, expected.token_logprob, atol=2e-5, rtol=0)
+    assert torch.equal(native.token_rank, expected.token_rank)
+    torch.testing.assert_close(native.top_logprobs, expected.top_logprobs, atol=2e-5, rtol=0)
+    untied = [r for r in range(37) if r != 3]
+    assert torch.equal(native.top_ids[untied], expected.top_ids[untied])
+    if count:
+        assert set(native.top_ids[3].tolist()) <= set(range(40))

@@ -17,11 +17,13 @@ import torch
 
 from etinfer.engine.sampling.sampler import SampledLogprobs, Sampler
 from etinfer.engine.sequence import Sequence
+from etinfer.model import native_kernels
 
 # Prompt rows whose logits are held at once: a vocabulary-wide float32 row is 1 MiB on Gemma 3
-# (262,144 entries), so a 1,024-token chunk at once held over 1 GiB. (Scoring a 1,024-token
-# prompt costs 1.55x its prefill on SmolLM2 and 2.4x on Gemma 3: of Gemma's extra, about half
-# is the head over the rows, half the log-sum-exp, top-N and rank over the vocabulary.)
+# (262,144 entries), so a 1,024-token chunk at once held over 1 GiB. What scoring costs beyond
+# the output head over the rows is the two passes of native/row_scores.c over each row: a tenth
+# of the head's time on Gemma 3 (torch's log-sum-exp, comparison and top-k took as long again
+# as the head).
 ROWS_AT_ONCE = 128
 
 
@@ -75,7 +77,26 @@ def score_prompts(
 
 
 def _scored(logits: torch.Tensor, targets: torch.Tensor, count: int) -> SampledLogprobs:
-    """Log-probabilities of ``logits`` rows made in place (no second vocabulary-wide tensor)."""
+    """Each row's log-probability and rank of its target and its top ``count``: on the CPU in
+    two passes over each row (``native/row_scores.c``), elsewhere as torch operations on
+    log-probabilities made in place (no second vocabulary-wide tensor)."""
     logits = logits.float()
-    logits -= logits.logsumexp(-1, keepdim=True)
-    return Sampler.logprobs_of(logits, targets, count)
+    native = native_kernels.library() if logits.device.type == "cpu" else None
+    if native is None:
+        logits -= logits.logsumexp(-1, keepdim=True)
+        return Sampler.logprobs_of(logits, targets, count)
+    logits, targets = logits.contiguous(), targets.to(torch.int64).contiguous()
+    rows, vocab = logits.shape
+    scores = SampledLogprobs(
+        token_logprob=torch.empty(rows),
+        token_rank=torch.empty(rows, dtype=torch.int64),
+        top_ids=torch.empty(rows, count, dtype=torch.int64),
+        top_logprobs=torch.empty(rows, count),
+    )
+    done = native.score_rows(
+        logits.data_ptr(), rows, vocab, targets.data_ptr(), count, torch.get_num_threads(),
+        *(getattr(scores, f.name).data_ptr() for f in fields(SampledLogprobs)),
+    )  # fmt: skip
+    if done != 0:
+        raise ValueError(f"prompt tokens outside the {vocab}-entry vocabulary, or {count} > 64")
+    return scores

@@ -1,0 +1,105 @@
+/* Log-probabilities of vocabulary-wide logit rows, for scoring a prompt's tokens
+ * (engine/sampling/prompt_logprobs.py): per row, a target token's log-probability and rank, and
+ * the k most likely tokens with theirs. Two passes over each row and no second vocabulary-wide
+ * buffer: the first finds the maximum, counts the logits above the target's and keeps the top k;
+ * the second sums the exponentials. torch's form (a log-sum-exp made in place, a comparison, a
+ * top-k) reads each row five times and cost twice the output head itself on Gemma 3's 262,144
+ * entries. */
+#include "vector_math.h"
+
+#define MAX_TOP 64
+
+static inline float lane_max(v8 x) {
+    float m = x[0];
+    for (int i = 1; i < 8; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline int any_lane(v8i mask) {
+    int64_t parts[4];
+    memcpy(parts, &mask, sizeof parts);
+    return (parts[0] | parts[1] | parts[2] | parts[3]) != 0;
+}
+
+/* `value` into the descending top[0..k) (ids alongside, `filled` of them taken so far) if it is
+ * among the k largest yet. Among equal values the first met stays ahead. */
+static inline void keep(float value, int64_t id, float *top, int64_t *ids, int64_t k, int64_t *filled) {
+    int64_t at;
+    if (*filled < k)
+        at = (*filled)++;
+    else if (value > top[k - 1])
+        at = k - 1;
+    else
+        return;
+    while (at > 0 && value > top[at - 1]) {
+        top[at] = top[at - 1];
+        ids[at] = ids[at - 1];
+        --at;
+    }
+    top[at] = value;
+    ids[at] = id;
+}
+
+static void score_row(const float *row, int64_t vocab, int64_t target, int64_t k, float *token_logprob,
+                      int64_t *rank, int64_t *top_ids, float *top_logprobs) {
+    const float chosen = row[target];
+    float top[MAX_TOP];
+    int64_t ids[MAX_TOP], filled = 0, above = 0;
+    // Pass 1: maximum, logits above the target's, top k. A block of eight is looked at one by
+    // one only where one of them beats the smallest kept (rare once k are kept).
+    const v8 chosen8 = (v8){0} + chosen;
+    v8 most8 = (v8){0} - INFINITY;
+    v8i above8 = {0};
+    float floor = -INFINITY;  // the smallest kept once k are kept
+    int64_t i = 0;
+    for (; i + 8 <= vocab; i += 8) {
+        const v8 x = load8(row + i);
+        most8 = blend(x > most8, x, most8);
+        above8 -= x > chosen8;  // a true lane is -1
+        if (k && (filled < k || any_lane(x > ((v8){0} + floor)))) {
+            for (int j = 0; j < 8; ++j) keep(x[j], i + j, top, ids, k, &filled);
+            if (filled == k) floor = top[k - 1];
+        }
+    }
+    float most = lane_max(most8);
+    for (int j = 0; j < 8; ++j) above += above8[j];
+    for (; i < vocab; ++i) {
+        const float x = row[i];
+        most = x > most ? x : most;
+        above += x > chosen;
+        if (k) keep(x, i, top, ids, k, &filled);
+    }
+    // Pass 2: the sum of exponentials, shifted by the maximum (every argument <= 0).
+    const v8 most_8 = (v8){0} + most;
+    v8 sum8 = {0}, sum8b = {0};
+    i = 0;
+    for (; i + 16 <= vocab; i += 16) {
+        sum8 += exp8(load8(row + i) - most_8);
+        sum8b += exp8(load8(row + i + 8) - most_8);
+    }
+    float sum = lane_sum(sum8 + sum8b);
+    for (; i < vocab; ++i) sum += expf(row[i] - most);
+    const float log_z = most + logf(sum);
+    *token_logprob = chosen - log_z;
+    *rank = above + 1;
+    for (int64_t j = 0; j < k; ++j) {
+        top_ids[j] = ids[j];
+        top_logprobs[j] = top[j] - log_z;
+    }
+}
+
+/* logits [rows, vocab] float32; targets [rows]; out: token_logprob [rows], rank [rows],
+ * top_ids [rows, k], top_logprobs [rows, k] (k <= MAX_TOP, k <= vocab). Parallel over rows.
+ * Returns -1 (nothing written) for k or a target out of range. */
+int score_rows(const float *logits, int64_t rows, int64_t vocab, const int64_t *targets, int64_t k,
+               int64_t threads, float *token_logprob, int64_t *rank, int64_t *top_ids,
+               float *top_logprobs) {
+    if (k < 0 || k > MAX_TOP || k > vocab) return -1;
+    for (int64_t r = 0; r < rows; ++r)
+        if (targets[r] < 0 || targets[r] >= vocab) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; ++r)
+        score_row(logits + r * vocab, vocab, targets[r], k, token_logprob + r, rank + r, top_ids + r * k,
+                  top_logprobs + r * k);
+    return 0;
+}
