@@ -119,4 +119,19 @@ PERPLEXITY = Table(
     Pick(benchmark="perplexity", kind=AVX512),
 )
 
-TABLES = (MODES, KV_CACHE, MEMORY, PERPLEXITY)
+PROMPT_LOGPROBS = Table(
+    "prompt_logprobs_cost",
+    ("model (file)", "`prompt_logprobs`"),
+    (
+        Column("prefill of 1,024 tokens", figure("prefill", "x", vs="off"), "prefill"),
+        Column("what scoring adds, over the head alone", figure("prompt logprobs extra", "x")),
+    ),
+    tuple(
+        Row((name, str(count)), Pick(labels={"model": file, "prompt_logprobs": count}))
+        for name, file in ((SMOLLM, SMOLLM_FILE), (GEMMA, GEMMA_FILE))
+        for count in (1, 5)
+    ),
+    Pick(benchmark="prompt-logprobs", kind=AVX512, decimals=2),
+)
+
+TABLES = (MODES, KV_CACHE, MEMORY, PERPLEXITY, PROMPT_LOGPROBS)
