@@ -17,7 +17,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -27,7 +27,13 @@ from etinfer.server.app import guard
 from etinfer.server.errors import APIError
 from etinfer.server.limits import default_max_request_bytes
 from etinfer.server.playground import add_playground
-from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from etinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from etinfer.server.responses_api import ResponsesRequest
 
 # Sends of one request before a 503: each failed one lost a replica that had not answered.
 MAX_ATTEMPTS = 3
@@ -87,7 +93,28 @@ class OpenAIIngress:
         async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
             return await self.forward("chat", raw)
 
+        @app.post("/v1/responses")
+        async def responses(request: ResponsesRequest, raw: Request) -> Response:
+            return await self.forward("responses", raw)
+
+        # The tokenizer's endpoints: any replica answers (each holds the same tokenizer).
+        @app.post("/tokenize")
+        async def tokenize(request: TokenizeRequest) -> Response:
+            return await self.tokenizer_call("/tokenize", request.model_dump())
+
+        @app.post("/detokenize")
+        async def detokenize(request: DetokenizeRequest) -> Response:
+            return await self.tokenizer_call("/detokenize", request.model_dump())
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> Response:
+            return await self.tokenizer_call("/tokenizer_info", None)
+
         return app
+
+    async def tokenizer_call(self, path: str, body: dict | None) -> Response:
+        status, answer = await self.engines.tokenizer_call.remote(path, body)
+        return JSONResponse(answer, status_code=status)
 
     async def forward(self, kind: str, raw: Request) -> Response:
         """The request's JSON (checked by the route's model) to a replica; its answer back."""

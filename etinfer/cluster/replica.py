@@ -27,6 +27,7 @@ from etinfer.config import EngineConfig
 from etinfer.server.app import ServingStack, default_model_name
 from etinfer.server.errors import APIError
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from etinfer.server.responses_api import ResponsesRequest
 
 METRICS_PUSH_S = 1.0  # how stale a scrape of /metrics may be
 
@@ -63,18 +64,20 @@ class EngineReplica:
         self._pusher = asyncio.create_task(self._push_metrics())
 
     async def generate(self, kind: str, body: dict) -> AsyncIterator[dict | str]:
-        """One OpenAI request (``kind``: ``"completions"`` or ``"chat"``, ``body``: its JSON,
-        already validated by the ingress): the reply's head, then a stream's events."""
-        serving = self.stack.serving
+        """One OpenAI request (``kind``: ``"completions"``, ``"chat"`` or ``"responses"``,
+        ``body``: its JSON, already validated by the ingress): the reply's head, then a
+        stream's events."""
+        stack, client = self.stack, _NeverDisconnects()
         try:
             if kind == "chat":
-                response = await serving.chat(
-                    ChatCompletionRequest.model_validate(body), _NeverDisconnects()
-                )
+                request = ChatCompletionRequest.model_validate(body)
+                response = await stack.serving.chat(request, client)
+            elif kind == "responses":
+                request = ResponsesRequest.model_validate(body)
+                response = await stack.responses.create(request, client)
             else:
-                response = await serving.completions(
-                    CompletionRequest.model_validate(body), _NeverDisconnects()
-                )
+                request = CompletionRequest.model_validate(body)
+                response = await stack.serving.completions(request, client)
         except APIError as e:
             response = e.response()
         head = {"status": response.status_code, "headers": dict(response.headers)}
@@ -88,6 +91,13 @@ class EngineReplica:
                 yield event
         finally:
             await events.aclose()  # a cancelled stream: the serving code aborts its requests
+
+    async def tokenizer_call(self, path: str, body: dict | None) -> tuple[int, dict]:
+        """A tokenizer endpoint's status and answer (``tokenizer_routes.TOKENIZER_PATHS``)."""
+        try:
+            return 200, await self.stack.tokenizer.call(path, body)
+        except APIError as e:
+            return e.status, e.body()
 
     async def models(self) -> dict:
         return self.stack.serving.models()

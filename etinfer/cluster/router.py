@@ -29,8 +29,11 @@ MAX_UNROUTED = 4096
 
 
 def request_body(pending: PendingRequest | None) -> dict | None:
-    """The OpenAI request's JSON, for ``EngineReplica.generate(kind, body)`` calls."""
-    if pending is None or len(pending.args) != 2 or not isinstance(pending.args[1], dict):
+    """The OpenAI request's JSON, for ``EngineReplica.generate(kind, body)`` calls (None for
+    any other call: a tokenizer's is routed to any replica and weighs nothing)."""
+    if pending is None or pending.metadata.call_method != "generate":
+        return None
+    if len(pending.args) != 2 or not isinstance(pending.args[1], dict):
         return None
     return pending.args[1]
 

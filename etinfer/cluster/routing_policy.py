@@ -75,6 +75,12 @@ def prompt_units(body: dict) -> tuple[str | tuple[int, ...], float]:
     """A request's prompt as the router compares it, and the tokens one unit of it is worth:
     the text as the chat template orders it (a quarter of a token a character), or token ids.
     A batch of prompts is routed on its first."""
+    if "input" in body:  # the Responses API: its instructions and items, as a chat's messages
+        items = body["input"]
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        system = [{"role": "system", "content": body.get("instructions") or ""}]
+        body = {"messages": system + [_as_message(item) for item in items]}
     if "messages" in body:
         parts = []
         for message in body["messages"]:
@@ -89,6 +95,12 @@ def prompt_units(body: dict) -> tuple[str | tuple[int, ...], float]:
     if isinstance(prompt, str):
         return prompt, 1 / CHARS_PER_TOKEN
     return tuple(prompt), 1.0
+
+
+def _as_message(item: dict) -> dict:
+    """A Responses input item's role and text (a call's arguments, a result's output)."""
+    text = item.get("content", item.get("output", item.get("arguments", "")))
+    return {"role": item.get("role", item.get("type", "")), "content": text}
 
 
 def prefix_chunks(prompt: str | tuple[int, ...], tokens_per_unit: float) -> list[int]:

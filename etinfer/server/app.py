@@ -24,7 +24,11 @@ from etinfer.server.prompts import PromptEncoder
 from etinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from etinfer.server.responses_api import ResponsesRequest, ResponsesServing
 from etinfer.server.serving import OpenAIServing
-from etinfer.server.tokenizer_routes import TOKENIZER_PATHS, add_tokenizer_routes
+from etinfer.server.tokenizer_routes import (
+    TOKENIZER_PATHS,
+    TokenizerService,
+    add_tokenizer_routes,
+)
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 GUARDED_PATHS = ("/v1", *TOKENIZER_PATHS)
@@ -72,6 +76,8 @@ class ServingStack:
             engine.validator, engine.tokenizer, max_pending=max_waiting_requests
         )
         self.serving = OpenAIServing(self.loop, self.encoder, model_name)
+        self.responses = ResponsesServing(self.serving)
+        self.tokenizer = TokenizerService(self.encoder, model_name, engine.max_model_len)
 
     def start(self) -> None:
         """On the event loop that will serve."""
@@ -148,13 +154,11 @@ def create_app(
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(request, raw)
 
-    responses = ResponsesServing(serving)
-
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
-        return await responses.create(request, raw)
+        return await stack.responses.create(request, raw)
 
-    add_tokenizer_routes(app, stack.encoder, serving.model_name, engine.max_model_len)
+    add_tokenizer_routes(app, stack.tokenizer)
     return app
 
 

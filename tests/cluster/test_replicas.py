@@ -123,6 +123,36 @@ def test_greedy_answers_equal_the_single_engine_servers(deployment, single_serve
     assert all(replicas)
 
 
+def test_responses_and_the_tokenizer_are_the_single_servers(deployment, single_server):
+    """/v1/responses (whole and streamed) and the tokenizer endpoints through the ingress."""
+
+    def replies(url: str) -> list:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        kwargs = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 12}
+        whole = client.responses.create(temperature=0, **kwargs)
+        with client.responses.stream(temperature=0, **kwargs) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        body = {"model": MODEL, "prompt": PROMPTS[0]}
+        tokens = HTTP.post(f"{url}/tokenize", json=body, headers=AUTH).json()
+        detokenized = HTTP.post(
+            f"{url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH
+        ).json()
+        info = HTTP.get(f"{url}/tokenizer_info", headers=AUTH).json()
+        refused = HTTP.post(f"{url}/detokenize", json={"tokens": [-1]}, headers=AUTH)
+        return [whole.output_text, "".join(deltas), tokens, detokenized, info, refused.json()]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each replica runs: the same sums in the same order
+    try:
+        single = replies(single_server.url)
+    finally:
+        torch.set_num_threads(threads)
+    replicas = replies(deployment.url)
+    assert replicas == single
+    assert replicas[0] and replicas[3]["prompt"] == PROMPTS[0]
+    assert replicas[5]["error"]["param"] == "tokens"
+
+
 def test_errors_and_the_playground_are_the_single_servers(deployment, single_server):
     def replies(url: str) -> list[tuple[int, dict]]:
         bad = {"model": MODEL, "prompt": "x", "max_tokens": -3}

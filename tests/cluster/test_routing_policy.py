@@ -78,3 +78,17 @@ def test_prompts_of_every_shape_are_read():
     assert batch.prompt_tokens == 32 and batch.max_tokens == 16
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert RequestShape.of(parts, 16).prompt_tokens > 0
+    # The Responses API's: its input as a chat's messages, a call's arguments and a result too.
+    text = RequestShape.of({"input": "x" * 64}, 16)
+    items = RequestShape.of(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "x" * 64},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "y" * 64},
+            ],
+        },
+        16,
+    )
+    assert 16 < text.prompt_tokens < items.prompt_tokens
