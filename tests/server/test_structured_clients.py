@@ -1,10 +1,14 @@
 """Structured-output libraries, their real packages, against the server: instructor (tools,
 JSON-schema and JSON modes, streamed partial objects, its Responses tools mode) and pydantic-ai
-(tool output and native output, over chat completions and the Responses API; a tool's result
-sent back; tool_choice auto, required and none). The target is a model with a nested model,
+(tool output and native output, over chat completions and the Responses API; an agent loop
+that calls a tool and answers from its result, plain and streamed; tool_choice auto, required
+and none). The target is a model with a nested model,
 which each library sends as ``$defs`` and ``$ref``."""
 
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -15,14 +19,9 @@ instructor = pytest.importorskip("instructor")
 pydantic_ai = pytest.importorskip("pydantic_ai")
 
 from pydantic_ai import Agent, NativeOutput, ToolOutput  # noqa: E402
+from pydantic_ai.capabilities import AbstractCapability  # noqa: E402
 from pydantic_ai.direct import model_request_sync  # noqa: E402
-from pydantic_ai.messages import (  # noqa: E402
-    ModelRequest,
-    ModelResponse,
-    ToolCallPart,
-    ToolReturnPart,
-    UserPromptPart,
-)
+from pydantic_ai.messages import ModelRequest, ToolCallPart  # noqa: E402
 from pydantic_ai.models import ModelRequestParameters  # noqa: E402
 from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel  # noqa: E402
 from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
@@ -91,23 +90,40 @@ def test_pydantic_ai_output_of_a_nested_model(pai_model, output):
     assert person.age == 30 and person.address.city == "Paris"
 
 
-def test_pydantic_ai_sends_a_tool_result_back(pai_model):
-    """An earlier turn's call and its result go back to the server with the next prompt; the
-    answer reads the result."""
-    agent = Agent(pai_model, output_type=NativeOutput(Person), model_settings=SETTINGS)
+@dataclass
+class LookUpFirst(AbstractCapability):
+    """The agent's first step calls the tool (the small model would rarely choose to); the
+    next answers with the result in hand."""
+
+    def get_model_settings(self):
+        return lambda ctx: {"tool_choice": ["get_city"]} if ctx.run_step <= 1 else {}
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_pydantic_ai_agent_loop_sends_a_tool_result_back(pai_model, streamed):
+    calls = []
+    agent = Agent(
+        pai_model,
+        output_type=NativeOutput(Person),
+        model_settings=SETTINGS,
+        capabilities=[LookUpFirst()],
+    )
 
     @agent.tool_plain
     def get_city(name: str) -> str:
         """The city a person lives in."""
+        calls.append(name)
         return "Lyon, France"
 
-    history = [
-        ModelRequest(parts=[UserPromptPart("Where does Alice live?")]),
-        ModelResponse(parts=[ToolCallPart("get_city", {"name": "Alice"}, tool_call_id="call_1")]),
-        ModelRequest(parts=[ToolReturnPart("get_city", "Lyon, France", tool_call_id="call_1")]),
-    ]
-    person = agent.run_sync("Alice is 30. Give the person.", message_history=history).output
-    assert person.address.city == "Lyon" and person.age == 30
+    prompt = "Alice is 30. Where does she live? Give the person."
+
+    async def run_streamed():
+        async with agent.run_stream(prompt) as run:
+            return await run.get_output()
+
+    person = asyncio.run(run_streamed()) if streamed else agent.run_sync(prompt).output
+    assert calls == ["Alice"]
+    assert person.address.city == "Lyon" and person.age == 30  # read from the result
 
 
 @pytest.mark.parametrize(
