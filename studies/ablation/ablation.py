@@ -93,6 +93,7 @@ def run_all(
     repeats: int,
     engine_kwargs: dict,
     clock: str,
+    concurrency: int | None = None,
 ) -> list[Run]:
     runs = []
     names = list(configurations)
@@ -106,9 +107,18 @@ def run_all(
                 bar.set_description(f"repeat {repeat + 1}/{repeats} {name}")
                 arm = configurations[name]
                 settings = engine_kwargs | arm.engine
-                runs.append(
-                    run_once(loaded, name, repeat, arm.control, batch, settings, clock, bar)
+                run = run_once(
+                    loaded,
+                    name,
+                    repeat,
+                    arm.control,
+                    batch,
+                    settings,
+                    clock,
+                    bar,
+                    concurrency=concurrency,
                 )
+                runs.append(run)
                 gc.collect()  # the finished engine's KV pool goes before the next one's
     return runs
 
@@ -135,7 +145,13 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
     started = time.strftime("%Y-%m-%d %H:%M")
     chosen = {name: arm for name, arm in arms(pruning).items() if name in args.arms}
-    runs = run_all(loaded, requests, chosen, repeats, engine_kwargs, args.clock)
+    if args.concurrency is not None and args.concurrency > engine_kwargs["max_num_seqs"]:
+        waiting = args.concurrency - engine_kwargs["max_num_seqs"]
+        print(
+            f"{args.concurrency} clients and max_num_seqs {engine_kwargs['max_num_seqs']}: "
+            f"{waiting} of their requests wait in the queue at any time"
+        )
+    runs = run_all(loaded, requests, chosen, repeats, engine_kwargs, args.clock, args.concurrency)
     settings = {
         "command": command_line(args, repeats),
         "date": started,
@@ -144,6 +160,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
         "quick": args.quick,
         "repeats": repeats,
         "rate": sizes.rate,
+        "concurrency": args.concurrency,
         "clock": args.clock,
         "seed": args.seed,
         "engine": engine_kwargs,
@@ -154,6 +171,8 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
     ablation_report.write(report, Path(args.output))
     labels = {"workload": args.workload} | ({"quick": True} if args.quick else {})
+    if args.concurrency is not None:  # throughput is then capacity: a closed loop's rate
+        labels["concurrency"] = args.concurrency
     if list(args.arms) != list(CONFIGS):  # some arms: not a whole Table 1
         labels["arms"] = " ".join(args.arms)
     figures = ablation_metrics.table1_figures(report["summary"], labels)
@@ -168,6 +187,7 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     parts += [f"--clock {args.clock}"]
     parts += [] if list(args.arms) == list(CONFIGS) else ["--arms", *args.arms]
     parts += [] if args.rate is None else [f"--rate {args.rate}"]
+    parts += [] if args.concurrency is None else [f"--concurrency {args.concurrency}"]
     return " ".join([*parts, *options.engine_flags(args), f"--output {args.output}"])
 
 
@@ -180,6 +200,12 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", required=True, help="directory for the report and plots")
     parser.add_argument("--repeats", type=positive_int, help="default: 2, or 1 with --quick")
     parser.add_argument("--rate", type=float, help="requests/s (default: the mode's own)")
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        help="a closed loop of this many clients instead of the arrival times (vLLM's "
+        "benchmark at request rate inf): throughput is then each arm's capacity",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--arms",

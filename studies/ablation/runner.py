@@ -119,15 +119,17 @@ def run_once(
     clock: str,
     bar: tqdm,
     meters: Sequence[Callable[[LLMEngine], object]] = (),
+    concurrency: int | None = None,
 ) -> Run:
     """One configuration's pass, on a fresh engine warmed up first; ``meters`` build extra
-    observers of its steps (each adds itself to the engine)."""
+    observers of its steps (each adds itself to the engine); ``concurrency``: a closed loop of
+    that many clients instead of the workload's arrival times."""
     before = os.getloadavg()[0]
     engine = LLM(loaded, control=control, **engine_kwargs).engine
     warm_up(engine)
     meter = StepMeter(engine)
     extra = [make(engine) for make in meters]
-    driven = drive_engine(engine, requests, clock, bar)
+    driven = drive_engine(engine, requests, clock, bar, concurrency)
     refused = next((r.error for r in driven.records if r.error), None)
     if refused:
         raise ValueError(refused)

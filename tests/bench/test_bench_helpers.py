@@ -112,6 +112,21 @@ def test_the_cpu_clock_advances_by_step_cpu_time_and_skips_idle_gaps(tiny_model)
     assert run.wall < 100
 
 
+@pytest.mark.parametrize("clock", ["cpu", "wall"])
+def test_a_closed_loop_keeps_that_many_requests_running(tiny_model, clock):
+    """Arrival times are ignored: a request arrives when one of the two before it ends."""
+    engine = LLM(tiny_model, max_num_seqs=8).engine
+    requests = [Request(1000.0 * i, [5 + i, 6], params(3 + i % 3)) for i in range(7)]
+    steps = []
+    with engine.observing(steps.append):
+        run = drive_engine(engine, requests, clock, concurrency=2)
+    assert all(r.ok for r in run.records) and max(len(s.num_tokens) for s in steps) == 2
+    assert run.makespan < 100  # not the 6,000 s the arrival times would have taken
+    assert all(r.queue_time < 0.5 for r in run.records)  # each scheduled as it arrived
+    with pytest.raises(ValueError, match="concurrency"):
+        drive_engine(engine, requests, clock, concurrency=0)
+
+
 def test_the_wall_clock_tells_the_engine_the_nominal_arrival(tiny_model):
     engine = LLM(tiny_model, max_num_seqs=4).engine
     run = drive_engine(engine, [Request(0.0, [5, 6], params(3)), Request(0.2, [7], params(3))])

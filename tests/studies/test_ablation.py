@@ -211,13 +211,16 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
 
 @pytest.mark.slow
 def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path, restore_threads):
+    """Two arms, in a closed loop of 4 clients (their throughput is their capacity)."""
     parser = argparse.ArgumentParser()
     ablation.add_command(parser.add_subparsers())
-    argv = ["ablation", "--quick", "--threads", "2", "--quantization", "none"]
-    argv += ["--output", str(tmp_path), "--arms", "baseline", "attention"]
+    argv = ["ablation", "--quick", "--threads", "2", "--quantization", "none", "--concurrency"]
+    argv += ["4", "--output", str(tmp_path), "--arms", "baseline", "attention"]
     figures, report = ablation.run(parser.parse_args(argv), loaded_model)
     assert {f.labels["arm"] for f in figures} == {"baseline", "attention"}
     assert all(f.labels["arms"] == "baseline attention" for f in figures)  # not a Table 1
+    assert all(f.labels["concurrency"] == 4 for f in figures)
+    assert "--concurrency 4" in report["settings"]["command"]
     assert report["super_additivity"] is None and report["trace"] is None
     assert "--arms baseline attention" in report["settings"]["command"]
     assert "Not measured: the run left out" in (tmp_path / "ablation.md").read_text()

@@ -145,32 +145,53 @@ class RunClock:
 
 
 def drive_engine(
-    engine: LLMEngine, requests: Sequence[Request], clock: str = "wall", bar: tqdm | None = None
+    engine: LLMEngine,
+    requests: Sequence[Request],
+    clock: str = "wall",
+    bar: tqdm | None = None,
+    concurrency: int | None = None,
 ) -> EngineRun:
     """Run ``requests`` (in arrival order) on ``engine``; ``bar`` counts those done. A request
-    the engine refuses (it could never fit) becomes a failed record."""
+    the engine refuses (it could never fit) becomes a failed record. ``concurrency``: a closed
+    loop of that many clients instead of the arrival times (vLLM's benchmark at request rate
+    inf with that max concurrency): a request arrives as soon as fewer than that many run, and
+    its latencies count from then."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     run = RunClock(clock)
     outputs: list[RequestOutput | None] = [None] * len(requests)
     records = [RequestRecord() for _ in requests]
+    arrived = [r.arrival_s for r in requests]  # when each arrived, on the run's clock
     arrivals = deque(enumerate(requests))
+    running = 0
+
+    def due() -> bool:
+        if concurrency is not None:
+            return running < concurrency
+        return arrivals[0][1].arrival_s <= run.now()
+
     with engine.observing(run):
         while arrivals or engine.has_unfinished_requests():
-            while arrivals and arrivals[0][1].arrival_s <= run.now():
+            while arrivals and due():
                 i, request = arrivals.popleft()
+                if concurrency is not None:
+                    arrived[i] = run.now()
                 try:
                     engine.add_request(
                         _prompt_ids(engine, request.prompt),
                         request.params,
                         request_id=str(i),
-                        arrival_time=run.arrival_time(request.arrival_s),
+                        arrival_time=run.arrival_time(arrived[i]),
                         forced_token_ids=request.forced or None,
                     )
+                    running += 1
                 except ValueError as e:  # refused: it could never fit (the pool is too small)
                     records[i].error = str(e)
             if engine.has_unfinished_requests():
                 for out in engine.step():
                     i = int(out.request_id)
-                    outputs[i], records[i] = out, run.record(out, requests[i].arrival_s)
+                    outputs[i], records[i] = out, run.record(out, arrived[i])
+                    running -= 1
                     if bar is not None:
                         bar.update()
             elif arrivals:
