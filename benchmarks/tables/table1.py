@@ -25,7 +25,9 @@ RATIOS = (
 )
 
 
-def cpu_table(name: str, workload: str) -> Table:
+def cpu_table(name: str, workload: str, concurrency: int | None = None) -> Table:
+    """``concurrency``: a closed loop of that many clients (throughput is capacity); None:
+    the workload's own arrivals."""
     return Table(
         name,
         ("configuration", "the paper: latency / throughput / η / quality"),
@@ -35,13 +37,21 @@ def cpu_table(name: str, workload: str) -> Table:
             benchmark="ablation",
             kind=AVX512,
             unit="x",
-            labels={"workload": workload, "vs": "baseline", "arms": None},  # all arms ran
+            decimals=2,
+            # All arms ran (no "arms" label).
+            labels={
+                "workload": workload,
+                "vs": "baseline",
+                "arms": None,
+                "concurrency": concurrency,
+            },
         ),
     )
 
 
 MIXED = cpu_table("table1_mixed", "mixed")
 LONG = cpu_table("table1_long", "long")
+MIXED_CAPACITY = cpu_table("table1_mixed_capacity", "mixed", 8)
 
 MIXED_FIGURES = Table(
     "table1_mixed_figures",
@@ -57,7 +67,11 @@ MIXED_FIGURES = Table(
         Row(("Baseline",), Pick(labels={"arm": "baseline"})),
         *(Row((text,), Pick(labels={"arm": arm})) for text, arm in ARMS),
     ),
-    Pick(benchmark="ablation", kind=AVX512, labels={"workload": "mixed", "arms": None}),
+    Pick(
+        benchmark="ablation",
+        kind=AVX512,
+        labels={"workload": "mixed", "arms": None, "concurrency": None},
+    ),
 )
 
 
@@ -78,4 +92,4 @@ GPU = Table(
     Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
-TABLES = (MIXED, LONG, MIXED_FIGURES, GPU)
+TABLES = (MIXED, LONG, MIXED_FIGURES, MIXED_CAPACITY, GPU)

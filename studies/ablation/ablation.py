@@ -37,6 +37,7 @@ from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.options import positive_int
 from studies import PROGRAM
+from studies.ablation import goodput
 from studies.ablation import metrics as ablation_metrics
 from studies.ablation import report as ablation_report
 from studies.ablation.runner import Run, run_once
@@ -132,6 +133,10 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     # own work, which is what eta divides by.
     if "baseline" not in args.arms:
         raise ValueError(f"--arms must include baseline (every ratio is to it), got {args.arms}")
+    if args.sweep_rates and (args.concurrency is not None or args.rate is not None):
+        raise ValueError("--sweep-rates sets the arrivals: give it without --rate or --concurrency")
+    if args.sweep_rates and min(args.sweep_rates) <= 0:
+        raise ValueError(f"--sweep-rates must all be above 0, got {args.sweep_rates}")
     options.set_threads(args)
     loaded = loaded or load_model(args.model)
     mode = "quick" if args.quick else "long" if args.workload == "long" else "full"
@@ -145,6 +150,14 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     engine_kwargs["num_kvcache_blocks"] = args.num_kvcache_blocks or KV_BLOCKS[mode]
     started = time.strftime("%Y-%m-%d %H:%M")
     chosen = {name: arm for name, arm in arms(pruning).items() if name in args.arms}
+    if args.sweep_rates:
+        run_at = {
+            rate: ablation_workload.build(
+                loaded.tokenizer, args.workload, replace(sizes, rate=rate), args.seed
+            )
+            for rate in args.sweep_rates
+        }
+        return sweep(args, loaded, run_at, chosen, repeats, engine_kwargs)
     if args.concurrency is not None and args.concurrency > engine_kwargs["max_num_seqs"]:
         waiting = args.concurrency - engine_kwargs["max_num_seqs"]
         print(
@@ -179,6 +192,38 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     return figures, report | {"device": engine_device(engine_kwargs)}
 
 
+def sweep(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    run_at: dict[float, list[AblationRequest]],
+    chosen: dict[str, Arm],
+    repeats: int,
+    engine_kwargs: dict,
+) -> tuple[list[Figure], dict]:
+    """Every arm at every rate of ``run_at`` (its workload at that rate): each arm's SLO
+    attainment and goodput per rate, and the highest rate it sustains (``goodput.py``)."""
+    objective = goodput.Objective(args.slo_ttft, args.slo_tpot, args.slo_target)
+    by_rate = {}
+    for rate, requests in run_at.items():
+        runs = run_all(loaded, requests, chosen, repeats, engine_kwargs, args.clock)
+        by_rate[rate] = {name: [r for r in runs if r.config == name] for name in chosen}
+    labels = {"workload": args.workload, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot}
+    figures, report, notes = goodput.sweep_figures(by_rate, objective, labels)
+    print(
+        f"\nSLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s for "
+        f"{100 * args.slo_target:.0f} % of requests ({args.clock} clock)"
+    )
+    print("| arm | " + " | ".join(f"{rate} req/s" for rate in by_rate) + " | sustained |")
+    print("|---|" + "---:|" * (len(by_rate) + 1))
+    for name in chosen:
+        cells = [f"{100 * report['per_rate'][name][rate]['attainment']:.0f} %" for rate in by_rate]
+        print(f"| {name} | {' | '.join(cells)} | {report['sustained'][name] or 'none'} |")
+    for note in notes:
+        print(note)
+    report |= {"command": command_line(args, repeats), "notes": notes}
+    return figures, report | {"device": engine_device(engine_kwargs)}
+
+
 def command_line(args: argparse.Namespace, repeats: int) -> str:
     """The command that reproduces this run (defaults spelled out)."""
     parts = ["python -m studies ablation", f"--workload {args.workload}"]
@@ -188,6 +233,9 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     parts += [] if list(args.arms) == list(CONFIGS) else ["--arms", *args.arms]
     parts += [] if args.rate is None else [f"--rate {args.rate}"]
     parts += [] if args.concurrency is None else [f"--concurrency {args.concurrency}"]
+    if args.sweep_rates:
+        parts += ["--sweep-rates", *map(str, args.sweep_rates), f"--slo-ttft {args.slo_ttft}"]
+        parts += [f"--slo-tpot {args.slo_tpot}", f"--slo-target {args.slo_target}"]
     return " ".join([*parts, *options.engine_flags(args), f"--output {args.output}"])
 
 
@@ -205,6 +253,18 @@ def add_command(kinds: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="a closed loop of this many clients instead of the arrival times (vLLM's "
         "benchmark at request rate inf): throughput is then each arm's capacity",
+    )
+    parser.add_argument(
+        "--sweep-rates",
+        type=float,
+        nargs="+",
+        help="run every arm at each of these rates (req/s) and report each arm's goodput: "
+        "the highest rate whose requests meet the SLO (--slo-ttft, --slo-tpot, --slo-target)",
+    )
+    parser.add_argument("--slo-ttft", type=float, default=30.0, help="seconds (default 30)")
+    parser.add_argument("--slo-tpot", type=float, default=1.0, help="seconds (default 1)")
+    parser.add_argument(
+        "--slo-target", type=float, default=0.9, help="share of requests (default 0.9)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

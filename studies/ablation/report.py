@@ -253,8 +253,9 @@ def plot_bars(report: dict, path: Path) -> None:
             r = summary[config].get(name, {}).get("relative")
             mean = r["mean"] if r else float("nan")
             means.append(mean)
-            low.append(mean - r["min"] if r else 0.0)
-            high.append(r["max"] - mean if r else 0.0)
+            # Clamped: a mean of equal ratios can land a rounding below their minimum.
+            low.append(max(0.0, mean - r["min"]) if r else 0.0)
+            high.append(max(0.0, r["max"] - mean) if r else 0.0)
         x = range(len(configs))
         ax.bar(x, means, yerr=[low, high], capsize=4, color="tab:blue", alpha=0.8, label="ours")
         if name in paper_columns:

@@ -226,3 +226,42 @@ def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path
     assert "Not measured: the run left out" in (tmp_path / "ablation.md").read_text()
     with pytest.raises(ValueError, match="--arms must include baseline"):
         ablation.run(parser.parse_args([*argv[:-3], "--arms", "attention"]), loaded_model)
+
+
+def test_goodput_counts_the_requests_that_meet_the_objective():
+    from etinfer.bench.common.driver import RequestRecord
+    from studies.ablation import goodput
+
+    objective = goodput.Objective(ttft_s=1.0, tpot_s=0.1, target=0.5)
+    met = RequestRecord(output_tokens=11, ttft=0.5, e2e=1.4)  # TPOT 0.09
+    slow = RequestRecord(output_tokens=11, ttft=0.5, e2e=2.5)  # TPOT 0.2
+    late = RequestRecord(output_tokens=1, ttft=1.5, e2e=1.5)
+    failed = RequestRecord(error="refused")
+    records = [met, slow, late, failed, RequestRecord(output_tokens=1, ttft=0.2, e2e=0.2)]
+    assert goodput.attainment(records, objective) == pytest.approx(2 / 5)
+    assert goodput.goodput(records, 4.0, objective) == pytest.approx(0.5)
+    assert goodput.sustained_rate({0.1: 1.0, 0.2: 0.6, 0.4: 0.3}, 0.5) == 0.2
+    assert goodput.sustained_rate({0.1: 0.4}, 0.5) is None
+    with pytest.raises(ValueError, match="slo-target"):
+        goodput.Objective(1.0, 1.0, 1.5)
+    with pytest.raises(ValueError, match="ttft_s"):
+        goodput.Objective(0.0, 1.0, 0.9)
+
+
+@pytest.mark.slow
+def test_a_rate_sweep_reports_each_arms_sustained_rate(loaded_model, tmp_path, restore_threads):
+    parser = argparse.ArgumentParser()
+    ablation.add_command(parser.add_subparsers())
+    argv = ["ablation", "--quick", "--threads", "2", "--arms", "baseline", "sampling"]
+    argv += ["--output", str(tmp_path), "--sweep-rates", "0.05", "50"]
+    lax = ["--slo-ttft", "1000", "--slo-tpot", "1000"]
+    figures, report = ablation.run(parser.parse_args([*argv, *lax]), loaded_model)
+    assert report["sustained"] == {"baseline": 50, "sampling": 50} and not report["notes"]
+    rated = {(f.labels["arm"], f.labels["rate"]) for f in figures if f.subject == "goodput"}
+    assert rated == {(a, r) for a in ("baseline", "sampling") for r in (0.05, 50)}
+    strict = ["--sweep-rates", "50", "--slo-ttft", "0.001"]
+    _, report = ablation.run(parser.parse_args([*argv[:-3], *strict]), loaded_model)
+    assert report["sustained"] == {"baseline": None, "sampling": None}
+    assert "the lowest rate swept (50.0 req/s) already misses the SLO: 0 %" in report["notes"][0]
+    with pytest.raises(ValueError, match="without --rate or --concurrency"):
+        ablation.run(parser.parse_args([*argv, "--concurrency", "2"]), loaded_model)
