@@ -21,7 +21,7 @@ from etinfer.model import native_kernels
 
 # Prompt rows whose logits are held at once: a vocabulary-wide float32 row is 1 MiB on Gemma 3
 # (262,144 entries), so a 1,024-token chunk at once held over 1 GiB. What scoring costs beyond
-# the output head over the rows is the two passes of native/row_scores.c over each row: a tenth
+# the output head over the rows is one pass of native/row_scores.c over each row: under a tenth
 # of the head's time on Gemma 3 (torch's log-sum-exp, comparison and top-k took as long again
 # as the head).
 ROWS_AT_ONCE = 128
@@ -78,7 +78,7 @@ def score_prompts(
 
 def _scored(logits: torch.Tensor, targets: torch.Tensor, count: int) -> SampledLogprobs:
     """Each row's log-probability and rank of its target and its top ``count``: on the CPU in
-    two passes over each row (``native/row_scores.c``), elsewhere as torch operations on
+    one pass over each row (``native/row_scores.c``), elsewhere as torch operations on
     log-probabilities made in place (no second vocabulary-wide tensor)."""
     logits = logits.float()
     native = native_kernels.library() if logits.device.type == "cpu" else None
