@@ -61,12 +61,12 @@ class ResponseEvents:
                 events.append(self._at("response.function_call_arguments.delta", delta=piece))
         return events
 
-    def finish(self, status: str, incomplete: dict | None, usage: dict, extra: dict) -> list[dict]:
+    def finish(self, ending: dict) -> list[dict]:
+        """The open item closed, then the whole response with ``ending`` (its status, usage
+        and telemetry)."""
         events = self._close()
-        self.response.update(
-            status=status, incomplete_details=incomplete, output=self.items, usage=usage, **extra
-        )
-        kind = "response.completed" if status == "completed" else "response.incomplete"
+        self.response.update(ending, output=self.items)
+        kind = "response.completed" if ending["status"] == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=self.response)]
 
     def error(self, code: str, message: str) -> dict:

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from etinfer.outputs import RequestOutput
 from etinfer.server.engine_loop import EngineError, RequestGroup
 from etinfer.server.errors import APIError
-from etinfer.server.formats import telemetry, whole_delta
+from etinfer.server.formats import ChatFormat, telemetry, whole_delta
 from etinfer.server.formats import usage as chat_usage
 from etinfer.server.responses_api.events import ResponseEvents
 from etinfer.server.responses_api.protocol import ResponsesRequest
@@ -47,14 +48,7 @@ class ResponsesServing:
         if outputs is None:
             return JSONResponse({}, status_code=499)  # nobody reads it
         choice = self.serving.whole_choices(prepared.fmt, outputs)[0]
-        status, incomplete = status_of(choice["finish_reason"])
-        body.update(
-            status=status,
-            incomplete_details=incomplete,
-            output=output_items(choice["message"]),
-            usage=response_usage(chat_usage(outputs, 1)),
-            etinfer=choice["etinfer"],
-        )
+        body.update(_ending(outputs, prepared.fmt), output=output_items(choice["message"]))
         return JSONResponse(body)
 
     async def _stream(
@@ -73,11 +67,7 @@ class ResponsesServing:
             except EngineError as e:
                 yield _sse(events.error("engine_error", str(e)))
                 return
-            out = group.outputs[0]
-            status, incomplete = status_of(out.finish_reason)
-            usage = response_usage(chat_usage(group.outputs, 1))
-            extra = {"etinfer": telemetry(out, whole_delta(out), fmt.attention_entropy)}
-            for event in events.finish(status, incomplete, usage, extra):
+            for event in events.finish(_ending(group.outputs, fmt)):
                 yield _sse(event)
         finally:
             self.serving.loop.abort(group)
@@ -112,6 +102,18 @@ class ResponsesServing:
             "store": False,
             "usage": None,
         }
+
+
+def _ending(outputs: list[RequestOutput], fmt: ChatFormat) -> dict:
+    """The finished response's fields that its one choice decides: status, usage, telemetry."""
+    out = outputs[0]
+    status, incomplete = status_of(out.finish_reason)
+    return {
+        "status": status,
+        "incomplete_details": incomplete,
+        "usage": response_usage(chat_usage(outputs, 1)),
+        "etinfer": telemetry(out, whole_delta(out), fmt.attention_entropy),
+    }
 
 
 def _sse(event: dict) -> str:
