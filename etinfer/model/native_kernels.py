@@ -169,6 +169,8 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.observe_block_mass.restype = None
     library.score_rows.argtypes = [pointer, i64, i64, pointer, i64, i64] + [pointer] * 4
     library.score_rows.restype = ctypes.c_int
+    library.top_ids.argtypes = [pointer, i64, i64, i64, i64, pointer]
+    library.top_ids.restype = ctypes.c_int
     library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
     library.rotate_heads.restype = None
     library.norm_heads.argtypes = [pointer] + [i64] * 4 + [pointer, ctypes.c_float]

@@ -101,3 +101,20 @@ def test_the_native_scores_equal_torch(count, monkeypatch):
     assert torch.equal(native.top_ids[untied], expected.top_ids[untied])
     if count:
         assert set(native.top_ids[3].tolist()) <= set(range(40))
+
+
+def test_the_heads_candidates_are_torchs_largest():
+    """The integer-kernel head's candidates for recomputation, found natively in one pass: the
+    same values as torch's top-k (ids among ties may differ), on rows of Gemma 3's width and
+    a width no multiple of the kernel's 8, with tied logits as bfloat16 outputs give."""
+    from etinfer.model import linear, native_kernels
+
+    if not native_kernels.available():
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(1)
+    for rows, width in ((1, 262_144), (9, 50_001), (3, 37)):
+        logits = (torch.randn(rows, width, generator=generator) * 4).bfloat16().float()
+        ids = linear._largest_ids(logits, 32)
+        expected = logits.topk(32, dim=-1).values
+        assert ids.shape == (rows, 32) and len(set(ids[0].tolist())) == 32
+        assert torch.equal(logits.gather(1, ids), expected)
