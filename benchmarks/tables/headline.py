@@ -84,6 +84,11 @@ LLAMA_CPP_TABLE = Table(
             ONE_CALL,
         ),
         Row(
+            (HELD, f"{GEMMA}, 241 MiB (`auto` is `gguf`)"),
+            Pick(kind=HELD, labels={"model": GEMMA_FILE}),
+            ONE_CALL | {"b16": NOT_MEASURED, "top1": NOT_MEASURED, "top1lc": NOT_MEASURED},
+        ),
+        Row(
             (AVX512, f"{SMOLLM}, 94 MiB"),
             Pick(kind=AVX512, labels={"model": SMOLLM_FILE}),
             ONE_CALL,
