@@ -107,7 +107,7 @@ class Scheduler:
         self.policy.begin_step(record)
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
-        pending = self.policy.order(self.running)
+        pending = self._decodes_first(self.policy.order(self.running))
         while pending and budget:
             seq = pending.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -133,6 +133,21 @@ class Scheduler:
             if seq.num_computed_tokens + n == seq.num_tokens
         ]
         return batch
+
+    @staticmethod
+    def _decodes_first(ordered: list[Sequence]) -> list[Sequence]:
+        """Sequences one row from their next token first, then those with prompt (or recompute)
+        chunks left, each part in the policy's order: stall-free batching, as Sarathi-Serve and
+        vLLM schedule. A chunk the policy ranked first took the whole token budget, so every
+        decoding sequence waited for as many steps as the prompt had chunks: on the long
+        workload (prompts of 4-8K tokens, 1,024-token chunks) the entropy policy's time per
+        output token was 2.08x the baseline's. Decode rows cost the budget one token each; the
+        policy still orders decodes among themselves (for the budget and for preemption) and
+        chooses which prompt advances."""
+        rows_left = [s.num_tokens - s.num_computed_tokens for s in ordered]
+        return [s for s, n in zip(ordered, rows_left, strict=True) if n == 1] + [
+            s for s, n in zip(ordered, rows_left, strict=True) if n != 1
+        ]
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit in the policy's order, stopping at the first request that does not fit (so none

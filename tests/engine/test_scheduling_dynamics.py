@@ -15,7 +15,7 @@ from etinfer.engine.kv_cache.manager import KVCacheManager
 from etinfer.engine.scheduler import ScheduledBatch, Scheduler
 from etinfer.engine.sequence import Sequence, SequenceStatus
 from studies.laws.scheduling_sim import StepCost, simulate
-from tests.engine.scheduling_helpers import BLOCK, decoding, make_seq
+from tests.engine.scheduling_helpers import BLOCK, decoding, make_seq, only
 
 # -- preemption victims ------------------------------------------------------------------------
 
@@ -110,6 +110,22 @@ def test_admission_keeps_blocks_for_the_running_sequences_to_grow_into():
         batch = schedule(scheduler)
         assert (waiting in batch.seqs) is admitted
         assert not batch.preempted
+
+
+def test_a_prompt_the_policy_ranks_first_never_stalls_the_decoding_sequences():
+    # Ranked by memory alone, a prompt with one token to go outranks a sequence with 63 left;
+    # its chunks still leave each decoding sequence its row (stall-free batching).
+    scheduler = make_scheduler(only("gamma"), budget=8)
+    talker = make_seq(prompt_len=3, max_tokens=64)
+    scheduler.add(talker)
+    run_step(scheduler, schedule(scheduler))  # its prompt: it decodes from now on
+    reader = make_seq(prompt_len=40, max_tokens=1)
+    scheduler.add(reader)
+    for _ in range(4):  # the reader's prompt in chunks, the talker's token in every step
+        batch = schedule(scheduler)
+        assert scheduler.policy.order([talker, reader]) == [reader, talker]
+        assert batch.seqs == [talker, reader] and batch.num_tokens == [1, 7]
+        run_step(scheduler, batch)
 
 
 def test_steps_since_admitted_counts_scheduled_steps_and_resets_on_admission():
