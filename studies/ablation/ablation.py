@@ -52,7 +52,7 @@ QUICK_MIN_CONTEXT = 256
 # on preemptions (a long prompt recomputed costs many seconds on this CPU): 2,048 blocks of 16
 # tokens are 32K tokens, 0.7 GiB in float16; the long workload's 4,096 hold eight of its
 # longest requests.
-KV_BLOCKS = {"quick": 512, "full": 2048, "long": 4096}
+KV_BLOCKS = {"quick": 512, "full": 2048, "long": 4096, "long-scored": 4096}
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
         raise ValueError(f"--sweep-rates must all be above 0, got {args.sweep_rates}")
     options.set_threads(args)
     loaded = loaded or load_model(args.model)
-    mode = "quick" if args.quick else "long" if args.workload == "long" else "full"
+    mode = "quick" if args.quick else args.workload if args.workload.startswith("long") else "full"
     sizes = ablation_workload.SIZES[mode]
     if args.rate is not None:
         sizes = replace(sizes, rate=args.rate)

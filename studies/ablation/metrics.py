@@ -14,7 +14,8 @@ question's forced tokens included: they are decode steps like any other):
   TFLOP of model compute (``ablation_runner.StepMeter``);
 - work: decode attention FLOPs and KV bytes read per decode step, the share of the context's
   KV blocks decode attention read, model FLOPs per output token, KV pool use (mean and peak
-  share of blocks held);
+  share of blocks held); the batches' make-up (the share of stepping CPU time in steps with a
+  prompt chunk, decode rows per step, running sequences a step left out);
 - quality: passkey accuracy; ROUGE-L of greedy continuations against the human-written text
   that follows them; for sampled text, loop rate and distinct-n (``bench/common/quality.py``), and
   the spread of the entropy it was drawn at.
@@ -22,8 +23,9 @@ question's forced tokens included: they are decode steps like any other):
 Against the baseline of the same repeat (``study``): ROUGE-L of each configuration's greedy
 answers against the baseline's, and the ratio of every figure. The quality score of Table 1 is
 the mean of the ratios of the ground-truth metrics (passkey accuracy, ROUGE-L against human
-text), skipping one the baseline scores 0 on; a workload with neither (``chat``) uses ROUGE-L
-against the baseline.
+text, and on ``long-scored`` the perplexity of forced human text), skipping one the baseline
+scores 0 on; a workload with neither (``chat``) uses ROUGE-L against the baseline. Its 95 %
+interval (``quality_low``, ``quality_high``) is a paired bootstrap over the repeat's cases.
 
 Across repeats: mean, standard deviation, minimum and maximum. A ratio is called out as a real
 difference when every repeat's ratio lies on the same side of 1 and the mean moves further from
@@ -41,7 +43,14 @@ from etinfer.bench.common.stats import mean
 from etinfer.model.tokenizer import Tokenizer
 from studies.common import quality
 from studies.common.mixed_workload import AblationRequest, answers
-from studies.common.quality import rouge_l, task_quality, words
+from studies.common.quality import (
+    case_scores,
+    quality_interval,
+    quality_score,
+    rouge_l,
+    task_quality,
+    words,
+)
 
 if TYPE_CHECKING:
     from studies.ablation.runner import Run
@@ -91,10 +100,12 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "model_flops_per_token": run.work["model_flops"] / tokens,
         **{k: run.work[k] for k in ("attn_flops_per_token", "kv_bytes_per_token")},
         **{k: run.work[k] for k in ("kv_read_share", "kv_pool_mean", "kv_pool_peak")},
+        **{k: run.work[k] for k in ("prompt_step_cpu_share", "decode_rows_per_step")},
+        "left_out_per_step": run.work["left_out_per_step"],
         "decode_pairs_in_context": run.work["decode_pairs_in_context"],
         "preemptions": run.preemptions,
         "recomputed_tokens": run.recomputed_tokens,
-        **task_quality(requests, answered, tokenizer),
+        **task_quality(requests, answered, tokenizer, outs),
         **_sampled_figures([outs[i] for i in sampled], [answered[i] for i in sampled]),
     }
     order = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_scheduled_time)
@@ -103,6 +114,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "repeat": run.repeat,
         "load": list(run.load),
         "figures": figures,
+        "cases": case_scores(requests, answered, tokenizer, outs),
         "admission_order": order,
         "greedy_answers": {
             str(i): tokenizer.decode(a) for i, a in enumerate(answered) if requests[i].greedy
@@ -134,12 +146,11 @@ def add_baseline_comparisons(records: list[dict]) -> None:
         base = baselines[record["repeat"]]
         ours = record["figures"]
         ours["rouge_l_baseline"] = answers_rouge(record, base)
-        parts = [
-            ours[k] / base["figures"][k]
-            for k in ("passkey_accuracy", "rouge_l_human")
-            if base["figures"].get(k)
-        ]
-        ours["quality"] = statistics.fmean(parts) if parts else ours["rouge_l_baseline"]
+        score = quality_score(record["cases"], base["cases"])
+        ours["quality"] = ours["rouge_l_baseline"] if score is None else score
+        interval = quality_interval(record["cases"], base["cases"])
+        if interval is not None:  # this repeat's cases drawn again: the score's own noise
+            ours["quality_low"], ours["quality_high"] = interval
 
 
 def answers_rouge(record: dict, base: dict) -> float | None:
@@ -320,5 +331,9 @@ def table1_figures(summary: dict, labels: dict) -> list[Figure]:
             if relative is not None and config != "baseline":
                 versus = arm | {"vs": "baseline"}
                 sd = {"sd": relative["sd"]}
+                if column == "quality" and "quality_low" in entries:  # over the cases
+                    sd["ci95"] = [
+                        entries[f"quality_{e}"]["absolute"]["mean"] for e in ("low", "high")
+                    ]
                 found.append(Figure(column, relative["mean"], "x", versus, sd, relative["n"]))
     return found

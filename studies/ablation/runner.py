@@ -28,7 +28,9 @@ class StepMeter:
     Model FLOPs: two per weight for every token computed, the LM head for every sampled row, and
     attention: causal over each prefill chunk, and over the (block, KV head) pairs each decode
     row read (all of its context when dense; the pairs kept, from the pruning telemetry,
-    otherwise). Also the share of the KV pool that holds sequences, sampled every step.
+    otherwise). Also the share of the KV pool that holds sequences, sampled every step, and
+    the batches' make-up: the share of stepping CPU time in steps that carried a prompt chunk,
+    and how many running sequences a step left out (a decoding one left out waits a step).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -43,11 +45,19 @@ class StepMeter:
         self.pairs_read = 0.0  # (block, KV head) pairs decode attention read, all layers
         self.pairs_in_context = 0.0
         self.pool_used: list[float] = []
+        self.step_cpu = 0.0
+        self.prompt_step_cpu = 0.0  # in steps with a prompt (or recompute) chunk
+        self.left_out = 0  # running sequences a step did not schedule, summed over steps
         engine.add_observer(self)
 
     def __call__(self, step: StepRecord) -> None:
         self.pool_used.append(1 - step.free_blocks / self.engine.num_blocks)
         self.steps += 1
+        self.step_cpu += step.cpu_time
+        if len(step.num_tokens) > step.num_decode:
+            self.prompt_step_cpu += step.cpu_time
+        scheduled = set(step.request_ids)
+        self.left_out += sum(seq.request_id not in scheduled for seq in step.control.running)
         tokens = sum(step.num_tokens)
         self.tokens += tokens
         c = self.config
@@ -92,6 +102,9 @@ class StepMeter:
             "kv_read_share": self.pairs_read / max(1.0, self.pairs_in_context),
             "kv_pool_mean": sum(self.pool_used) / max(1, len(self.pool_used)),
             "kv_pool_peak": max(self.pool_used, default=0.0),
+            "prompt_step_cpu_share": self.prompt_step_cpu / max(1e-9, self.step_cpu),
+            "decode_rows_per_step": self.decode_rows / max(1, self.steps),
+            "left_out_per_step": self.left_out / max(1, self.steps),
         }
 
 

@@ -36,6 +36,14 @@ EOS.
 The ``long`` workload is the paper's regime (its argument rests on decode attention being a
 large share of a step): only retrieval and documents, 4K-7.5K tokens each, every document its
 own window of the corpus, decodes of 128 (continuation) and 512 tokens (free generation).
+
+``long-scored`` is the same regime with enough scored cases to tell arms apart (66, where
+``long`` has 12): 30 passkeys (six at each depth) and 18 documents, each read by a continuation
+(ROUGE-L against the human text that follows) and by a ``likelihood`` request, which is fed
+that human text as forced decode steps and scores the log-probability the model gave each of
+its tokens: teacher-forced, under whatever attention the arm reads. No sampled request: every
+case compares with the baseline's on the same tokens. Its runs are long (prefill of some 230K
+tokens an arm); run it at a concurrency rather than at arrival times.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ SAMPLED_TEMPERATURE = 1.0  # the baseline's fixed temperature
 MIXES: dict[str, dict[str, int]] = {
     "mixed": {"retrieval": 4, "documents": 4, "instruction": 8, "chat": 8},
     "long": {"retrieval": 6, "documents": 6},
+    "long-scored": {"retrieval": 30, "scored_documents": 18},
     "chat": {"instruction": 12, "chat": 12},
     "retrieval": {"retrieval": 12},
 }
@@ -93,7 +102,7 @@ FULL = Sizes(
 # little faster than that and queues form.
 LONG = Sizes(
     document_tokens=(4096, 7680),
-    max_tokens={"retrieval": 10, "continuation": 128, "free": 512},
+    max_tokens={"retrieval": 10, "continuation": 128, "free": 512, "likelihood": 64},
     rate=0.05,
 )
 # Small enough for a test: one request of each task, long prompts of 384-512 tokens (pruned
@@ -101,11 +110,18 @@ LONG = Sizes(
 # run), all arriving at once so that the scheduler has a queue to order.
 QUICK = Sizes(
     document_tokens=(384, 512),
-    max_tokens={"retrieval": 6, "continuation": 12, "free": 16, "instruction": 12, "chat": 16},
+    max_tokens={
+        "retrieval": 6,
+        "continuation": 12,
+        "free": 16,
+        "likelihood": 12,
+        "instruction": 12,
+        "chat": 16,
+    },
     rate=math.inf,
     cap=1,
 )
-SIZES = {"full": FULL, "long": LONG, "quick": QUICK}
+SIZES = {"full": FULL, "long": LONG, "long-scored": LONG, "quick": QUICK}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +144,9 @@ def build(tokenizer: Tokenizer, mix: str, sizes: Sizes, seed: int) -> list[Ablat
     makers = _Makers(tokenizer, sizes, rng, counts)
     requests = [makers.retrieval() for _ in range(counts.get("retrieval", 0))]
     requests += [r for _ in range(counts.get("documents", 0)) for r in makers.document()]
+    requests += [
+        r for _ in range(counts.get("scored_documents", 0)) for r in makers.document(scored=True)
+    ]
     requests += [makers.instruction(task) for task in ("instruction", "chat")
                  for _ in range(counts.get(task, 0))]  # fmt: skip
     order = rng.permutation(len(requests))
@@ -168,17 +187,19 @@ class _Makers:
         self, tokenizer: Tokenizer, sizes: Sizes, rng: np.random.Generator, counts: dict[str, int]
     ) -> None:
         self.tokenizer, self.sizes, self.rng = tokenizer, sizes, rng
-        self.corpus = corpus_tokens(tokenizer) if counts.get("documents") else []
+        documents = counts.get("documents", 0) + counts.get("scored_documents", 0)
+        self.corpus = corpus_tokens(tokenizer) if documents else []
         # Greedy and sampled instructions are different prompts (topic-major order).
         self.instructions = iter(instructions(counts.get("instruction", 0) + counts.get("chat", 0)))
         self.retrievals = 0
 
-    def _params(self, task: str, greedy: bool, extra: int = 0) -> SamplingParams:
+    def _params(self, task: str, greedy: bool, extra: int = 0, **more) -> SamplingParams:
         return SamplingParams(
             temperature=0.0 if greedy else SAMPLED_TEMPERATURE,
             max_tokens=self.sizes.max_tokens[task] + extra,
             ignore_eos=True,
             seed=None if greedy else 0,
+            **more,
         )
 
     def retrieval(self) -> AblationRequest:
@@ -194,23 +215,32 @@ class _Makers:
             0.0, case.prompt, params, forced=case.question, task="retrieval", key=case.key
         )
 
-    def document(self) -> list[AblationRequest]:
-        """A window of the corpus, and its continuation and free requests."""
+    def document(self, scored: bool = False) -> list[AblationRequest]:
+        """A window of the corpus, and its continuation request and its free one (or, when
+        ``scored``, its likelihood request: the human text that follows, forced)."""
         low, high = self.sizes.document_tokens
         length = int(self.rng.integers(low, high + 1))
         follow = self.sizes.max_tokens["continuation"]
         start = int(self.rng.integers(0, len(self.corpus) - length - follow))
         prompt = self.corpus[start : start + length]
         reference = self.corpus[start + length : start + length + follow]
+        continuation = AblationRequest(
+            0.0,
+            prompt,
+            self._params("continuation", True),
+            task="continuation",
+            reference=reference,
+        )
+        if not scored:
+            return [
+                continuation,
+                AblationRequest(0.0, prompt, self._params("free", False), task="free"),
+            ]
+        forced = reference[: self.sizes.max_tokens["likelihood"]]  # every token it decodes
+        params = self._params("likelihood", True, logprobs=0)
         return [
-            AblationRequest(
-                0.0,
-                prompt,
-                self._params("continuation", True),
-                task="continuation",
-                reference=reference,
-            ),
-            AblationRequest(0.0, prompt, self._params("free", False), task="free"),
+            continuation,
+            AblationRequest(0.0, prompt, params, forced=forced, task="likelihood"),
         ]
 
     def instruction(self, task: str) -> AblationRequest:

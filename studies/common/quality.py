@@ -14,6 +14,7 @@ They follow the conventions of the min-p and ANCHORS papers:
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -170,15 +171,77 @@ def rouge_l(candidate: Sequence, reference: Sequence) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def task_quality(requests: list[AblationRequest], answers: list, tokenizer: Tokenizer) -> dict:
-    hits = [
-        (m := re.search(r"\d+", tokenizer.decode(a))) is not None and int(m.group()) == r.key
-        for r, a in zip(requests, answers, strict=True)
-        if r.task == "retrieval"
-    ]
-    human = [
-        rouge_l(words(tokenizer.decode(a)), words(tokenizer.decode(r.reference)))
-        for r, a in zip(requests, answers, strict=True)
-        if r.reference is not None
-    ]
-    return {"passkey_accuracy": mean([float(h) for h in hits]), "rouge_l_human": mean(human)}
+def case_scores(
+    requests: list[AblationRequest], answers: list, tokenizer: Tokenizer, outputs: Sequence = ()
+) -> dict[str, list[float]]:
+    """Each scored case's score, by ground-truth metric: ``passkey`` (1 where the answer's first
+    integer is the key), ``rouge_l_human`` (against the human text that follows) and, from the
+    ``outputs``, ``likelihood`` (the mean log-probability the model gave the forced human
+    tokens of a likelihood request)."""
+    cases: dict[str, list[float]] = {"passkey": [], "rouge_l_human": [], "likelihood": []}
+    for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        if request.task == "retrieval":
+            found = re.search(r"\d+", tokenizer.decode(answer))
+            cases["passkey"].append(float(found is not None and int(found.group()) == request.key))
+        elif request.reference is not None:
+            said, truth = (
+                words(tokenizer.decode(answer)),
+                words(tokenizer.decode(request.reference)),
+            )
+            cases["rouge_l_human"].append(rouge_l(said, truth))
+        elif request.task == "likelihood" and outputs:
+            out = outputs[i]
+            given = [
+                entry[token].logprob
+                for entry, token in zip(out.logprobs, out.token_ids, strict=True)
+            ]
+            cases["likelihood"].append(sum(given) / len(given))
+    return cases
+
+
+def task_quality(
+    requests: list[AblationRequest], answers: list, tokenizer: Tokenizer, outputs: Sequence = ()
+) -> dict:
+    cases = case_scores(requests, answers, tokenizer, outputs)
+    figures = {
+        "passkey_accuracy": mean(cases["passkey"]),
+        "rouge_l_human": mean(cases["rouge_l_human"]),
+    }
+    if cases["likelihood"]:
+        figures["likelihood_perplexity"] = math.exp(-mean(cases["likelihood"]))
+    return figures
+
+
+def quality_score(ours: dict[str, list[float]], base: dict[str, list[float]]) -> float | None:
+    """Table 1's quality: the mean over ground-truth metrics of the arm's score over the
+    baseline's (for likelihood, the baseline's perplexity over the arm's), skipping a metric
+    with no cases or one the baseline scores 0 on; None where none is left."""
+    parts = []
+    for metric in ("passkey", "rouge_l_human"):
+        if ours[metric] and mean(base[metric]):
+            parts.append(mean(ours[metric]) / mean(base[metric]))
+    if ours["likelihood"]:
+        parts.append(math.exp(mean(ours["likelihood"]) - mean(base["likelihood"])))
+    return sum(parts) / len(parts) if parts else None
+
+
+def quality_interval(
+    ours: dict[str, list[float]], base: dict[str, list[float]], draws: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """A 95 % interval of ``quality_score`` by the paired bootstrap: each metric's cases drawn
+    again with replacement, the same draw for the arm and the baseline (the same prompts)."""
+    rng = random.Random(seed)
+    scores = []
+    for _ in range(draws):
+        picks = {metric: [rng.randrange(len(v)) for _ in v] for metric, v in base.items()}
+        score = quality_score(_drawn(ours, picks), _drawn(base, picks))
+        if score is not None:
+            scores.append(score)
+    if not scores:
+        return None
+    scores.sort()
+    return scores[int(0.025 * len(scores))], scores[int(0.975 * len(scores)) - 1]
+
+
+def _drawn(cases: dict[str, list[float]], picks: dict[str, list[int]]) -> dict[str, list[float]]:
+    return {metric: [values[i] for i in picks[metric]] for metric, values in cases.items()}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ from hypothesis import strategies as st
 from studies.ablation import ablation
 from studies.ablation.metrics import summarize_runs, super_additivity
 from studies.ablation.report import LABELS
-from studies.common.quality import rouge_l, words
+from studies.common import mixed_workload
+from studies.common.quality import quality_interval, quality_score, rouge_l, words
 
 
 def brute_force_lcs(a: list, b: list) -> int:
@@ -211,12 +214,21 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
 
 @pytest.mark.slow
 def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path, restore_threads):
-    """Two arms, in a closed loop of 4 clients (their throughput is their capacity)."""
+    """Two arms on the scored long workload (a passkey, a continuation and a likelihood
+    request in quick mode), in a closed loop of 4 clients (their throughput is their
+    capacity)."""
     parser = argparse.ArgumentParser()
     ablation.add_command(parser.add_subparsers())
     argv = ["ablation", "--quick", "--threads", "2", "--quantization", "none", "--concurrency"]
-    argv += ["4", "--output", str(tmp_path), "--arms", "baseline", "attention"]
+    argv += ["4", "--workload", "long-scored", "--output", str(tmp_path)]
+    argv += ["--arms", "baseline", "attention"]
     figures, report = ablation.run(parser.parse_args(argv), loaded_model)
+    base, pruned = report["runs"]
+    assert [len(base["cases"][m]) for m in ("passkey", "rouge_l_human", "likelihood")] == [1, 1, 1]
+    assert 1.0 < base["figures"]["likelihood_perplexity"] < 1000  # 12 forced human tokens
+    assert base["figures"]["quality"] == base["figures"]["quality_low"] == 1.0
+    low, high = pruned["figures"]["quality_low"], pruned["figures"]["quality_high"]
+    assert low <= pruned["figures"]["quality"] <= high
     assert {f.labels["arm"] for f in figures} == {"baseline", "attention"}
     assert all(f.labels["arms"] == "baseline attention" for f in figures)  # not a Table 1
     assert all(f.labels["concurrency"] == 4 for f in figures)
@@ -226,6 +238,40 @@ def test_a_run_of_some_arms_compares_them_to_the_baseline(loaded_model, tmp_path
     assert "Not measured: the run left out" in (tmp_path / "ablation.md").read_text()
     with pytest.raises(ValueError, match="--arms must include baseline"):
         ablation.run(parser.parse_args([*argv[:-3], "--arms", "attention"]), loaded_model)
+
+
+def test_the_scored_long_workload_has_sixty_cases_at_every_depth(loaded_model):
+    requests = mixed_workload.build(
+        loaded_model.tokenizer, "long-scored", mixed_workload.LONG, seed=0
+    )
+    tasks = Counter(r.task for r in requests)
+    assert tasks == {"retrieval": 30, "continuation": 18, "likelihood": 18}
+    assert {len(r.prompt) for r in requests} <= set(range(4096, 7681))
+    retrievals = [r for r in requests if r.task == "retrieval"]
+    assert len({tuple(r.prompt) for r in retrievals}) == 30  # six needles at each depth
+    for r in requests:
+        if r.task == "likelihood":  # the human text that follows, forced, its log-probs kept
+            twin = next(c for c in requests if c.task == "continuation" and c.prompt == r.prompt)
+            assert r.forced == twin.reference[:64] and r.params.max_tokens == 64
+            assert r.params.logprobs == 0 and r.params.greedy
+
+
+def test_the_quality_interval_is_a_paired_bootstrap_over_the_cases():
+    base = {
+        "passkey": [1.0, 1.0, 0.0, 1.0],
+        "rouge_l_human": [0.2, 0.3],
+        "likelihood": [-2.0, -3.0],
+    }
+    assert quality_score(base, base) == 1.0 and quality_interval(base, base) == (1.0, 1.0)
+    worse = {
+        "passkey": [1.0, 0.0, 0.0, 1.0],
+        "rouge_l_human": [0.1, 0.3],
+        "likelihood": [-2.1, -3.1],
+    }
+    expected = (2 / 3 + 0.4 / 0.5 + math.exp(-0.1)) / 3
+    assert quality_score(worse, base) == pytest.approx(expected)
+    low, high = quality_interval(worse, base)
+    assert low < expected < high <= 1.0  # never better than the baseline on any draw
 
 
 def test_goodput_counts_the_requests_that_meet_the_objective():
