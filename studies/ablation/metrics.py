@@ -70,6 +70,15 @@ UNITS = {
     "eta": ("nats/s", 1),
     "quality": ("", 1),
 }
+# Beside Table 1's columns, what explains them: (figure, unit, multiplier) by subject.
+EXPLAINING = {
+    "time per output token": ("tpot_mean", "ms", 1e3),
+    "time to first token": ("ttft_mean", "s", 1),
+    "cpu time stepping": ("cpu_s", "s", 1),
+    "kv read per decode step": ("kv_bytes_per_token", "MB", 1e-6),
+    "cpu share of steps with a prompt chunk": ("prompt_step_cpu_share", "%", 100),
+    "running sequences left out per step": ("left_out_per_step", "", 1),
+}
 # The arms' names in a result: Table 1's rows, and ours.
 ARMS = {"etinfer": "etinfer full"}
 
@@ -314,16 +323,17 @@ def study(
 
 
 def table1_figures(summary: dict, labels: dict) -> list[Figure]:
-    """Table 1 as figures: per arm and column, the mean over the repeats with its sd, and the
-    mean of the ratios to the baseline of the same repeat with theirs."""
+    """Table 1 as figures, and the figures that explain it (``EXPLAINING``): per arm and
+    column, the mean over the repeats with its sd, and the mean of the ratios to the baseline
+    of the same repeat with theirs."""
     found = []
     for config, entries in summary.items():
         arm = {"arm": ARMS.get(config, config)} | labels
-        for column, (name, _) in TABLE1.items():
+        columns = {column: (name, *UNITS[column]) for column, (name, _) in TABLE1.items()}
+        for column, (name, unit, scale) in (columns | EXPLAINING).items():
             entry = entries.get(name)
             if entry is None:
                 continue
-            unit, scale = UNITS[column]
             absolute = entry["absolute"]
             sd = {"sd": scale * absolute["sd"]}
             found.append(Figure(column, scale * absolute["mean"], unit, arm, sd, absolute["n"]))
