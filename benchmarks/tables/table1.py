@@ -75,6 +75,42 @@ MIXED_FIGURES = Table(
 )
 
 
+# The long workload in a closed loop of 8 clients, with the scheduler taking the policy's order
+# alone and with decode rows first, each run its baseline beside the arms.
+ORDERINGS = (
+    ("the policy's order alone", "ablation/2026-11-29-c0f729e-long-order-alone.json"),
+    ("decode rows first", "ablation/2026-11-29-a11824d-long-decodes-first.json"),
+)
+LONG_ORDERING = Table(
+    "table1_long_ordering",
+    ("scheduler", "configuration"),
+    (
+        Column("latency (x baseline)", Pick(subject="latency", unit="x")),
+        Column("time per output token (x)", Pick(subject="time per output token", unit="x")),
+        Column("throughput, capacity (x)", Pick(subject="throughput", unit="x")),
+        Column(
+            "running sequences left out per step",
+            Pick(
+                subject="running sequences left out per step",
+                unit="",
+                labels={"vs": None},
+                decimals=3,
+            ),
+        ),
+        Column(
+            "CPU in steps with a prompt chunk (%)",
+            Pick(subject="cpu share of steps with a prompt chunk", unit="%", labels={"vs": None}),
+        ),
+    ),
+    tuple(
+        Row((order, text), Pick(result=result, labels={"arm": arm}))
+        for order, result in ORDERINGS
+        for text, arm in (("Scheduling only", "scheduling"), ("Full system", "full"))
+    ),
+    # One repeat each: the value alone (no spread to show).
+    Pick(benchmark="ablation", decimals=2, bare=True, labels={"vs": "baseline"}),
+)
+
 SWEPT_RATES = (0.15, 0.25, 0.35)
 GOODPUT = Table(
     "table1_mixed_goodput",
@@ -121,4 +157,4 @@ GPU = Table(
     Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
-TABLES = (MIXED, LONG, MIXED_FIGURES, MIXED_CAPACITY, GOODPUT, GPU)
+TABLES = (MIXED, LONG, LONG_ORDERING, MIXED_FIGURES, MIXED_CAPACITY, GOODPUT, GPU)
