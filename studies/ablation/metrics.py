@@ -78,6 +78,9 @@ EXPLAINING = {
     "kv read per decode step": ("kv_bytes_per_token", "MB", 1e-6),
     "cpu share of steps with a prompt chunk": ("prompt_step_cpu_share", "%", 100),
     "running sequences left out per step": ("left_out_per_step", "", 1),
+    "passkey accuracy": ("passkey_accuracy", "%", 100),
+    "rouge-l against the human text": ("rouge_l_human", "", 1),
+    "perplexity of the forced human text": ("likelihood_perplexity", "", 1),
 }
 # The arms' names in a result: Table 1's rows, and ours.
 ARMS = {"etinfer": "etinfer full"}
