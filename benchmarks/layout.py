@@ -210,6 +210,8 @@ def describe(figure: Figure, pick: Pick) -> str:
     elif "min" in spread and spread["min"] != spread["max"]:
         low = f"{num(spread['min'])}-{num(spread['max'])}"
         text = f"{low}{unit}" if figure.value == spread["min"] else f"{value}{unit} ({low})"
+    elif "ci95" in spread and (figure.n or 0) < 2:  # one repeat: its own interval, not an sd of 0
+        text = f"{value}{unit} [{num(spread['ci95'][0])}, {num(spread['ci95'][1])}]"
     elif "sd" in spread:
         text = f"{value} ± {num(spread['sd'])}{unit}"
     elif "ci95" in spread:

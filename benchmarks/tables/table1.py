@@ -111,6 +111,47 @@ LONG_ORDERING = Table(
     Pick(benchmark="ablation", decimals=2, bare=True, labels={"vs": "baseline"}),
 )
 
+# The scored long workload (66 cases) in a closed loop of 8 clients: quality with the 95 %
+# interval of its cases drawn again, and its parts.
+ABSOLUTE = {"vs": None}
+LONG_SCORED = Table(
+    "table1_long_scored",
+    ("configuration",),
+    (
+        Column("quality (x baseline)", Pick(subject="quality", unit="x", bare=False), "quality"),
+        Column("passkeys found (%)", Pick(subject="passkey accuracy", unit="%", labels=ABSOLUTE)),
+        Column(
+            "ROUGE-L against the human text",
+            Pick(subject="rouge-l against the human text", unit="", labels=ABSOLUTE, decimals=3),
+        ),
+        Column(
+            "perplexity of the forced human text",
+            Pick(subject="perplexity of the forced human text", unit="", labels=ABSOLUTE),
+        ),
+        Column(
+            "KV bytes read per decode step (MB)",
+            Pick(subject="kv read per decode step", unit="MB", labels=ABSOLUTE, decimals=1),
+        ),
+        Column("throughput, capacity (x)", Pick(subject="throughput", unit="x"), "capacity"),
+    ),
+    (
+        Row(
+            ("Baseline",),
+            Pick(labels={"arm": "baseline", "vs": None}),
+            {"quality": "the reference", "capacity": "the reference"},
+        ),
+        Row(("Attention only",), Pick(labels={"arm": "attention"})),
+        Row(("Full system",), Pick(labels={"arm": "full"})),
+    ),
+    Pick(
+        benchmark="ablation",
+        result="ablation/2026-11-29-a11824d-long-scored-c8.json",
+        decimals=2,
+        bare=True,
+        labels={"vs": "baseline"},
+    ),
+)
+
 SWEPT_RATES = (0.15, 0.25, 0.35)
 GOODPUT = Table(
     "table1_mixed_goodput",
@@ -157,4 +198,4 @@ GPU = Table(
     Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
-TABLES = (MIXED, LONG, LONG_ORDERING, MIXED_FIGURES, MIXED_CAPACITY, GOODPUT, GPU)
+TABLES = (MIXED, LONG, LONG_ORDERING, LONG_SCORED, MIXED_FIGURES, MIXED_CAPACITY, GOODPUT, GPU)
