@@ -15,7 +15,10 @@ def paper_row(latency: float, throughput: float, eta: float, quality: float) -> 
 
 
 def workload(kind: str, name: str, subjects: tuple[str, ...]) -> Parts:
-    picks = (Pick(subject=s, kind=kind, labels={"workload": name}, bare=True) for s in subjects)
+    picks = (
+        Pick(subject=s, kind=kind, labels={"workload": name}, bare=True, decimals=2)
+        for s in subjects
+    )
     return Parts(tuple(picks))
 
 

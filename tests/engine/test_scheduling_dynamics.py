@@ -219,7 +219,7 @@ def test_past_saturation_shortest_remaining_first_cuts_mean_latency():
         assert entropy["ttft_mean"] < 0.75 * fcfs["ttft_mean"]
 
 
-def test_past_saturation_the_defaults_meet_the_targets_of_issue_5_on_eight_simulated_workloads():
+def test_past_saturation_the_defaults_meet_their_latency_targets_on_eight_simulated_workloads():
     # As the mean of the ratios to FCFS over the seeds (single seeds miss: on some, even no
     # aging at all leaves the mean above 0.88x). The horizon that follows the backlog keeps the
     # longest waits and the p99 near FCFS's while short requests overtake. (Under KV pressure
