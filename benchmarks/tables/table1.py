@@ -81,6 +81,7 @@ ORDERINGS = (
     ("the policy's order alone", "ablation/2026-11-29-c0f729e-long-order-alone.json"),
     ("decode rows first", "ablation/2026-11-29-a11824d-long-decodes-first.json"),
 )
+ETINFER_LONG = "ablation/2026-11-29-bf504bb-long-etinfer-c8.json"  # beside a baseline of its own
 LONG_ORDERING = Table(
     "table1_long_ordering",
     ("scheduler", "configuration"),
@@ -102,10 +103,16 @@ LONG_ORDERING = Table(
             Pick(subject="cpu share of steps with a prompt chunk", unit="%", labels={"vs": None}),
         ),
     ),
-    tuple(
-        Row((order, text), Pick(result=result, labels={"arm": arm}))
-        for order, result in ORDERINGS
-        for text, arm in (("Scheduling only", "scheduling"), ("Full system", "full"))
+    (
+        *(
+            Row((order, text), Pick(result=result, labels={"arm": arm}))
+            for order, result in ORDERINGS
+            for text, arm in (("Scheduling only", "scheduling"), ("Full system", "full"))
+        ),
+        Row(
+            ("decode rows first", "etinfer full"),
+            Pick(result=ETINFER_LONG, labels={"arm": "etinfer full"}),
+        ),
     ),
     # One repeat each: the value alone (no spread to show).
     Pick(benchmark="ablation", decimals=2, bare=True, labels={"vs": "baseline"}),
