@@ -198,21 +198,15 @@ def _largest_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     native/row_scores.c: tens of microseconds on a 262,144-entry row, where torch's top-k took
     0.52 ms, a twentieth of Gemma 3's decode step), else torch's top-k."""
     native = native_kernels.library() if logits.device.type == "cpu" else None
-    if native is None or logits.dtype != torch.float32:
-        return logits.topk(k, dim=-1, sorted=False).indices
-    logits = logits.contiguous()
-    ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
-    done = native.top_ids(
-        logits.data_ptr(),
-        logits.shape[0],
-        logits.shape[1],
-        k,
-        torch.get_num_threads(),
-        ids.data_ptr(),
-    )
-    if done != 0:  # k outside what the kernel keeps (64) or the row's width
-        return logits.topk(k, dim=-1, sorted=False).indices
-    return ids
+    if native is not None and logits.dtype == torch.float32:
+        logits = logits.contiguous()
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+        rows, width = logits.shape
+        threads = torch.get_num_threads()
+        if native.top_ids(logits.data_ptr(), rows, width, k, threads, ids.data_ptr()) == 0:
+            return ids
+        # else k is outside what the kernel keeps (64) or the row's width
+    return logits.topk(k, dim=-1, sorted=False).indices
 
 
 def kernel_input_dtype(layer: Layer) -> torch.dtype | None:

@@ -44,11 +44,11 @@ from etinfer.model.tokenizer import Tokenizer
 from studies.common import quality
 from studies.common.mixed_workload import AblationRequest, answers
 from studies.common.quality import (
+    case_figures,
     case_scores,
     quality_interval,
     quality_score,
     rouge_l,
-    task_quality,
     words,
 )
 
@@ -82,6 +82,8 @@ EXPLAINING = {
     "rouge-l against the human text": ("rouge_l_human", "", 1),
     "perplexity of the forced human text": ("likelihood_perplexity", "", 1),
 }
+# What the step meter says of the batches' make-up.
+BATCH_MAKE_UP = ("prompt_step_cpu_share", "decode_rows_per_step", "left_out_per_step")
 # The arms' names in a result: Table 1's rows, and ours.
 ARMS = {"etinfer": "etinfer full"}
 
@@ -93,6 +95,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
     tokens = sum(len(o.token_ids) for o in outs)
     tau = sum(o.entropic_time for o in outs)
     answered = answers(requests, outs, tokenizer.eos_token_ids)
+    cases = case_scores(requests, answered, tokenizer, outs)
     sampled = [i for i, r in enumerate(requests) if not r.greedy]
     figures = {
         "latency_per_token": statistics.fmean(r.e2e / r.output_tokens for r in run.records),
@@ -112,12 +115,11 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "model_flops_per_token": run.work["model_flops"] / tokens,
         **{k: run.work[k] for k in ("attn_flops_per_token", "kv_bytes_per_token")},
         **{k: run.work[k] for k in ("kv_read_share", "kv_pool_mean", "kv_pool_peak")},
-        **{k: run.work[k] for k in ("prompt_step_cpu_share", "decode_rows_per_step")},
-        "left_out_per_step": run.work["left_out_per_step"],
+        **{k: run.work[k] for k in BATCH_MAKE_UP},
         "decode_pairs_in_context": run.work["decode_pairs_in_context"],
         "preemptions": run.preemptions,
         "recomputed_tokens": run.recomputed_tokens,
-        **task_quality(requests, answered, tokenizer, outs),
+        **case_figures(cases),
         **_sampled_figures([outs[i] for i in sampled], [answered[i] for i in sampled]),
     }
     order = sorted(range(len(outs)), key=lambda i: outs[i].metrics.first_scheduled_time)
@@ -126,7 +128,7 @@ def run_figures(requests: list[AblationRequest], run: Run, tokenizer: Tokenizer)
         "repeat": run.repeat,
         "load": list(run.load),
         "figures": figures,
-        "cases": case_scores(requests, answered, tokenizer, outs),
+        "cases": cases,
         "admission_order": order,
         "greedy_answers": {
             str(i): tokenizer.decode(a) for i, a in enumerate(answered) if requests[i].greedy
@@ -330,9 +332,9 @@ def table1_figures(summary: dict, labels: dict) -> list[Figure]:
     column, the mean over the repeats with its sd, and the mean of the ratios to the baseline
     of the same repeat with theirs."""
     found = []
+    columns = {column: (name, *UNITS[column]) for column, (name, _) in TABLE1.items()}
     for config, entries in summary.items():
         arm = {"arm": ARMS.get(config, config)} | labels
-        columns = {column: (name, *UNITS[column]) for column, (name, _) in TABLE1.items()}
         for column, (name, unit, scale) in (columns | EXPLAINING).items():
             entry = entries.get(name)
             if entry is None:

@@ -202,7 +202,11 @@ def case_scores(
 def task_quality(
     requests: list[AblationRequest], answers: list, tokenizer: Tokenizer, outputs: Sequence = ()
 ) -> dict:
-    cases = case_scores(requests, answers, tokenizer, outputs)
+    return case_figures(case_scores(requests, answers, tokenizer, outputs))
+
+
+def case_figures(cases: dict[str, list[float]]) -> dict:
+    """The run's quality figures from its ``case_scores``."""
     figures = {
         "passkey_accuracy": mean(cases["passkey"]),
         "rouge_l_human": mean(cases["rouge_l_human"]),
