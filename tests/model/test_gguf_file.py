@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
 
-from etinfer.model import quant_kernels
+from etinfer.model import gguf_reader, quant_kernels
 from etinfer.model.catalog import default_model_path
 from etinfer.model.gguf_reader import GGUFFile
 from etinfer.model.linear import make_linear
@@ -322,6 +322,29 @@ def test_our_reader_reads_what_ggufs_reader_reads():
         assert (mine.name, mine.tensor_type) == (theirs.name, theirs.tensor_type)
         assert list(mine.shape) == theirs.shape.tolist()
         assert np.asarray(mine.data).tobytes() == np.asarray(theirs.data).tobytes(), mine.name
+
+
+def test_string_arrays_read_the_same_natively_and_in_python(tmp_path, monkeypatch):
+    """Long string arrays are walked by the native kernels; one holding a zero byte, or too
+    short to be worth a call, in Python; both give gguf's values, and a truncated array is an
+    error, not a short vocabulary."""
+    words = [f"w{i}▁ü" * (i % 5) for i in range(3000)]
+    for strings in (words, [*words[:2000], "zero\x00inside", *words[2000:]]):
+        path = tmp_path / "strings.gguf"
+        writer = GGUFWriter(str(path), "llama")
+        writer.add_array("tokenizer.ggml.tokens", strings)
+        writer.add_array("short", strings[:3])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        fields = GGUFFile(path).fields
+        assert fields["tokenizer.ggml.tokens"] == strings and fields["short"] == strings[:3]
+        monkeypatch.setattr(gguf_reader, "_NATIVE_STRINGS", len(strings) + 1)
+        assert GGUFFile(path).fields == fields
+        monkeypatch.undo()
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        GGUFFile(path)
 
 
 def test_a_gemma2_file_runs_as_transformers_reads_it(tmp_path):

@@ -55,6 +55,8 @@ int repack8(int type, const uint8_t *src, int64_t rows, int64_t blocks, uint8_t 
     const int64_t size = interleaved_block_bytes(type);
     if (size < 0 || rows % 8) return -1;
     const int64_t block = file_block_bytes(type), row_bytes = blocks * block;
+    /* On every thread: a head the size of Gemma 3's (262,144 rows) is a tenth of its load. */
+#pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / 8; ++g)
         for (int64_t b = 0; b < blocks; ++b)
             for (int r = 0; r < 8; ++r)
