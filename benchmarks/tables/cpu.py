@@ -18,6 +18,7 @@ from benchmarks.tables.common import (
 LC = LLAMA_CPP
 QUANTIZATION = Pick(benchmark="quantization")
 ONE_PLACE = Pick(decimals=1)
+TWO_PLACES = Pick(decimals=2)
 
 
 def model(name: str, **labels) -> Pick:
@@ -212,6 +213,38 @@ HF_STEP = Table(
     Pick(benchmark="speed", kind=AVX2),
 )
 
+LOAD_RUNS = "quantization/2026-11-29-2d4673d-"
+LOAD_TABLE = Table(
+    "cpu_load",
+    ("model (file)",),
+    (
+        Column(
+            "load (s): etinfer",
+            figure("load time", "s", engine="etinfer").under(TWO_PLACES),
+            "load",
+        ),
+        Column("llama.cpp", figure("load time", "s", engine=LC).under(TWO_PLACES), "load_lc"),
+        Column(
+            "decode, batch 1",
+            ratio_vs("decode", LC, batch=1, mode="auto").under(TWO_PLACES),
+            "b1",
+        ),
+        Column(
+            "prefill, 2,048 tokens (tok/s): etinfer",
+            figure("prefill", "tok/s", engine="etinfer").under(Pick(decimals=0)),
+            "prefill",
+        ),
+        Column(
+            "llama.cpp", figure("prefill", "tok/s", engine=LC).under(Pick(decimals=0)), "prefill_lc"
+        ),
+    ),
+    (
+        Row((f"{SMOLLM}, 94 MiB",), Pick(result=LOAD_RUNS + "smollm2-load.json")),
+        Row((f"{GEMMA}, 241 MiB",), Pick(result=LOAD_RUNS + "gemma-load.json")),
+    ),
+    QUANTIZATION.under(Pick(kind=AVX512)),
+)
+
 TABLES = (
     AVX2_HOST,
     HELD_TABLE,
@@ -220,4 +253,5 @@ TABLES = (
     AGREEMENT_TABLE,
     HF_THROUGHPUT,
     HF_STEP,
+    LOAD_TABLE,
 )
