@@ -32,17 +32,8 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_SOURCES = [
-    Path(__file__).parent / "native" / name
-    for name in (
-        "kernels.c",
-        "block_sparse.c",
-        "block_summaries.c",
-        "decoder.c",
-        "row_scores.c",
-        "gguf_strings.c",
-    )
-]
+_NAMES = ("kernels", "block_sparse", "block_summaries", "decoder", "row_scores", "gguf_strings")
+_SOURCES = [Path(__file__).parent / "native" / f"{name}.c" for name in _NAMES]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
 # one the library links), where threads started by the library fought torch's spinning ones. A
