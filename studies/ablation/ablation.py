@@ -37,7 +37,7 @@ from etinfer.control.drafting import SpeculativeConfig
 from etinfer.model.loader import LoadedModel, load_model
 from etinfer.options import positive_int
 from studies import PROGRAM
-from studies.ablation import goodput
+from studies.ablation import additivity, goodput
 from studies.ablation import metrics as ablation_metrics
 from studies.ablation import report as ablation_report
 from studies.ablation.runner import Run, run_once
@@ -182,6 +182,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
         "references": ablation_workload.REFERENCE_SOURCE,
     }
     report = ablation_metrics.study(requests, runs, loaded.tokenizer, settings)
+    report["super_additivity"] = additivity.super_additivity(report["runs"])
     ablation_report.write(report, Path(args.output))
     labels = {"workload": args.workload} | ({"quick": True} if args.quick else {})
     if args.concurrency is not None:  # throughput is then capacity: a closed loop's rate
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     if list(args.arms) != list(CONFIGS):  # some arms: not a whole Table 1
         labels["arms"] = " ".join(args.arms)
     figures = ablation_metrics.table1_figures(report["summary"], labels)
+    figures += additivity.additivity_figures(report["super_additivity"], labels)
     return figures, report | {"device": engine_device(engine_kwargs)}
 
 

@@ -225,49 +225,6 @@ def _stands_out(ratios: list[float], cv: float) -> bool:
     return len(ratios) > 1 and same_side and abs(statistics.fmean(ratios) - 1) > cv
 
 
-def super_additivity(records: list[dict]) -> dict:
-    """Per Table 1 efficiency column: the full system's gain over the baseline against the sum
-    of the single layers' gains, paired within each repeat. A gain is the fractional
-    improvement: 1 - ratio where lower is better, ratio - 1 otherwise."""
-    by = {(r["config"], r["repeat"]): r["figures"] for r in records}
-    repeats = sorted({r["repeat"] for r in records})
-    result = {}
-    for column, (name, lower_better) in TABLE1.items():
-        if column == "quality":
-            continue
-
-        def gain(config: str, repeat: int, name=name, lower_better=lower_better) -> float:
-            ratio = by[(config, repeat)][name] / by[("baseline", repeat)][name]
-            return 1 - ratio if lower_better else ratio - 1
-
-        full = [gain("full", k) for k in repeats]
-        singles = [sum(gain(c, k) for c in SINGLE_LAYERS) for k in repeats]
-        excess = [f - s for f, s in zip(full, singles, strict=True)]
-        verdict = _additivity_verdict(full, excess)
-        result[column] = {
-            "figure": name,
-            "full_gain": spread(full),
-            "sum_of_single_gains": spread(singles),
-            "single_gains": {c: spread([gain(c, k) for k in repeats]) for c in SINGLE_LAYERS},
-            "excess": spread(excess),
-            # One repeat has no spread, so its verdict cannot be told from noise.
-            "verdict": verdict if len(repeats) > 1 else f"{verdict} (one repeat)",
-        }
-    return result
-
-
-def _additivity_verdict(full: list[float], excess: list[float]) -> str:
-    """Super-additive only where the full system gains and every repeat's excess is positive:
-    losses smaller than the sum of the single layers' losses are no gain to add."""
-    if max(full) <= 0:
-        return "no gain (the full system is no better than the baseline)"
-    if min(excess) > 0:
-        return "super-additive"
-    if max(excess) < 0:
-        return "sub-additive"
-    return "not distinguishable from additive"
-
-
 def baseline_self_rouge(records: list[dict]) -> float | None:
     """ROUGE-L of the baseline's greedy answers in later repeats against the first: the noise
     floor of ``rouge_l_baseline`` (batches differ from run to run, and so can near-ties)."""
@@ -318,10 +275,6 @@ def study(
         ],
         "runs": records,
         "summary": summarize_runs(records),
-        # Each needs its arms: the full system and every single layer, or the full system.
-        "super_additivity": (
-            super_additivity(records) if {"full", *SINGLE_LAYERS} <= ran else None
-        ),
         "baseline_self_rouge": baseline_self_rouge(records),
         "trace": trace(requests, runs) if "full" in ran else None,
     }

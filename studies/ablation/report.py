@@ -164,25 +164,25 @@ def absolute_table(summary: dict) -> str:
 
 def additivity_table(result: dict) -> str:
     lines = [
-        "| column | full system's gain | sum of single gains | "
+        "| column | full system | single layers compounded | "
         + " | ".join(LABELS[c] for c in SINGLE_LAYERS)
         + " | excess | verdict |",
         "|---|---:|---:|" + "---:|" * len(SINGLE_LAYERS) + "---:|---|",
     ]
     for column, r in result.items():
-        singles = [_gain(r["single_gains"][c]) for c in SINGLE_LAYERS]
+        singles = [_factor(r["singles"][c]) for c in SINGLE_LAYERS]
         lines.append(
-            f"| {column} ({r['figure']}) | {_gain(r['full_gain'])} | "
-            f"{_gain(r['sum_of_single_gains'])} | " + " | ".join(singles) + " | "
-            f"{_gain(r['excess'])} | {r['verdict']} |"
+            f"| {column} ({r['figure']}) | {_factor(r['full'])} | {_factor(r['compounded'])} | "
+            + " | ".join(singles)
+            + f" | {_factor(r['excess'])} | {r['verdict']} |"
         )
     return "\n".join(lines)
 
 
-def _gain(s: dict) -> str:
-    cell = f"{100 * s['mean']:+.1f} %"
+def _factor(s: dict) -> str:
+    cell = f"{s['mean']:.3f}x"
     if s["n"] > 1:
-        cell += f" [{100 * s['min']:+.1f}, {100 * s['max']:+.1f}]"
+        cell += f" [{s['min']:.3f}, {s['max']:.3f}]"
     return cell
 
 
@@ -229,8 +229,10 @@ def markdown(report: dict) -> str:
         "",
         "## Super-additivity (section 6.8)",
         "",
-        "Gain = 1 - ratio for latency, ratio - 1 otherwise; paired within each repeat "
-        "(range in brackets). Excess = full system's gain - sum of the single-layer gains.",
+        "Gain factors over the baseline of the same repeat, above 1 where an arm helps: the "
+        "ratio, inverted for latency (range over repeats in brackets). Compounded: the single "
+        "layers' factors multiplied, what the full system would reach if they did not interact; "
+        "excess: the full system's factor over that product (above 1: super-additive).",
         "",
         additivity_table(report["super_additivity"])
         if report["super_additivity"] is not None

@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from studies.ablation import ablation
-from studies.ablation.metrics import EXPLAINING, summarize_runs, super_additivity
+from studies.ablation.additivity import additivity_figures, super_additivity
+from studies.ablation.metrics import EXPLAINING, summarize_runs
 from studies.ablation.report import LABELS
 from studies.common import mixed_workload
 from studies.common.quality import quality_interval, quality_score, rouge_l, words
@@ -62,37 +63,45 @@ def records(figures: dict[str, list[dict]]) -> list[dict]:
 
 
 def figures(latency: float, throughput: float, eta: float) -> dict:
-    return {"latency_per_token": latency, "throughput": throughput, "eta_cpu": eta}
+    return {"latency_per_token": latency, "throughput": throughput, "eta_cpu": eta, "quality": 1.0}
 
 
-def test_super_additivity_compares_the_full_gain_with_the_sum_of_single_gains():
+def test_super_additivity_compares_the_full_system_with_its_layers_compounded():
     base = [figures(1.0, 100.0, 1.0), figures(1.1, 90.0, 1.0)]
     runs = records(
         {
             "baseline": base,
-            # each single layer: latency -10 %, throughput +10 %, eta +0 %, in both repeats
+            # each single layer: latency 0.8x (a speed-up of 1.25x), throughput 1.1x, eta 1.0x
             **{
-                c: [figures(0.9 * b["latency_per_token"], 1.1 * b["throughput"], 1.0) for b in base]
+                c: [figures(0.8 * b["latency_per_token"], 1.1 * b["throughput"], 1.0) for b in base]
                 for c in ("sampling", "scheduling", "attention")
             },
-            # full: latency -40 % (more than 3 x 10 %), throughput +20 % (less than 3 x 10 %),
-            # eta +5 % in one repeat and -5 % in the other
-            "full": [figures(0.6, 120.0, 1.05), figures(0.66, 108.0, 0.95)],
+            # full: latency 0.5x (speed-up 2.0, more than 1.25^3 = 1.95), throughput 1.2x (less
+            # than 1.1^3 = 1.331), eta 1.05x in one repeat and 0.95x in the other
+            "full": [figures(0.5, 120.0, 1.05), figures(0.55, 108.0, 0.95)],
         }
     )
     result = super_additivity(runs)
-    assert result["latency"]["full_gain"]["mean"] == pytest.approx(0.4)
-    assert result["latency"]["sum_of_single_gains"]["mean"] == pytest.approx(0.3)
-    assert result["latency"]["excess"]["mean"] == pytest.approx(0.1)
+    assert result["latency"]["full"]["mean"] == pytest.approx(2.0)
+    assert result["latency"]["compounded"]["mean"] == pytest.approx(1.25**3)
+    assert result["latency"]["excess"]["mean"] == pytest.approx(2.0 / 1.25**3)
+    assert result["latency"]["singles"]["attention"]["mean"] == pytest.approx(1.25)
     assert result["latency"]["verdict"] == "super-additive"
     assert result["throughput"]["verdict"] == "sub-additive"
     assert result["eta"]["verdict"] == "not distinguishable from additive"
-    assert "quality" not in result
-    # Every layer loses; the full system loses less than their sum, which is still no gain.
+    assert result["quality"]["full"]["mean"] == pytest.approx(1.0)  # quality is a column too
+    # Every layer loses; the full system loses less than their product, which is still no gain.
     for run in runs:
         if run["config"] != "baseline":
             run["figures"]["throughput"] = 0.9 * 100.0 if run["repeat"] == 0 else 0.95 * 90.0
     assert super_additivity(runs)["throughput"]["verdict"].startswith("no gain")
+    # As a result's figures: three per column, above 1 better.
+    found = additivity_figures(result, {"workload": "mixed"})
+    excess = next(f for f in found if f.subject == "super-additivity excess")
+    assert excess.labels == {"workload": "mixed", "column": "latency"} and excess.n == 2
+    assert len(found) == 3 * len(result)
+    # A run without a single layer has nothing to compare.
+    assert super_additivity([r for r in runs if r["config"] != "scheduling"]) is None
 
 
 def test_summary_pairs_ratios_by_repeat_and_calls_out_only_clear_differences():
@@ -155,9 +164,14 @@ def test_quick_run_end_to_end(loaded_model, tmp_path, restore_threads):
         assert f"| {label} |" in markdown
     assert "| Baseline | 1.00 | 1.00 | 1.00 | 1.00 |" in markdown
     assert f"'min_context': {ablation.QUICK_MIN_CONTEXT}" in markdown  # says it lowered it
-    assert set(report["super_additivity"]) == {"latency", "throughput", "eta"}
+    assert set(report["super_additivity"]) == {"latency", "throughput", "eta", "quality"}
 
-    # The result's figures: Table 1, each column per arm, and its ratio to the baseline.
+    # The result's figures: super-additivity per column (three factors each), then Table 1,
+    # each column per arm, and its ratio to the baseline.
+    compounding = [f for f in figures if "column" in f.labels]
+    assert {f.labels["column"] for f in compounding} == set(report["super_additivity"])
+    assert len(compounding) == 3 * 4
+    figures = [f for f in figures if f not in compounding]
     arms = {f.labels["arm"] for f in figures}
     assert arms == {"baseline", "sampling", "scheduling", "attention", "full", "etinfer full"}
     # and beside them the figures that explain them (the likelihood needs ``long-scored``).
