@@ -48,10 +48,10 @@ def super_additivity(records: list[dict]) -> dict | None:
 
 
 def _verdict(full: list[float], excess: list[float]) -> str:
-    """Super-additive only where the full system gains and every repeat's excess is above 1:
-    losses smaller than the compounded losses of the single layers are no gain."""
-    if max(full) <= 1:
-        return "no gain (the full system is no better than the baseline)"
+    """Super-additive only where the full system gains and exceeds the compounded layers in
+    every repeat: losses smaller than the compounded losses of the single layers are no gain."""
+    if min(full) <= 1:
+        return "no gain (the full system is not better than the baseline in every repeat)"
     if min(excess) > 1:
         return "super-additive"
     if max(excess) < 1:
