@@ -159,6 +159,30 @@ LONG_SCORED = Table(
     ),
 )
 
+# Super-additivity on the mixed workload in a closed loop of 8 clients, 3 repeats, each model:
+# the full system's gain factor, the single layers' compounded, and the excess (above 1 better).
+ADDITIVITY_RUNS = (
+    ("SmolLM2-135M", "ablation/2026-11-28-9b63c6dcf717-mixed-capacity-c8.json"),
+    ("Gemma 3 270M", "ablation/2026-11-29-57d1fa0-gemma-mixed-capacity-c8.json"),
+)
+ADDITIVITY = Table(
+    "table1_additivity",
+    ("model", "column"),
+    (
+        Column("full system (x)", Pick(subject="full system's gain factor")),
+        Column(
+            "single layers compounded (x)", Pick(subject="single layers' gain factors compounded")
+        ),
+        Column("excess (x)", Pick(subject="super-additivity excess")),
+    ),
+    tuple(
+        Row((model, column), Pick(result=result, labels={"column": column}))
+        for model, result in ADDITIVITY_RUNS
+        for column in ("latency", "throughput", "eta", "quality")
+    ),
+    Pick(benchmark="ablation", unit="x", decimals=2),
+)
+
 SWEPT_RATES = (0.15, 0.25, 0.35)
 GOODPUT = Table(
     "table1_mixed_goodput",
@@ -205,4 +229,14 @@ GPU = Table(
     Pick(benchmark="ablation", kind=H200, unit="x", labels={"vs": "baseline", "arms": None}),
 )
 
-TABLES = (MIXED, LONG, LONG_ORDERING, LONG_SCORED, MIXED_FIGURES, MIXED_CAPACITY, GOODPUT, GPU)
+TABLES = (
+    MIXED,
+    LONG,
+    LONG_ORDERING,
+    LONG_SCORED,
+    MIXED_FIGURES,
+    MIXED_CAPACITY,
+    ADDITIVITY,
+    GOODPUT,
+    GPU,
+)
