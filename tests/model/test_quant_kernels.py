@@ -11,7 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from etinfer.model import native_kernels, quant_kernels
+from etinfer.model import linear, native_kernels, quant_kernels
 from etinfer.model.linear import BlockLinear
 from etinfer.model.quantized import GGUFBlocks
 from tests.builds import built_for
@@ -234,3 +234,45 @@ def test_no_rows_give_an_empty_product_on_any_thread():
     thread.start()
     thread.join()
     assert answers[0].shape == (0, 16)
+
+
+@pytest.mark.parametrize("out", [40, 36])  # rows interleaved by eight where the format has it
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_the_dense_path_multiplies_ggufs_dequantized_weights_in_float32(qtype, out, monkeypatch):
+    """Prefill's path: the weights decoded to float32 (native/quant_dequantize.c) are gguf's
+    values, multiplied by the float activations as they are, in one band or in several, with
+    other parts stacked beside them."""
+    k = 512
+    data, other = random_blocks(qtype, out, k), random_blocks(Q.Q5_0, 24, k, seed=5)
+    parts = [
+        quant_kernels.BlockWeight.prepare(q, d, k) for q, d in ((qtype, data), (Q.Q5_0, other))
+    ]
+    weights = torch.cat(
+        [
+            torch.from_numpy(dequantize(d.numpy(), q).reshape(-1, k))
+            for q, d in ((qtype, data), (Q.Q5_0, other))
+        ]
+    )
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    product = quant_kernels.BlockProduct(parts)
+    assert torch.equal(product.dense(x), x @ weights.T)
+    monkeypatch.setattr(quant_kernels, "DENSE_BAND_ELEMENTS", 5 * k)  # bands of 5 rows
+    torch.testing.assert_close(product.dense(x), x @ weights.T, rtol=1e-6, atol=1e-6)
+
+
+def test_many_rows_take_the_dense_path_unless_rows_must_be_computed_alone():
+    """A Q6_K layer (not interleaved) multiplies DENSE_ROWS rows or more in float32, fewer on
+    the block kernels with 8-bit activations; inside ``rows_alone`` every call is the block
+    kernels', each row's bits the same alone or among any rows. Interleaved Q4_1 rows keep their
+    own kernel at any row count."""
+    k, rows = 512, linear.DENSE_ROWS
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+    layer = BlockLinear(GGUFBlocks(Q.Q6_K, random_blocks(Q.Q6_K, 48, k), k))
+    many, few = layer(x), layer(x[:8])
+    assert torch.equal(many, layer.product.dense(x)) and not torch.equal(many[:8], few)
+    assert torch.equal(few, layer.product(x[:8]))
+    with linear.rows_alone():
+        assert torch.equal(layer(x)[:8], few)
+    assert torch.equal(layer(x), many)  # outside it again
+    interleaved = BlockLinear(GGUFBlocks(Q.Q4_1, random_blocks(Q.Q4_1, 48, k), k))
+    assert interleaved.dense_rows is None and torch.equal(interleaved(x)[:8], interleaved(x[:8]))

@@ -21,6 +21,7 @@ from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.block_layout import AttentionSelector
 from etinfer.model.families import family_of
 from etinfer.model.kv_cache import KVCache
+from etinfer.model.linear import rows_alone
 from etinfer.model.llama import LlamaModel
 from etinfer.model.loader import LoadedModel
 
@@ -145,7 +146,8 @@ class ModelRunner:
         if self._replayable(batch, decisions):
             return StepResult(None, self.graphs.run(batch.seqs))
         inputs = self.inputs.step(batch, decisions.block_budgets)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
+        with rows_alone(self.inputs.batch_invariant):
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.cache, inputs.meta)
         if inputs.capture is not None:
             self.query_capturer.store(inputs.capture)
         prefilling = batch.seqs[len(batch.seqs) - len(inputs.meta.prefills) :]
