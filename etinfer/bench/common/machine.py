@@ -9,9 +9,17 @@ from pathlib import Path
 
 import torch
 
-# Environment that holds torch (and oneDNN) to an instruction set, for `--isa` flags: the
-# native kernels follow ATEN_CPU_CAPABILITY (model/native_kernels.py).
-ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+# Environment that holds torch (its own kernels, oneDNN's and MKL's, which does torch's float32
+# GEMM) to an instruction set, for `--isa` flags: the native kernels follow ATEN_CPU_CAPABILITY
+# (model/native_kernels.py). Without MKL's own variable a float32 GEMM held "to AVX2" ran on
+# AVX-512: 300 GFLOP/s on two cores where AVX2 gives 206.
+ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
+}
 # The flags that decide which kernels run fast here.
 _WANTED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx_vnni")
 
