@@ -86,7 +86,7 @@ LLAMA_CPP_TABLE = Table(
         Row(
             (HELD, f"{GEMMA}, 241 MiB (`auto` is `gguf`)"),
             Pick(kind=HELD, labels={"model": GEMMA_FILE}),
-            ONE_CALL | {"b16": NOT_MEASURED, "top1": NOT_MEASURED, "top1lc": NOT_MEASURED},
+            ONE_CALL | {"top1": NOT_MEASURED, "top1lc": NOT_MEASURED},
         ),
         Row(
             (AVX512, f"{SMOLLM}, 94 MiB"),
