@@ -14,6 +14,7 @@ import pytest
 from etinfer import LLM, ControlConfig, SamplingParams, options
 from etinfer.bench.common.driver import Request, RequestRecord, drive_engine
 from etinfer.bench.common.stats import percentile, summary
+from etinfer.bench.speed.quantization_figures import fidelity_figures
 from etinfer.config import EngineConfig
 from tests.conftest import cpu_only
 
@@ -234,3 +235,15 @@ def test_a_zero_count_is_refused_naming_its_flag(command, flag, capsys):
     assert refused.value.code == 2
     assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
     assert options.positive_int("3") == 3
+
+
+def test_agreement_is_reported_for_the_prefill_and_for_rows_computed_alone():
+    """A prefill's many rows may take a float32 GEMM, a decode step computes each row alone:
+    the quantization benchmark reports top-1 and KL against float32 for both."""
+    result = {"top1_agreement": 1.0, "kl_mean": 1e-4}
+    result |= {"rows_alone_top1": 0.94, "rows_alone_kl": 0.01}
+    figures = fidelity_figures(result, {"engine": "e"})
+    found = {(f.subject, f.labels.get("path")): f.value for f in figures}
+    assert found[("top-1 agreement", None)] == 100.0
+    assert found[("top-1 agreement", "rows alone")] == 94.0
+    assert found[("kl", "rows alone")] == 0.01

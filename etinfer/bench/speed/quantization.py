@@ -43,6 +43,7 @@ from etinfer.calibrate import collect
 from etinfer.corpus import corpus_windows
 from etinfer.engine.startup import weight_forms
 from etinfer.model.catalog import resolve
+from etinfer.model.linear import rows_alone
 from etinfer.model.quantized import QUANTIZATION_MODES
 from etinfer.options import non_negative_int, positive_int
 
@@ -97,10 +98,20 @@ def measure_ours(
     if mode != "none" and fidelity_tokens:
         windows = fidelity_windows(llm, fidelity_tokens)
         logits = collect(llm.engine, iter(windows), fidelity_tokens)[0]
+        # The windows are prefilled; a decode step computes each row alone (the block kernels'
+        # 8-bit activations, where a prefill's many rows may take a float32 GEMM).
+        with rows_alone():
+            alone = collect(llm.engine, iter(windows), fidelity_tokens)[0]
         if top_tokens_out:  # for agreement with llama.cpp, worked out by the parent
             torch.save(logits.argmax(-1), top_tokens_out)
         del llm
-        result |= against_float(logits, float_llm(model), windows, fidelity_tokens)
+        expected = collect(float_llm(model).engine, iter(windows), fidelity_tokens)[0]
+        result |= logit_agreement(logits, expected)
+        decoded = logit_agreement(alone, expected)
+        result["rows_alone_top1"], result["rows_alone_kl"] = (
+            decoded["top1_agreement"],
+            decoded["kl_mean"],
+        )
     return result
 
 
@@ -285,6 +296,12 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     held = f", ours held to {args.isa}" if args.isa else ""
     print(f"\n{args.threads} threads, torch {torch.__version__}, CPU flags: {cpu_flags()}{held}")
     print(table(results, args.batches, args.prompt_len))
+    for engine, r in results.items():
+        if "rows_alone_top1" in r:
+            print(
+                f"{engine}, each row computed alone (a decode step's arithmetic): top-1 "
+                f"{r['rows_alone_top1']:.2%}, KL {r['rows_alone_kl']:.5f}"
+            )
     if "self_top1" in results.get("llama.cpp", {}):
         r = results["llama.cpp"]
         print(

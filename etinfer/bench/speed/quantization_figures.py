@@ -29,7 +29,7 @@ def figures(
         if setting["isa"] and name != "llama.cpp":  # llama.cpp's ISA is fixed when it is built
             labels["isa"] = f"held to {setting['isa']}"
         found += _speed(name, rounds[name], result, labels, best, setting["prompt_len"])
-        found += _fidelity(result, labels)
+        found += fidelity_figures(result, labels)
     return found
 
 
@@ -63,12 +63,16 @@ def _speed(
     return found
 
 
-def _fidelity(result: dict, labels: dict) -> list[Figure]:
+def fidelity_figures(result: dict, labels: dict) -> list[Figure]:
     found = []
     if "top1_agreement" in result:
         versus = labels | {"vs": "float32"}
         found.append(Figure("top-1 agreement", 100 * result["top1_agreement"], "%", versus))
         found.append(Figure("kl", result["kl_mean"], "nats", versus))
+    if "rows_alone_top1" in result:  # each row computed alone, as a decode step does
+        alone = labels | {"path": "rows alone", "vs": "float32"}
+        found.append(Figure("top-1 agreement", 100 * result["rows_alone_top1"], "%", alone))
+        found.append(Figure("kl", result["rows_alone_kl"], "nats", alone))
     if "top1_vs_llama_cpp" in result:
         versus = labels | {"vs": "llama.cpp"}
         found.append(Figure("top-1 agreement", 100 * result["top1_vs_llama_cpp"], "%", versus))
