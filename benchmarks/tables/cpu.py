@@ -245,6 +245,31 @@ LOAD_TABLE = Table(
     QUANTIZATION.under(Pick(kind=AVX512)),
 )
 
+B16_RUNS = "quantization/2026-11-29-ac86ff7-smollm2-b16"
+BATCH16_TABLE = Table(
+    "cpu_batch16",
+    ("host",),
+    (
+        Column(
+            "float32, batch 16 (tok/s)",
+            figure("decode", "tok/s", batch=16, mode="none").under(Pick(decimals=0)),
+        ),
+        Column(
+            "`auto`, batch 16 (tok/s)",
+            figure("decode", "tok/s", batch=16, mode="auto").under(Pick(decimals=0)),
+        ),
+        Column(
+            "`auto` over float32",
+            ratio_vs("decode", "none", batch=16, mode="auto").under(TWO_PLACES),
+        ),
+    ),
+    (
+        Row((HELD,), Pick(kind=HELD, result=B16_RUNS + "-avx2.json")),
+        Row((AVX512,), Pick(kind=AVX512, result=B16_RUNS + ".json")),
+    ),
+    QUANTIZATION.under(Pick(labels={"vs": None})),
+)
+
 TABLES = (
     AVX2_HOST,
     HELD_TABLE,
@@ -254,4 +279,5 @@ TABLES = (
     HF_THROUGHPUT,
     HF_STEP,
     LOAD_TABLE,
+    BATCH16_TABLE,
 )
