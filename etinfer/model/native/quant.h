@@ -1,5 +1,6 @@
-/* What the quantized matmul files share (quant_linear.c, quant_matmul.c, quant_interleaved.c):
- * GGML's format ids, the quantized activations' layout, the entry points, and AVX2 helpers. */
+/* What the quantized matmul files share (quant_linear.c, quant_matmul.c, quant_interleaved.c,
+ * quant_dequantize.c): GGML's format ids, the quantized activations' layout, the entry points,
+ * and AVX2 helpers. */
 #pragma once
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the quantized matmuls need x86-64-v3 (AVX2, FMA, F16C); quant_kernels.py builds them only there"
@@ -45,6 +46,18 @@ int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t blo
                  const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads);
 int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,
                   int64_t rows, float *y, int64_t ldy, int64_t threads);
+int unpack8_rows(int type, const uint8_t *src, int64_t rows, int64_t blocks, const int64_t *index,
+                 int64_t n, uint8_t *dst);
+
+/* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes
+ * (quant_matmul.c multiplies them, quant_dequantize.c decodes them). */
+static inline void scales_mins(const uint8_t *p, uint8_t *scale, uint8_t *min) {
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = p[j] & 63, min[j] = p[j + 4] & 63;
+        scale[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
+        min[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+}
 
 /* How far ahead of a weight stream the kernels ask for its cache lines, every line of a block:
  * the weights come from memory once a step, and software prefetches, unlike the hardware's,

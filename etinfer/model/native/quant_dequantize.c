@@ -9,19 +9,7 @@
 #include "pool.h"
 #include "quant.h"
 
-int unpack8_rows(int type, const uint8_t *src, int64_t rows, int64_t blocks, const int64_t *index,
-                 int64_t n, uint8_t *dst);
-
-/* Q4_K and Q5_K: the 8 sub-blocks' 6-bit scales and minimums, packed in 12 bytes. */
-static void scales_mins(const uint8_t *p, uint8_t *scale, uint8_t *min) {
-    for (int j = 0; j < 4; ++j) {
-        scale[j] = p[j] & 63, min[j] = p[j + 4] & 63;
-        scale[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
-        min[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-    }
-}
-
-static void block32(int type, const uint8_t *b, float *y) {
+static void decode_block32(int type, const uint8_t *b, float *y) {
     const float d = half(b);
     if (type == Q8_0) {
         for (int j = 0; j < 32; ++j) y[j] = d * (float)(int8_t)b[2 + j];
@@ -44,7 +32,7 @@ static void block32(int type, const uint8_t *b, float *y) {
     }
 }
 
-static void block_k(int type, const uint8_t *b, float *y) {
+static void decode_block_k(int type, const uint8_t *b, float *y) {
     if (type == Q6_K) {  // ql[128], qh[64], scales[16] (int8), d
         const float d = half(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -102,7 +90,7 @@ static void decode_rows(void *arg, int64_t begin, int64_t end) {
         }
         float *y = t->out + r * t->k;
         for (int64_t b = 0; b < blocks; ++b, w += part->block_bytes, y += elements)
-            (elements == 256 ? block_k : block32)(type, w, y);
+            (elements == 256 ? decode_block_k : decode_block32)(type, w, y);
     }
 }
 

@@ -179,15 +179,6 @@ static void rows32(int type, int64_t block_bytes, const uint8_t *w, int64_t row_
     tiles32(type, block_bytes, w, row_bytes, count, x, blocks, rows, y, ldy, decoded);
 }
 
-/* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. */
-static inline void scales_mins(const uint8_t *p, uint8_t *scale, uint8_t *min) {
-    for (int j = 0; j < 4; ++j) {
-        scale[j] = p[j] & 63, min[j] = p[j + 4] & 63;
-        scale[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
-        min[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-    }
-}
-
 /* One K-format block decoded: 256 unsigned codes, the 16 group scales, Q4_K/Q5_K's 8 minimums,
  * d and dmin. Inlined into arrays the caller holds (registers when they stream). */
 static inline __attribute__((always_inline)) void block_k(int type, const uint8_t *w, __m256i *u,
