@@ -219,11 +219,15 @@ class TopRefinedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.layer(x).float()
         top = _largest_ids(logits, self.candidates)  # [rows, candidates]
-        rows = self.weight.dequantize(top.flatten()).view(*top.shape, -1)
+        return logits.scatter_(1, top, self.exact(x, top))
+
+    def exact(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[rows, n]: each row of ``x``'s logits of the tokens ``ids`` [rows, n], in float32 from
+        the exact weights."""
+        rows = self.weight.dequantize(ids.flatten()).view(*ids.shape, -1)
         # A product and a sum over the last axis: its order depends on the width alone, so a row's
         # result does not depend on the others (a batched matmul picks kernels by batch size).
-        exact = (rows * x.float().unsqueeze(1)).sum(-1)
-        return logits.scatter_(1, top, exact)
+        return (rows * x.float().unsqueeze(1)).sum(-1)
 
 
 def _largest_ids(logits: torch.Tensor, k: int) -> torch.Tensor:

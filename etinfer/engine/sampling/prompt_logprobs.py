@@ -4,9 +4,10 @@ and its top-N alternatives, what evaluation harnesses score a model by.
 
 They come from the prefill step's own rows, with no second pass: each row of a chunk predicts
 the next prompt token, so the output head runs over those rows besides the last one it runs
-over anyway. Chunked prefill scores each chunk as it runs; a prompt asking for them is never
-served from the prefix cache (``KVCacheManager.cached_prefix``); a prompt computed again after
-a preemption scores only positions it has not scored.
+over anyway; where the head allows (``LlamaModel.score_tokens``) its logits are scored as its
+kernel makes them and never written out. Chunked prefill scores each chunk as it runs; a prompt
+asking for them is never served from the prefix cache (``KVCacheManager.cached_prefix``); a
+prompt computed again after a preemption scores only positions it has not scored.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from etinfer.engine.sampling.sampler import SampledLogprobs, Sampler
 from etinfer.engine.sequence import Sequence
 from etinfer.model import native_kernels
 
-# Prompt rows whose logits are held at once: a vocabulary-wide float32 row is 1 MiB on Gemma 3
-# (262,144 entries), so a 1,024-token chunk at once held over 1 GiB. What scoring costs beyond
-# the output head over the rows is one pass of native/row_scores.c over each row: under a tenth
-# of the head's time on Gemma 3 (torch's log-sum-exp, comparison and top-k took as long again
-# as the head).
+# Prompt rows scored at once: where the logits are written out, a vocabulary-wide float32 row
+# is 1 MiB on Gemma 3 (262,144 entries), so a 1,024-token chunk at once held over 1 GiB. What
+# scoring written logits costs beyond the output head is one pass of native/row_scores.c over
+# each row: under a tenth of the head's time on Gemma 3 (torch's log-sum-exp, comparison and
+# top-k took as long again as the head).
 ROWS_AT_ONCE = 128
 
 
@@ -43,10 +44,11 @@ class PromptScores:
 
 
 def score_prompts(
-    hidden: torch.Tensor, chunks: list, seqs: list[Sequence], compute_logits
+    hidden: torch.Tensor, chunks: list, seqs: list[Sequence], model
 ) -> list[PromptScores]:
     """Scores of the step's prefill ``chunks`` (``AttentionMetadata.prefills``, of ``seqs``)
-    whose sequences ask for prompt log-probabilities, from the step's final ``hidden`` rows."""
+    whose sequences ask for prompt log-probabilities, from the step's final ``hidden`` rows
+    through ``model``'s output head."""
     scores = []
     for chunk, seq in zip(chunks, seqs, strict=True):
         if seq.prompt_logprobs is None:
@@ -64,9 +66,7 @@ def score_prompts(
         index = torch.tensor(targets, device=rows.device)
         count = seq.params.prompt_logprobs
         pieces = [
-            _scored(
-                compute_logits(rows[at : at + ROWS_AT_ONCE]), index[at : at + ROWS_AT_ONCE], count
-            )
+            _rows_scored(model, rows[at : at + ROWS_AT_ONCE], index[at : at + ROWS_AT_ONCE], count)
             for at in range(0, len(targets), ROWS_AT_ONCE)
         ]
         joined = SampledLogprobs(
@@ -74,6 +74,14 @@ def score_prompts(
         )
         scores.append(PromptScores(seq, targets, joined))
     return scores
+
+
+def _rows_scored(model, rows: torch.Tensor, targets: torch.Tensor, count: int) -> SampledLogprobs:
+    """``rows``' scores through the head fused where it can be, else from its written logits."""
+    fused = model.score_tokens(rows, targets, count)
+    if fused is not None:
+        return SampledLogprobs(*fused)
+    return _scored(model.compute_logits(rows), targets, count)
 
 
 def _scored(logits: torch.Tensor, targets: torch.Tensor, count: int) -> SampledLogprobs:

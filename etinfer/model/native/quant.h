@@ -46,6 +46,11 @@ int quant_matmul(int type, const uint8_t *w, int64_t out, int64_t k, int64_t blo
                  const void *x, int64_t rows, float *y, int64_t ldy, int64_t threads);
 int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,
                   int64_t rows, float *y, int64_t ldy, int64_t threads);
+/* Groups [first, end) of a weight interleaved by eight (eight output rows each) times `rows`
+ * activation rows, on the calling thread, into y (group g's columns at y + 8 * (g - first), rows
+ * `ldy` apart): a thread's share of quant_matmul8, or one tile of the output head's scores. */
+void matmul8_groups(int type, const uint8_t *w, int64_t k, const Act32 *x, int64_t rows,
+                    int64_t first, int64_t end, float *y, int64_t ldy);
 int unpack8_rows(int type, const uint8_t *src, int64_t rows, int64_t blocks, const int64_t *index,
                  int64_t n, uint8_t *dst);
 

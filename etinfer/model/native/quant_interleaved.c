@@ -148,9 +148,27 @@ static inline __attribute__((always_inline)) void group8(int type, const uint8_t
         _mm256_storeu_ps(y + j * ldy, _mm256_add_ps(acc[j], offsets[j]));
 }
 
+void matmul8_groups(int type, const uint8_t *w, int64_t k, const Act32 *x, int64_t rows,
+                    int64_t first, int64_t end, float *y, int64_t ldy) {
+    const int64_t size = interleaved_block_bytes(type), blocks = k / 32;
+    for (int64_t g = first; g < end; ++g) {
+        const uint8_t *wg = w + g * blocks * size;
+        float *yg = y + 8 * (g - first);
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4)
+            group8(type, wg, size, x + r * blocks, blocks, yg + r * ldy, ldy, 4);
+        switch (rows - r) {
+            case 3: group8(type, wg, size, x + r * blocks, blocks, yg + r * ldy, ldy, 3); break;
+            case 2: group8(type, wg, size, x + r * blocks, blocks, yg + r * ldy, ldy, 2); break;
+            case 1: group8(type, wg, size, x + r * blocks, blocks, yg + r * ldy, ldy, 1); break;
+            default: break;
+        }
+    }
+}
+
 typedef struct {
     int type;
-    int64_t size, blocks, rows, ldy;
+    int64_t k, rows, ldy;
     const uint8_t *w;
     const Act32 *x;
     float *y;
@@ -158,28 +176,15 @@ typedef struct {
 
 static void run_groups(void *arg, int64_t first, int64_t end) {
     const Task8 *t = arg;
-    for (int64_t g = first; g < end; ++g) {
-        const uint8_t *w = t->w + g * t->blocks * t->size;
-        float *y = t->y + 8 * g;
-        int64_t r = 0;
-        for (; r + 4 <= t->rows; r += 4)
-            group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 4);
-        switch (t->rows - r) {
-            case 3: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 3); break;
-            case 2: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 2); break;
-            case 1: group8(t->type, w, t->size, t->x + r * t->blocks, t->blocks, y + r * t->ldy, t->ldy, 1); break;
-            default: break;
-        }
-    }
+    matmul8_groups(t->type, t->w, t->k, t->x, t->rows, first, end, t->y + 8 * first, t->ldy);
 }
 
 /* y [rows, out] (rows `ldy` apart) = x [rows, k] (quantize_act32) times the repacked weight
  * [out, k], out a multiple of 8. Returns -1 for a format without this layout. */
 int quant_matmul8(int type, const uint8_t *w, int64_t out, int64_t k, const Act32 *x,
                   int64_t rows, float *y, int64_t ldy, int64_t threads) {
-    const int64_t size = interleaved_block_bytes(type);
-    if (size < 0 || out % 8 || k % 32) return -1;
-    Task8 task = {type, size, k / 32, rows, ldy, w, x, y};
+    if (interleaved_block_bytes(type) < 0 || out % 8 || k % 32) return -1;
+    Task8 task = {type, k, rows, ldy, w, x, y};
     run_parallel(run_groups, &task, out / 8, chunk_size(out / 8, threads, 2, 1), threads);
     return 0;
 }
