@@ -61,14 +61,24 @@ class OracleSelector(EntropicSelector):
         keys, inside = block_keys(self.cache, layer, blocks)
         kv_heads, seqs, _, dim = keys.shape
         q = query.view(seqs, kv_heads, -1, dim).transpose(0, 1)
-        if self.channels is None:
-            logits = torch.einsum("ksgd,kstd->ksgt", q, keys) * dim**-0.5
-        else:
-            logits = self.sketched_logits(q, keys, self.fixed_channels(layer, keys, blocks))
+        logits = self.logits(layer, q, keys, blocks)
         logits.masked_fill_(~inside[None, :, None, :], -torch.inf)
         width = blocks.block_tables.shape[1]
         mass = logits.softmax(-1).view(kv_heads, seqs, -1, width, blocks.block_size).sum(-1)
         return mass.amax(2).transpose(0, 1)  # [seqs, kv_heads, width]
+
+    @property
+    def sketch_share(self) -> float:
+        """The share of the KV bytes of every key in context it reads in each pruned layer,
+        besides the blocks it keeps (a 16-bit cache)."""
+        return 0.0 if self.channels is None else self.channels / (2 * self.cache.keys.shape[-1])
+
+    def logits(self, layer: int, q: torch.Tensor, keys: torch.Tensor, blocks) -> torch.Tensor:
+        """``q`` [kv_heads, seqs, group, dim] against ``keys`` [kv_heads, seqs, tokens, dim]:
+        exact, or by the sketch. [kv_heads, seqs, group, tokens]."""
+        if self.channels is None:
+            return torch.einsum("ksgd,kstd->ksgt", q, keys) * keys.shape[-1] ** -0.5
+        return self.sketched_logits(q, keys, self.fixed_channels(layer, keys, blocks))
 
     def fixed_channels(self, layer: int, keys: torch.Tensor, blocks) -> torch.Tensor | None:
         """With ``fixed``, the layer's channels [kv_heads, channels], chosen at its first step

@@ -76,8 +76,8 @@ def fidelity_rows(
             dense_reads = teacher_forced(llm, texts, context, steps, everything, dense).blocks_kept
         for name, config, selector in runs:
             stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
-            # A sketch reads its channels of every key in each pruned layer, besides the blocks.
-            channels = getattr(selector, "channels", None) or 0
+            # A sketch reads its share of every key in each pruned layer, besides the blocks.
+            sketch = getattr(selector, "sketch_share", 0.0)
             pruned = (model.num_layers - config.dense_layers) / model.num_layers
             rows.append(
                 {
@@ -87,7 +87,7 @@ def fidelity_rows(
                     **asdict(stats),
                     "perplexity_ratio": stats.perplexity_ratio,
                     "step_ratio": stats.step_ratio,
-                    "sketch_reads": channels / (2 * model.head_dim) * pruned,
+                    "sketch_reads": sketch * pruned,
                     "dense_reads": dense_reads,
                 }
             )

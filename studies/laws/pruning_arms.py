@@ -12,6 +12,7 @@ from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
 from etinfer.options import positive_int
+from studies.laws.low_rank_sketch import LowRankSketchSelector
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.reused_variants import OwnBoundsSelector, calibrated
 
@@ -24,6 +25,7 @@ class Rankings:
     oracle: bool = False  # key-bound configurations: blocks ranked by their exact mass
     sketches: tuple[int, ...] = ()  # ... by that many channels of each query
     fixed_sketches: tuple[int, ...] = ()  # ... by that many channels fixed per layer and head
+    low_rank: tuple[int, ...] = ()  # ... by a 4-bit copy of the keys of that rank
     head_roles: tuple[float, ...] = ()  # reused-mass: that share of KV heads read every block
     own_bounds: tuple[float, ...] = ()  # ... and each layer keeps that share by its key bounds
     own_digests: tuple[float, ...] = ()  # ... or by its key digest (two spreads)
@@ -40,6 +42,8 @@ LIST_OPTIONS = (
      "fidelity also with blocks ranked by this many channels of each query (slow)"),
     ("--fixed-sketch-channels", "fixed_sketches", positive_int,
      "...and by this many channels chosen once a layer and KV head (slow)"),
+    ("--low-rank-sketch", "low_rank", positive_int,
+     "...and by a 4-bit copy of the keys of this rank (slow; with --block-size 1, tokens)"),
     ("--head-roles", "head_roles", float,
      "fidelity also with this share of KV heads reading every block, for each reused-mass "
      "configuration (calibrated on other text; slow)"),
@@ -74,6 +78,8 @@ def arms(
     for n in rankings.fixed_sketches:
         fixed = partial(OracleSelector, cache=cache, channels=n, fixed=True)
         replacing.append((f"fixed-sketch-{n}", fixed))
+    for n in rankings.low_rank:
+        replacing.append((f"low-rank-{n}", partial(LowRankSketchSelector, cache=cache, rank=n)))
     runs += [
         (f"{name} {ranking}", config, make(config))
         for ranking, make in replacing

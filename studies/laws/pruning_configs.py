@@ -31,11 +31,14 @@ CONFIGS = {
     # The fewest blocks that carry 95 % of the measured mass, at most half of them.
     "reused-top-p": replace(REUSED, budget_law="top-p"),
 }
-# The budget laws side by side at a few settings each, for the bytes-against-KL frontier.
+# The budget laws side by side at a few settings each, for the bytes-against-KL frontier: fixed
+# shares prune from any context (the scorers' defaults wait for where they pay, 8K for those that
+# rank by each layer's query, past the fidelity runs' 6K).
 for share in (0.08, 0.125, 0.2, 0.35):
-    CONFIGS[f"bound-share-{share}"] = replace(BOUND, budget_low=share, budget_high=share)
-    CONFIGS[f"reused-share-{share}"] = replace(REUSED, budget_low=share, budget_high=share)
-    CONFIGS[f"digest-share-{share}"] = replace(DIGEST, budget_low=share, budget_high=share)
+    for prefix, base in (("bound", BOUND), ("reused", REUSED), ("digest", DIGEST)):
+        CONFIGS[f"{prefix}-share-{share}"] = replace(
+            base, budget_low=share, budget_high=share, min_context=0
+        )
 for tokens in (512, 1024, 2048):
     CONFIGS[f"bound-fixed-{tokens}"] = replace(BOUND, budget_law="fixed", token_budget=tokens)
     CONFIGS[f"reused-fixed-{tokens}"] = replace(REUSED, budget_law="fixed", token_budget=tokens)

@@ -1,0 +1,59 @@
+"""Tokens ranked by a low-rank, 4-bit copy of every key, to measure what selection finer than
+whole blocks could reach at the bytes a block choice reads.
+
+After Loki (keys live in a low-dimensional subspace) with the copy quantized: each layer and KV
+head projects its keys on their ``rank`` leading right singular vectors, found once from the
+first sequence's keys in context at the layer's first pruned step (the other sequences' keys
+are not seen: for them the basis is calibrated on other text), and keeps the projections in
+``bits`` bits a component with a scale per key. A query projected on the same basis against
+that copy gives approximate scores for every token, ranked as the oracle ranks exact ones.
+
+Run with ``--block-size 1`` each block is a token, and the choice is token by token. The copy
+is what a cache would keep beside the keys, read in full by each pruned layer:
+``rank * bits / (2 * head_dim * 16)`` of the KV bytes of a 16-bit cache (``sketch_share``),
+counted with the tokens kept. In torch here, from the cached keys: a measurement, its time is
+not a kernel's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from etinfer.control.block_selection import PruningConfig
+from etinfer.model.kv_cache import KVCache
+from studies.laws.oracle_selection import OracleSelector
+
+
+def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded to ``bits`` signed bits a component, one scale per last-axis row."""
+    top = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+    return (x / scale).round().clamp(-top, top) * scale
+
+
+class LowRankSketchSelector(OracleSelector):
+    def __init__(
+        self,
+        config: PruningConfig,
+        cache: KVCache,
+        rank: int,
+        bits: int = 4,
+        full_layers: list[int] | None = None,
+    ) -> None:
+        super().__init__(config, cache, full_layers=full_layers)
+        self.rank, self.bits = rank, bits
+        self.bases: dict[int, torch.Tensor] = {}  # [kv_heads, dim, rank] a layer
+
+    @property
+    def sketch_share(self) -> float:
+        return self.rank * self.bits / (2 * self.cache.keys.shape[-1] * 16)
+
+    def logits(self, layer: int, q: torch.Tensor, keys: torch.Tensor, blocks) -> torch.Tensor:
+        if layer not in self.bases:
+            seen = keys[:, 0, : int(blocks.context_lens[0])].float()  # [kv_heads, tokens, dim]
+            vectors = torch.linalg.svd(seen, full_matrices=False).Vh  # [kv_heads, dim, dim]
+            self.bases[layer] = vectors[:, : self.rank].transpose(1, 2).contiguous()
+        basis = self.bases[layer]
+        copy = quantized(torch.einsum("kstd,kdr->kstr", keys.float(), basis), self.bits)
+        projected = torch.einsum("ksgd,kdr->ksgr", q, basis)
+        return torch.einsum("ksgr,kstr->ksgt", projected, copy) * keys.shape[-1] ** -0.5
