@@ -8,7 +8,11 @@ from benchmarks.tables.common import AVX512, HELD, figure
 from benchmarks.tables.laws import step_table
 from benchmarks.tables.table1 import PAPER, RATIOS
 
-FORCED = {"workload": "teacher-forced", "batch": 4, "context": 6144}
+# On the defaults: 16-token blocks, the file's own weights (``setting_labels``).
+FORCED = {
+    "workload": "teacher-forced", "batch": 4, "context": 6144, "block_size": None,
+    "quantization": None,
+}  # fmt: skip
 
 
 def forced(subject: str, unit: str, decimals: int, **labels) -> Pick:

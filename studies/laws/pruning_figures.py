@@ -42,6 +42,7 @@ def fidelity_figures(rows: list[dict]) -> list[Figure]:
     for row in rows:
         labels = {"arm": row["scorer"], "batch": row["batch"], "context": row["context"]}
         labels["workload"] = "teacher-forced"
+        labels |= setting_labels(row)
         n = row["steps"]
         found += [
             Figure("kl", row["kl_mean"], "nats", labels | DENSE, n=n),
@@ -53,6 +54,17 @@ def fidelity_figures(rows: list[dict]) -> list[Figure]:
             Figure("decode step", row["step_ratio"], "x", labels | DENSE, n=n),
         ]
     return found
+
+
+def setting_labels(row: dict) -> dict:
+    """The engine's block size and weights where they are not the defaults (16, ``auto``): the
+    tables of runs on the defaults then leave these out (rows before them carry neither)."""
+    labels = {}
+    if row.get("block_size", 16) != 16:
+        labels["block_size"] = row["block_size"]
+    if row.get("quantization", "auto") != "auto":
+        labels["quantization"] = row["quantization"]
+    return labels
 
 
 def bytes_read(row: dict) -> float:
