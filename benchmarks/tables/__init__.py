@@ -13,6 +13,7 @@ from benchmarks.tables import (
     seeds,
     serving,
     table1,
+    token_selection,
 )
 
 
@@ -27,5 +28,16 @@ def _by_name(*modules) -> dict[str, Table]:
 
 
 TABLES = _by_name(
-    headline, claims, cpu, one_call, gpu, formats, laws, pruning_laws, table1, seeds, serving
+    headline,
+    claims,
+    cpu,
+    one_call,
+    gpu,
+    formats,
+    laws,
+    pruning_laws,
+    token_selection,
+    table1,
+    seeds,
+    serving,
 )

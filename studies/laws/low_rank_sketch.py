@@ -3,8 +3,8 @@ whole blocks could reach at the bytes a block choice reads.
 
 After Loki (keys live in a low-dimensional subspace) with the copy quantized: each layer and KV
 head projects its keys on their ``rank`` leading right singular vectors, found once from the
-first sequence's keys in context at the layer's first pruned step (the other sequences' keys
-are not seen: for them the basis is calibrated on other text), and keeps the projections in
+first sequence's keys in context at the layer's first pruned step (``calibrated_sketch`` makes
+that sequence a calibration text that no scored text reaches), and keeps the projections in
 ``bits`` bits a component with a scale per key. A query projected on the same basis against
 that copy gives approximate scores for every token, ranked as the oracle ranks exact ones.
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from etinfer.bench.common.fidelity import forced_log_probs
 from etinfer.control.block_selection import PruningConfig
+from etinfer.llm import LLM
 from etinfer.model.kv_cache import KVCache
 from studies.laws.oracle_selection import OracleSelector
 
@@ -57,3 +59,20 @@ class LowRankSketchSelector(OracleSelector):
         copy = quantized(torch.einsum("kstd,kdr->kstr", keys.float(), basis), self.bits)
         projected = torch.einsum("ksgd,kdr->ksgr", q, basis)
         return torch.einsum("ksgr,kstr->ksgt", projected, copy) * keys.shape[-1] ** -0.5
+
+
+# Forced steps of the calibration text: enough for every pruned layer's budget to fall below the
+# whole context (a budget loses a quarter a step at most), so that each layer ranks once.
+CALIBRATION_STEPS = 8
+
+
+def calibrated_sketch(
+    config: PruningConfig, llm: LLM, rank: int, text: list[int], context: int
+) -> LowRankSketchSelector:
+    """A selector for ``config`` whose bases come from ``text``'s first ``context`` tokens'
+    keys, teacher-forced under it before it ranks anything else."""
+    selector = LowRankSketchSelector(config, llm.engine.runner.cache, rank)
+    llm.engine.set_pruning(config, selector)
+    forced_log_probs(llm, [text[: context + CALIBRATION_STEPS]], context, CALIBRATION_STEPS)
+    llm.engine.set_pruning(None)
+    return selector

@@ -40,7 +40,7 @@ from etinfer.control.config import ControlConfig
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from studies import PROGRAM
-from studies.laws.pruning_arms import Rankings, add_ranking_options, arms
+from studies.laws.pruning_arms import Arm, Rankings, add_ranking_options, arms
 from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
 from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
@@ -103,20 +103,18 @@ def fidelity_rows(
     return rows
 
 
-def passkey_rows(
-    llm: LLM, configs: dict[str, PruningConfig | None], lengths: tuple[int, ...]
-) -> list[dict]:
-    """Every case under every configuration (None: dense). One length at a time, so that the
-    pool keeps its prompts: after the first configuration they come from the prefix cache, and
-    each further one costs only its decode steps."""
+def passkey_rows(llm: LLM, runs: list[Arm], lengths: tuple[int, ...]) -> list[dict]:
+    """Every case under every arm (a configuration None: dense). One length at a time, so that
+    the pool keeps its prompts: after the first arm they come from the prefix cache, and each
+    further one costs only its decode steps."""
     rows = []
     for haystack in ("repeated", "varied"):
-        found: dict[str, list[bool]] = {name: [] for name in configs}
+        found: dict[str, list[bool]] = {name: [] for name, _, _ in runs}
         for length in lengths:
             cases = passkey_cases(llm.tokenizer, (length,), haystack)
             hits = {}
-            for name, config in configs.items():
-                llm.engine.set_pruning(config)
+            for name, config, selector in runs:
+                llm.engine.set_pruning(config, selector)
                 hits[name] = passkey_accuracy(llm, cases)
                 found[name] += hits[name]
             for i, case in enumerate(cases):
@@ -216,9 +214,14 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         save()
     if "passkey" in parts:
         print("passkey retrieval", flush=True)
-        report["passkey"] = passkey_rows(
-            llm, {"dense": None, **subset(args.passkey_configs)}, tuple(args.passkey_lengths)
-        )
+        # The rankings apply to passkeys too, calibrated on the corpus's last tokens.
+        context, steps = args.fidelity_context, args.fidelity_steps
+        runs = arms(
+            llm, subset(args.passkey_configs), Rankings.from_args(args),
+            corpus[-(context + steps) :], context, steps,
+        )  # fmt: skip
+        lengths = tuple(args.passkey_lengths)
+        report["passkey"] = passkey_rows(llm, [("dense", None, None), *runs], lengths)
         save()
     if "layers" in parts:
         print("dense layers", flush=True)

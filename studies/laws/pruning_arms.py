@@ -12,7 +12,7 @@ from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
 from etinfer.options import positive_int
-from studies.laws.low_rank_sketch import LowRankSketchSelector
+from studies.laws.low_rank_sketch import calibrated_sketch
 from studies.laws.oracle_selection import OracleSelector
 from studies.laws.reused_variants import OwnBoundsSelector, calibrated
 
@@ -65,8 +65,8 @@ def arms(
 ) -> list[Arm]:
     """Every configuration, then the ``rankings`` that apply to it: the oracle and sketches
     replace the key bounds (the mass scorer's refresh steps are dense anyway), head
-    roles and own bounds add to reused masses (head roles calibrated on ``calibration_text``,
-    ``steps`` tokens teacher-forced after ``context``)."""
+    roles and own bounds add to reused masses (head roles and low-rank bases calibrated on
+    ``calibration_text``, ``steps`` tokens teacher-forced after ``context``)."""
     runs: list[Arm] = [(name, config, None) for name, config in configs.items()]
     cache = llm.engine.runner.cache
     # Rankings that replace the key bounds, each with the selector it makes for a configuration.
@@ -79,7 +79,8 @@ def arms(
         fixed = partial(OracleSelector, cache=cache, channels=n, fixed=True)
         replacing.append((f"fixed-sketch-{n}", fixed))
     for n in rankings.low_rank:
-        replacing.append((f"low-rank-{n}", partial(LowRankSketchSelector, cache=cache, rank=n)))
+        sketch = partial(calibrated_sketch, llm=llm, rank=n, text=calibration_text, context=context)
+        replacing.append((f"low-rank-{n}", sketch))
     runs += [
         (f"{name} {ranking}", config, make(config))
         for ranking, make in replacing

@@ -73,3 +73,22 @@ def test_calibration_counts_the_exact_mass_of_the_dropped_blocks_and_ranks_heads
     worst = calibration.missed[1].argmax()
     roles = calibration.with_retrieval_heads(1 / KV_HEADS).retrieval
     assert roles.sum() == 1 and roles[1, worst]
+
+
+def test_a_low_rank_key_copy_ranks_as_the_exact_scores_where_it_loses_nothing():
+    """At full rank and 8 bits the copy's masses are the oracle's within the rounding; at a
+    rank below the keys' own they are not, and its bytes follow rank and bits."""
+    from studies.laws.low_rank_sketch import LowRankSketchSelector
+
+    cache, tables = filled_cache(LENGTHS, seed=11, layers=2)
+    query = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(12))
+    blocks = DecodeBlocks(tables, torch.tensor(LENGTHS), BLOCK, torch.tensor(BUDGETS), 4)
+    config = PruningConfig(min_context=0, dense_layers=0, scorer="bound")
+    exact = OracleSelector(config, cache).block_scores(1, query, blocks, None, None)
+    full = LowRankSketchSelector(config, cache, rank=DIM, bits=8)
+    torch.testing.assert_close(
+        full.block_scores(1, query, blocks, None, None), exact, atol=0.02, rtol=0
+    )
+    low = LowRankSketchSelector(config, cache, rank=2, bits=4)
+    assert (low.block_scores(1, query, blocks, None, None) - exact).abs().max() > 0.05
+    assert low.sketch_share == 2 * 4 / (2 * DIM * 16)

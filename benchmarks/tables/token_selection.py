@@ -1,0 +1,63 @@
+"""Pruning finer than whole blocks: teacher-forced fidelity of tokens chosen one by one (an
+engine of one-token blocks) beside 16-token blocks, both on the file's weights decoded to
+float32, whose arithmetic adds no rounding of its own to the comparison."""
+
+from benchmarks.layout import Column, Pick, Row, Table
+from benchmarks.tables.common import AVX512
+
+FLOAT = {
+    "workload": "teacher-forced", "batch": 4, "context": 6144, "quantization": "none",
+    "vs": "dense",
+}  # fmt: skip
+TOKENS = {"block_size": 1}
+BLOCKS = {"block_size": None}
+
+
+def share(s: float) -> str:
+    return f"{s * 100:g} %"
+
+
+# (what is chosen, ranking, share kept, the arm, its block size labels)
+ARMS = (
+    *(
+        ("blocks of 16", name, share(s), f"bound-share-{s}{suffix}", BLOCKS)
+        for name, suffix, shares in (
+            ("oracle ranking (exact mass)", " oracle", (0.125, 0.175, 0.2)),
+            ("`bound` (key bounds)", "", (0.125, 0.2)),
+            ("low-rank keys, rank 24, 4 bits", " low-rank-24", (0.125, 0.2)),
+        )
+        for s in shares
+    ),
+    *(("blocks of 16", "`digest`", share(s), f"digest-share-{s}", BLOCKS) for s in (0.125, 0.2)),
+    *(
+        ("blocks of 16", "`reused-mass`", share(s), f"reused-share-{s}", BLOCKS)
+        for s in (0.125, 0.2)
+    ),
+    *(
+        ("single tokens", name, share(s), f"bound-share-{s}{suffix}", TOKENS)
+        for name, suffix in (
+            ("oracle ranking (exact mass)", " oracle"),
+            ("exact scores", ""),
+            ("low-rank keys, rank 16, 4 bits", " low-rank-16"),
+            ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
+        )
+        for s in (0.125, 0.2)
+    ),
+)
+TOKEN_SELECTION = Table(
+    "pruning_tokens",
+    ("chosen", "ranking", "share kept"),
+    (
+        Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=1)),
+        Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
+        Column("top-1 vs dense", Pick(subject="top-1 agreement", unit="%", decimals=1)),
+        Column("perplexity ratio", Pick(subject="perplexity", unit="x", decimals=4)),
+    ),
+    tuple(
+        Row((chosen, ranking, kept), Pick(labels={"arm": arm} | size))
+        for chosen, ranking, kept, arm, size in ARMS
+    ),
+    Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT),
+)
+
+TABLES = (TOKEN_SELECTION,)
