@@ -184,6 +184,10 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "pruning": {name: asdict(CONFIGS[name]) for name in names},
+        "setting": {
+            "block_size": llm.engine.config.block_size,
+            "quantization": llm.engine.config.quantization,
+        },
     }
 
     def subset(names: list[str]) -> dict[str, PruningConfig]:

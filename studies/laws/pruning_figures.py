@@ -16,7 +16,7 @@ def figures(report: dict, steps: int) -> list[Figure]:
     return [
         *speed_figures(report.get("speed", []), steps, report["clock"]),
         *fidelity_figures(report.get("fidelity", [])),
-        *passkey_figures(report.get("passkey", [])),
+        *passkey_figures(report.get("passkey", []), setting_labels(report.get("setting", {}))),
         *layer_figures(report.get("dense_layers", [])),
     ]
 
@@ -74,9 +74,9 @@ def bytes_read(row: dict) -> float:
     return kept / row.get("dense_reads", 1.0)
 
 
-def passkey_figures(rows: list[dict]) -> list[Figure]:
+def passkey_figures(rows: list[dict], setting: dict) -> list[Figure]:
     """Passkeys found per configuration (dense too) and haystack, over every length and
-    depth."""
+    depth (``setting``: the engine's labels, ``setting_labels``)."""
     found: dict[tuple[str, str], list[bool]] = {}
     for row in rows:
         for name, hit in row.items():
@@ -84,7 +84,11 @@ def passkey_figures(rows: list[dict]) -> list[Figure]:
                 found.setdefault((name, row["haystack"]), []).append(hit)
     return [
         Figure(
-            "passkeys found", sum(hits), "count", {"arm": arm, "workload": haystack}, n=len(hits)
+            "passkeys found",
+            sum(hits),
+            "count",
+            {"arm": arm, "workload": haystack} | setting,
+            n=len(hits),
         )
         for (arm, haystack), hits in found.items()
     ]
