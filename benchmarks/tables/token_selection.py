@@ -60,4 +60,33 @@ TOKEN_SELECTION = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT),
 )
 
-TABLES = (TOKEN_SELECTION,)
+TOKEN_PASSKEY_ARMS = (
+    ("dense", "dense"),
+    ("single tokens by exact scores, 12.5 %", "bound-share-0.125"),
+    ("single tokens by exact scores, 20 %", "bound-share-0.2"),
+    ("single tokens by the rank-24 copy, 12.5 %", "bound-share-0.125 low-rank-24"),
+    ("single tokens by the rank-24 copy, 20 %", "bound-share-0.2 low-rank-24"),
+)
+TOKEN_PASSKEYS = Table(
+    "pruning_token_passkeys",
+    ("configuration",),
+    (
+        Column(
+            "repeated haystack",
+            Pick(subject="passkeys found", unit="count", labels={"workload": "repeated"}),
+        ),
+        Column(
+            "real prose",
+            Pick(subject="passkeys found", unit="count", labels={"workload": "varied"}),
+        ),
+    ),
+    tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in TOKEN_PASSKEY_ARMS),
+    Pick(
+        benchmark="fidelity",
+        kind=AVX512,
+        labels=TOKENS | {"quantization": "none"},
+        result="fidelity/2026-11-29-e3dd7ee-token-passkeys.json",
+    ),
+)
+
+TABLES = (TOKEN_SELECTION, TOKEN_PASSKEYS)
