@@ -220,7 +220,12 @@ GEMMA = Table(
     Pick(
         benchmark="fidelity",
         kind=AVX512,
-        labels={"workload": "teacher-forced", "vs": "dense"},
+        labels={
+            "workload": "teacher-forced",
+            "vs": "dense",
+            "block_size": None,
+            "quantization": None,
+        },
     ),
 )
 PASSKEY_ARMS = (

@@ -60,6 +60,39 @@ TOKEN_SELECTION = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT),
 )
 
+GEMMA_ARMS = (
+    *(
+        ("blocks of 16", name, share(s), f"{arm}{s}{suffix}", BLOCKS)
+        for name, arm, suffix, shares in (
+            ("oracle ranking (exact mass)", "bound-share-", " oracle", (0.125, 0.2)),
+            ("`bound` (key bounds)", "bound-share-", "", (0.125, 0.2)),
+            ("`digest`", "digest-share-", "", (0.125, 0.2)),
+            ("`reused-mass`", "reused-share-", "", (0.125,)),
+        )
+        for s in shares
+    ),
+    *(
+        ("single tokens", name, share(s), f"bound-share-{s}{suffix}", TOKENS)
+        for name, suffix in (
+            ("oracle ranking (exact mass)", " oracle"),
+            ("exact scores", ""),
+            ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
+            ("low-rank keys, rank 48, 4 bits", " low-rank-48"),
+        )
+        for s in (0.125, 0.2)
+    ),
+)
+GEMMA_TOKEN_SELECTION = Table(
+    "pruning_tokens_gemma",
+    TOKEN_SELECTION.lead,
+    TOKEN_SELECTION.columns,
+    tuple(
+        Row((chosen, ranking, kept), Pick(labels={"arm": arm} | size))
+        for chosen, ranking, kept, arm, size in GEMMA_ARMS
+    ),
+    Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT | {"context": 8192}),
+)
+
 TOKEN_PASSKEY_ARMS = (
     ("dense", "dense"),
     ("single tokens by exact scores, 12.5 %", "bound-share-0.125"),
@@ -89,4 +122,4 @@ TOKEN_PASSKEYS = Table(
     ),
 )
 
-TABLES = (TOKEN_SELECTION, TOKEN_PASSKEYS)
+TABLES = (TOKEN_SELECTION, GEMMA_TOKEN_SELECTION, TOKEN_PASSKEYS)
