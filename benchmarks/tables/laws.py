@@ -66,7 +66,8 @@ ESTIMATOR_FIDELITY = Table(
     SAMPLING,
 )
 QUARTER, LAW = "bound-quarter", "bound"
-PRUNING = Pick(benchmark="pruning")
+# The default model's runs: another model's carry its name (``setting_labels``).
+PRUNING = Pick(benchmark="pruning", labels={"model": None})
 
 
 def step(kind: str, batch: int, context: int | str, bounds: str | None = None) -> Pick:
@@ -187,10 +188,11 @@ def step_table(
     kind: str,
     result: str | None = None,
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8000),
+    model: str | None = None,
 ) -> Table:
     """A decode step over dense's per (batch, context) at ``contexts`` tokens, a column per
     (header, arm), from the pruning runs of host ``kind`` (wall clock; ``result``: that run
-    alone)."""
+    alone; ``model``: another model's runs)."""
     return Table(
         name,
         ("batch", "context"),
@@ -200,15 +202,13 @@ def step_table(
             for b in (1, 8)
             for c in contexts
         ),
-        PRUNING.under(
-            Pick(
-                kind=kind,
-                subject="decode step",
-                unit="x",
-                labels={"vs": "dense", "clock": "wall"},
-                result=result,
-            )
-        ),
+        Pick(
+            kind=kind,
+            subject="decode step",
+            unit="x",
+            labels={"vs": "dense", "clock": "wall", "model": model},
+            result=result,
+        ).under(PRUNING),
     )
 
 

@@ -307,6 +307,17 @@ DIGEST_STEP = step_table(
     ),
     AVX512,
 )
+GEMMA_STEP = step_table(
+    "pruning_gemma_speed",
+    (
+        ("`reused-mass`, from any context", "reused-ungated"),
+        ("`reused-mass`, the default (dense below 3,072; from 8 sequences 1,024)", "reused"),
+    ),
+    AVX512,
+    "pruning/2026-11-29-3ffa12e-gemma-speed.json",
+    contexts=(2048, 4096, 8192, 16384),
+    model="gemma-3-270m",
+)
 ATTENTION_ROW = Table(
     "pruning_table1_long",
     ("configuration", "the paper: latency / throughput / η / quality"),
@@ -337,5 +348,6 @@ TABLES = (
     CROSSING_ONE_CALL,
     CROSSING_NATIVE,
     DIGEST_STEP,
+    GEMMA_STEP,
     ATTENTION_ROW,
 )

@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         "setting": {
             "block_size": llm.engine.config.block_size,
             "quantization": llm.engine.config.quantization,
+            "model": args.model,  # None: the default model
         },
     }
 

@@ -13,22 +13,23 @@ DENSE = {"vs": "dense"}
 
 def figures(report: dict, steps: int) -> list[Figure]:
     """``steps``: the decode steps timed for each point of the speed part."""
+    setting = setting_labels(report.get("setting", {}))
     return [
-        *speed_figures(report.get("speed", []), steps, report["clock"]),
-        *fidelity_figures(report.get("fidelity", [])),
-        *passkey_figures(report.get("passkey", []), setting_labels(report.get("setting", {}))),
+        *speed_figures(report.get("speed", []), steps, report["clock"], setting),
+        *fidelity_figures(report.get("fidelity", []), setting),
+        *passkey_figures(report.get("passkey", []), setting),
         *layer_figures(report.get("dense_layers", [])),
     ]
 
 
-def speed_figures(rows: list[dict], steps: int, clock: str) -> list[Figure]:
+def speed_figures(rows: list[dict], steps: int, clock: str, setting: dict) -> list[Figure]:
     found = []
     for row in rows:
-        setting = {"batch": row["batch"], "context": row["context"]}
+        point = {"batch": row["batch"], "context": row["context"]}
         for name, arm in row.items():
-            if name in setting:
+            if name in point:
                 continue
-            labels = {"arm": name} | setting | {"clock": clock}
+            labels = {"arm": name} | point | {"clock": clock} | setting
             found += [
                 Figure("decode step", arm["ms"], "ms", labels, n=steps),
                 Figure("decode step", arm["ratio"], "x", labels | DENSE, n=steps),
@@ -37,12 +38,12 @@ def speed_figures(rows: list[dict], steps: int, clock: str) -> list[Figure]:
     return found
 
 
-def fidelity_figures(rows: list[dict]) -> list[Figure]:
+def fidelity_figures(rows: list[dict], setting: dict) -> list[Figure]:
     found = []
     for row in rows:
         labels = {"arm": row["scorer"], "batch": row["batch"], "context": row["context"]}
         labels["workload"] = "teacher-forced"
-        labels |= setting_labels(row)
+        labels |= setting_labels(row) | setting
         n = row["steps"]
         found += [
             Figure("kl", row["kl_mean"], "nats", labels | DENSE, n=n),
@@ -57,9 +58,12 @@ def fidelity_figures(rows: list[dict]) -> list[Figure]:
 
 
 def setting_labels(row: dict) -> dict:
-    """The engine's block size and weights where they are not the defaults (16, ``auto``): the
-    tables of runs on the defaults then leave these out (rows before them carry neither)."""
+    """The engine's block size, weights and model where they are not the defaults (16, ``auto``,
+    the embedded model): the tables of runs on the defaults then leave these out (runs before
+    them carry none)."""
     labels = {}
+    if row.get("model") is not None:
+        labels["model"] = row["model"]
     if row.get("block_size", 16) != 16:
         labels["block_size"] = row["block_size"]
     if row.get("quantization", "auto") != "auto":
