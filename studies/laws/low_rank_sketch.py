@@ -1,12 +1,16 @@
-"""Tokens ranked by a low-rank, 4-bit copy of every key, to measure what selection finer than
-whole blocks could reach at the bytes a block choice reads.
+"""Tokens ranked by a low-rank copy of every key, to measure what selection finer than whole
+blocks could reach at the bytes a block choice reads.
 
 After Loki (keys live in a low-dimensional subspace) with the copy quantized: each layer and KV
-head projects its keys on their ``rank`` leading right singular vectors, found once from the
-first sequence's keys in context at the layer's first pruned step (``calibrated_sketch`` makes
-that sequence a calibration text that no scored text reaches), and keeps the projections in
-``bits`` bits a component with a scale per key. A query projected on the same basis against
-that copy gives approximate scores for every token, ranked as the oracle ranks exact ones.
+head maps its keys to ``rank`` components and keeps them in ``bits`` bits a component with a
+scale per key; a query mapped to the same components against that copy gives approximate scores
+for every token, ranked as the oracle ranks exact ones. The maps are calibrated once, on a text
+that no scored text reaches (``calibrated_sketch``: its keys and the queries met on it), either
+as the keys' leading right singular vectors (``whitened`` False), or query-aware: in the
+coordinates where the calibration queries are white (``A = Cq^(1/2)``, ``q.k = (A^-1 q).(A k)``)
+the leading principal vectors ``U`` of the mapped keys, the key copy ``U^T A k`` and the query's
+``U^T A^-1 q``. A query that weighs few directions of a spread key space (Gemma 3's global
+layers, whose keys are normed per head) is served by the second where the first misses them.
 
 Run with ``--block-size 1`` each block is a token, and the choice is token by token. The copy
 is what a cache would keep beside the keys, read in full by each pruned layer:
@@ -25,6 +29,14 @@ from etinfer.llm import LLM
 from etinfer.model.kv_cache import KVCache
 from studies.laws.oracle_selection import OracleSelector
 
+# Forced steps of the calibration text: every pruned layer's budget falls below the whole
+# context within a few (a budget loses a quarter a step at most), and the rest gather queries.
+CALIBRATION_STEPS = 48
+# The calibration queries' covariance is lifted by this share of its mean eigenvalue before its
+# square root is inverted: a few hundred queries leave some of a 256-wide head's directions
+# unseen.
+RIDGE = 1e-2
+
 
 def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x`` rounded to ``bits`` signed bits a component, one scale per last-axis row."""
@@ -40,39 +52,68 @@ class LowRankSketchSelector(OracleSelector):
         cache: KVCache,
         rank: int,
         bits: int = 4,
+        whitened: bool = False,
         full_layers: list[int] | None = None,
     ) -> None:
         super().__init__(config, cache, full_layers=full_layers)
-        self.rank, self.bits = rank, bits
-        self.bases: dict[int, torch.Tensor] = {}  # [kv_heads, dim, rank] a layer
+        self.rank, self.bits, self.whitened = rank, bits, whitened
+        self.calibrating = True
+        self.seen: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # queries, keys
+        self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # [kv_heads, dim, rank]
 
     @property
     def sketch_share(self) -> float:
         return self.rank * self.bits / (2 * self.cache.keys.shape[-1] * 16)
 
     def logits(self, layer: int, q: torch.Tensor, keys: torch.Tensor, blocks) -> torch.Tensor:
-        if layer not in self.bases:
-            seen = keys[:, 0, : int(blocks.context_lens[0])].float()  # [kv_heads, tokens, dim]
-            vectors = torch.linalg.svd(seen, full_matrices=False).Vh  # [kv_heads, dim, dim]
-            self.bases[layer] = vectors[:, : self.rank].transpose(1, 2).contiguous()
-        basis = self.bases[layer]
-        copy = quantized(torch.einsum("kstd,kdr->kstr", keys.float(), basis), self.bits)
-        projected = torch.einsum("ksgd,kdr->ksgr", q, basis)
+        if self.calibrating:  # exact, and what the layer met kept for its maps
+            queries = self.seen.get(layer, ([], None))[0]
+            queries.append(q[:, 0].float())  # [kv_heads, group, dim]
+            self.seen[layer] = (queries, keys[:, 0, : int(blocks.context_lens[0])].float())
+            return super().logits(layer, q, keys, blocks)
+        key_map, query_map = self.maps[layer]
+        copy = quantized(torch.einsum("kstd,kdr->kstr", keys.float(), key_map), self.bits)
+        projected = torch.einsum("ksgd,kdr->ksgr", q, query_map)
         return torch.einsum("ksgr,kstr->ksgt", projected, copy) * keys.shape[-1] ** -0.5
 
+    def finish_calibration(self) -> None:
+        """Each layer's maps from the queries and keys it met while calibrating."""
+        for layer, (queries, keys) in self.seen.items():
+            self.maps[layer] = self._maps(torch.cat(queries, 1), keys)
+        self.calibrating, self.seen = False, {}
 
-# Forced steps of the calibration text: enough for every pruned layer's budget to fall below the
-# whole context (a budget loses a quarter a step at most), so that each layer ranks once.
-CALIBRATION_STEPS = 8
+    def _maps(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key map, query map), [kv_heads, dim, rank] each, from ``queries`` [kv_heads, n,
+        dim] and ``keys`` [kv_heads, tokens, dim]."""
+        if not self.whitened:
+            vectors = torch.linalg.svd(keys, full_matrices=False).Vh[:, : self.rank]
+            basis = vectors.transpose(1, 2).contiguous()
+            return basis, basis
+        covariance = queries.transpose(1, 2) @ queries / queries.shape[1]
+        values, vectors = torch.linalg.eigh(covariance)
+        lifted = values.clamp(min=0) + RIDGE * values.clamp(min=0).mean(-1, keepdim=True)
+        root = vectors @ torch.diag_embed(lifted.sqrt()) @ vectors.transpose(1, 2)
+        inverse_root = vectors @ torch.diag_embed(lifted.rsqrt()) @ vectors.transpose(1, 2)
+        mapped = keys @ root  # the keys where the queries are white (root is symmetric)
+        principal = torch.linalg.eigh(mapped.transpose(1, 2) @ mapped).eigenvectors
+        top = principal[:, :, -self.rank :]
+        return root @ top, inverse_root @ top
 
 
 def calibrated_sketch(
-    config: PruningConfig, llm: LLM, rank: int, text: list[int], context: int
+    config: PruningConfig,
+    llm: LLM,
+    rank: int,
+    text: list[int],
+    context: int,
+    bits: int = 4,
+    whitened: bool = False,
 ) -> LowRankSketchSelector:
-    """A selector for ``config`` whose bases come from ``text``'s first ``context`` tokens'
-    keys, teacher-forced under it before it ranks anything else."""
-    selector = LowRankSketchSelector(config, llm.engine.runner.cache, rank)
+    """A selector for ``config`` whose maps come from ``text``: its first ``context`` tokens'
+    keys and the queries of ``CALIBRATION_STEPS`` forced steps after them."""
+    selector = LowRankSketchSelector(config, llm.engine.runner.cache, rank, bits, whitened)
     llm.engine.set_pruning(config, selector)
     forced_log_probs(llm, [text[: context + CALIBRATION_STEPS]], context, CALIBRATION_STEPS)
     llm.engine.set_pruning(None)
+    selector.finish_calibration()
     return selector

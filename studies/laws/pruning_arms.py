@@ -26,6 +26,7 @@ class Rankings:
     sketches: tuple[int, ...] = ()  # ... by that many channels of each query
     fixed_sketches: tuple[int, ...] = ()  # ... by that many channels fixed per layer and head
     low_rank: tuple[int, ...] = ()  # ... by a 4-bit copy of the keys of that rank
+    whitened: tuple[int, ...] = ()  # ... by an 8-bit query-aware copy of that rank
     head_roles: tuple[float, ...] = ()  # reused-mass: that share of KV heads read every block
     own_bounds: tuple[float, ...] = ()  # ... and each layer keeps that share by its key bounds
     own_digests: tuple[float, ...] = ()  # ... or by its key digest (two spreads)
@@ -44,6 +45,8 @@ LIST_OPTIONS = (
      "...and by this many channels chosen once a layer and KV head (slow)"),
     ("--low-rank-sketch", "low_rank", positive_int,
      "...and by a 4-bit copy of the keys of this rank (slow; with --block-size 1, tokens)"),
+    ("--whitened-sketch", "whitened", positive_int,
+     "...and by an 8-bit copy of this rank in the calibration queries' white coordinates"),
     ("--head-roles", "head_roles", float,
      "fidelity also with this share of KV heads reading every block, for each reused-mass "
      "configuration (calibrated on other text; slow)"),
@@ -81,6 +84,12 @@ def arms(
     for n in rankings.low_rank:
         sketch = partial(calibrated_sketch, llm=llm, rank=n, text=calibration_text, context=context)
         replacing.append((f"low-rank-{n}", sketch))
+    for n in rankings.whitened:
+        sketch = partial(
+            calibrated_sketch, llm=llm, rank=n, text=calibration_text, context=context, bits=8,
+            whitened=True,
+        )  # fmt: skip
+        replacing.append((f"whitened-{n}", sketch))
     runs += [
         (f"{name} {ranking}", config, make(config))
         for ranking, make in replacing

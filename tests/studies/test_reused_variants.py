@@ -75,9 +75,11 @@ def test_calibration_counts_the_exact_mass_of_the_dropped_blocks_and_ranks_heads
     assert roles.sum() == 1 and roles[1, worst]
 
 
-def test_a_low_rank_key_copy_ranks_as_the_exact_scores_where_it_loses_nothing():
-    """At full rank and 8 bits the copy's masses are the oracle's within the rounding; at a
-    rank below the keys' own they are not, and its bytes follow rank and bits."""
+@pytest.mark.parametrize("whitened", [False, True])
+def test_a_low_rank_key_copy_ranks_as_the_exact_scores_where_it_loses_nothing(whitened):
+    """Calibrated on the layer's own keys and queries: at full rank and 8 bits the copy's masses
+    are the oracle's within the rounding; at a rank below the keys' own they are not, and its
+    bytes follow rank and bits."""
     from studies.laws.low_rank_sketch import LowRankSketchSelector
 
     cache, tables = filled_cache(LENGTHS, seed=11, layers=2)
@@ -85,10 +87,15 @@ def test_a_low_rank_key_copy_ranks_as_the_exact_scores_where_it_loses_nothing():
     blocks = DecodeBlocks(tables, torch.tensor(LENGTHS), BLOCK, torch.tensor(BUDGETS), 4)
     config = PruningConfig(min_context=0, dense_layers=0, scorer="bound")
     exact = OracleSelector(config, cache).block_scores(1, query, blocks, None, None)
-    full = LowRankSketchSelector(config, cache, rank=DIM, bits=8)
-    torch.testing.assert_close(
-        full.block_scores(1, query, blocks, None, None), exact, atol=0.02, rtol=0
-    )
-    low = LowRankSketchSelector(config, cache, rank=2, bits=4)
-    assert (low.block_scores(1, query, blocks, None, None) - exact).abs().max() > 0.05
-    assert low.sketch_share == 2 * 4 / (2 * DIM * 16)
+
+    def scores(rank: int, bits: int) -> torch.Tensor:
+        sketch = LowRankSketchSelector(config, cache, rank, bits, whitened)
+        for seed in range(8):  # calibration: exact scores, the queries and keys kept
+            more = torch.randn(2, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+            sketch.block_scores(1, more, blocks, None, None)
+        sketch.finish_calibration()
+        assert sketch.sketch_share == rank * bits / (2 * DIM * 16)
+        return sketch.block_scores(1, query, blocks, None, None)
+
+    torch.testing.assert_close(scores(DIM, 8), exact, atol=0.02, rtol=0)
+    assert (scores(2, 4) - exact).abs().max() > 0.05
