@@ -40,6 +40,8 @@ ARMS = (
             ("exact scores", ""),
             ("low-rank keys, rank 16, 4 bits", " low-rank-16"),
             ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
+            ("query-aware copy, rank 8, 8 bits", " whitened-8"),
+            ("query-aware copy, rank 16, 8 bits", " whitened-16"),
         )
         for s in (0.125, 0.2)
     ),
@@ -78,6 +80,8 @@ GEMMA_ARMS = (
             ("exact scores", ""),
             ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
             ("low-rank keys, rank 48, 4 bits", " low-rank-48"),
+            ("query-aware copy, rank 16, 8 bits", " whitened-16"),
+            ("query-aware copy, rank 32, 8 bits", " whitened-32"),
         )
         for s in (0.125, 0.2)
     ),

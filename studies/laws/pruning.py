@@ -37,6 +37,7 @@ from etinfer.bench.common.fidelity import (
 from etinfer.bench.common.results import Figure, add_result_option, recorded
 from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
+from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
 from etinfer.options import positive_int
 from studies import PROGRAM
@@ -78,7 +79,10 @@ def fidelity_rows(
             stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
             # A sketch reads its share of every key in each pruned layer, besides the blocks.
             sketch = getattr(selector, "sketch_share", 0.0)
-            pruned = (model.num_layers - config.dense_layers) / model.num_layers
+            # ... in each layer it prunes: past the dense ones, those that see the whole
+            # context (sliding layers read their window, never pruned).
+            full = full_context_layers(model)
+            pruned = sum(layer >= config.dense_layers for layer in full) / model.num_layers
             rows.append(
                 {
                     "batch": batch,
