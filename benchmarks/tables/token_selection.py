@@ -85,6 +85,11 @@ GEMMA_ARMS = (
         )
         for s in (0.125, 0.2)
     ),
+    *(
+        ("single tokens", f"query-aware copy, rank {r}, 8 bits", "12.5 %", arm, TOKENS)
+        for r in (48, 64)
+        for arm in (f"bound-share-0.125 whitened-{r}",)
+    ),
 )
 GEMMA_TOKEN_SELECTION = Table(
     "pruning_tokens_gemma",
