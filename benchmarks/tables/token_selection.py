@@ -102,13 +102,20 @@ GEMMA_TOKEN_SELECTION = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT | {"context": 8192}),
 )
 
+KEY_COPY_PASSKEYS = "fidelity/2026-11-29-e3dd7ee-token-passkeys.json"
+QUERY_AWARE_PASSKEYS = "fidelity/2026-11-29-1b79f61-whitened-passkeys.json"
+# (configuration, arm, the run)
 TOKEN_PASSKEY_ARMS = (
-    ("dense", "dense"),
-    ("single tokens by exact scores, 12.5 %", "bound-share-0.125"),
-    ("single tokens by exact scores, 20 %", "bound-share-0.2"),
-    ("single tokens by the rank-24 copy, 12.5 %", "bound-share-0.125 low-rank-24"),
-    ("single tokens by the rank-24 copy, 20 %", "bound-share-0.2 low-rank-24"),
-)
+    ("dense", "dense", KEY_COPY_PASSKEYS),
+    ("single tokens by exact scores, 12.5 %", "bound-share-0.125", KEY_COPY_PASSKEYS),
+    ("single tokens by exact scores, 20 %", "bound-share-0.2", KEY_COPY_PASSKEYS),
+    ("single tokens by the keys' rank-24 copy, 12.5 %", "bound-share-0.125 low-rank-24",
+     KEY_COPY_PASSKEYS),
+    ("single tokens by the keys' rank-24 copy, 20 %", "bound-share-0.2 low-rank-24",
+     KEY_COPY_PASSKEYS),
+    ("single tokens by the query-aware rank-16 copy, 12.5 %", "bound-share-0.125 whitened-16",
+     QUERY_AWARE_PASSKEYS),
+)  # fmt: skip
 TOKEN_PASSKEYS = Table(
     "pruning_token_passkeys",
     ("configuration",),
@@ -122,13 +129,10 @@ TOKEN_PASSKEYS = Table(
             Pick(subject="passkeys found", unit="count", labels={"workload": "varied"}),
         ),
     ),
-    tuple(Row((name,), Pick(labels={"arm": arm})) for name, arm in TOKEN_PASSKEY_ARMS),
-    Pick(
-        benchmark="fidelity",
-        kind=AVX512,
-        labels=TOKENS | {"quantization": "none"},
-        result="fidelity/2026-11-29-e3dd7ee-token-passkeys.json",
+    tuple(
+        Row((name,), Pick(labels={"arm": arm}, result=run)) for name, arm, run in TOKEN_PASSKEY_ARMS
     ),
+    Pick(benchmark="fidelity", kind=AVX512, labels=TOKENS | {"quantization": "none"}),
 )
 
 TABLES = (TOKEN_SELECTION, GEMMA_TOKEN_SELECTION, TOKEN_PASSKEYS)
