@@ -13,93 +13,105 @@ TOKENS = {"block_size": 1}
 BLOCKS = {"block_size": None}
 
 
-def share(s: float) -> str:
-    return f"{s * 100:g} %"
+SHARES = (0.125, 0.2)
+BLOCK_RANKINGS = {  # ranking: the study's name for its arm before the share, and after it
+    "oracle ranking (exact mass)": ("bound-share-", " oracle"),
+    "`bound` (key bounds)": ("bound-share-", ""),
+    "low-rank keys, rank 24, 4 bits": ("bound-share-", " low-rank-24"),
+    "`digest`": ("digest-share-", ""),
+    "`reused-mass`": ("reused-share-", ""),
+}
+TOKEN_RANKINGS = {
+    "oracle ranking (exact mass)": ("bound-share-", " oracle"),
+    "exact scores": ("bound-share-", ""),
+    **{
+        f"low-rank keys, rank {r}, 4 bits": ("bound-share-", f" low-rank-{r}") for r in (16, 24, 48)
+    },
+    **{
+        f"query-aware copy, rank {r}, 8 bits": ("bound-share-", f" whitened-{r}")
+        for r in (8, 16, 32, 48, 64)
+    },
+}
 
 
-# (what is chosen, ranking, share kept, the arm, its block size labels)
-ARMS = (
-    *(
-        ("blocks of 16", name, share(s), f"bound-share-{s}{suffix}", BLOCKS)
-        for name, suffix, shares in (
-            ("oracle ranking (exact mass)", " oracle", (0.125, 0.175, 0.2)),
-            ("`bound` (key bounds)", "", (0.125, 0.2)),
-            ("low-rank keys, rank 24, 4 bits", " low-rank-24", (0.125, 0.2)),
-        )
-        for s in shares
-    ),
-    *(("blocks of 16", "`digest`", share(s), f"digest-share-{s}", BLOCKS) for s in (0.125, 0.2)),
-    *(
-        ("blocks of 16", "`reused-mass`", share(s), f"reused-share-{s}", BLOCKS)
-        for s in (0.125, 0.2)
-    ),
-    *(
-        ("single tokens", name, share(s), f"bound-share-{s}{suffix}", TOKENS)
-        for name, suffix in (
-            ("oracle ranking (exact mass)", " oracle"),
-            ("exact scores", ""),
-            ("low-rank keys, rank 16, 4 bits", " low-rank-16"),
-            ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
-            ("query-aware copy, rank 8, 8 bits", " whitened-8"),
-            ("query-aware copy, rank 16, 8 bits", " whitened-16"),
-        )
-        for s in (0.125, 0.2)
-    ),
-)
-TOKEN_SELECTION = Table(
+def fidelity_rows(blocks: dict[str, tuple[float, ...]], tokens: dict[str, tuple[float, ...]]):
+    """A row per ranking (the keys of ``BLOCK_RANKINGS`` and ``TOKEN_RANKINGS``) and share kept,
+    16-token blocks first, then single tokens."""
+    for chosen, rankings, names, size in (
+        ("blocks of 16", blocks, BLOCK_RANKINGS, BLOCKS),
+        ("single tokens", tokens, TOKEN_RANKINGS, TOKENS),
+    ):
+        for ranking, shares in rankings.items():
+            before, after = names[ranking]
+            for s in shares:
+                arm = Pick(labels={"arm": f"{before}{s}{after}"} | size)
+                yield Row((chosen, ranking, f"{s * 100:g} %"), arm)
+
+
+def fidelity_table(name: str, rows, labels: dict) -> Table:
+    return Table(
+        name,
+        ("chosen", "ranking", "share kept"),
+        (
+            Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=1)),
+            Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
+            Column("top-1 vs dense", Pick(subject="top-1 agreement", unit="%", decimals=1)),
+            Column("perplexity ratio", Pick(subject="perplexity", unit="x", decimals=4)),
+        ),
+        tuple(rows),
+        Pick(benchmark="fidelity", kind=AVX512, labels=labels),
+    )
+
+
+TOKEN_SELECTION = fidelity_table(
     "pruning_tokens",
-    ("chosen", "ranking", "share kept"),
-    (
-        Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=1)),
-        Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
-        Column("top-1 vs dense", Pick(subject="top-1 agreement", unit="%", decimals=1)),
-        Column("perplexity ratio", Pick(subject="perplexity", unit="x", decimals=4)),
+    fidelity_rows(
+        {
+            "oracle ranking (exact mass)": (0.125, 0.175, 0.2),
+            "`bound` (key bounds)": SHARES,
+            "low-rank keys, rank 24, 4 bits": SHARES,
+            "`digest`": SHARES,
+            "`reused-mass`": SHARES,
+        },
+        dict.fromkeys(
+            (
+                "oracle ranking (exact mass)",
+                "exact scores",
+                "low-rank keys, rank 16, 4 bits",
+                "low-rank keys, rank 24, 4 bits",
+                "query-aware copy, rank 8, 8 bits",
+                "query-aware copy, rank 16, 8 bits",
+            ),
+            SHARES,
+        ),
     ),
-    tuple(
-        Row((chosen, ranking, kept), Pick(labels={"arm": arm} | size))
-        for chosen, ranking, kept, arm, size in ARMS
-    ),
-    Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT),
+    FLOAT,
 )
-
-GEMMA_ARMS = (
-    *(
-        ("blocks of 16", name, share(s), f"{arm}{s}{suffix}", BLOCKS)
-        for name, arm, suffix, shares in (
-            ("oracle ranking (exact mass)", "bound-share-", " oracle", (0.125, 0.2)),
-            ("`bound` (key bounds)", "bound-share-", "", (0.125, 0.2)),
-            ("`digest`", "digest-share-", "", (0.125, 0.2)),
-            ("`reused-mass`", "reused-share-", "", (0.125,)),
-        )
-        for s in shares
-    ),
-    *(
-        ("single tokens", name, share(s), f"bound-share-{s}{suffix}", TOKENS)
-        for name, suffix in (
-            ("oracle ranking (exact mass)", " oracle"),
-            ("exact scores", ""),
-            ("low-rank keys, rank 24, 4 bits", " low-rank-24"),
-            ("low-rank keys, rank 48, 4 bits", " low-rank-48"),
-            ("query-aware copy, rank 16, 8 bits", " whitened-16"),
-            ("query-aware copy, rank 32, 8 bits", " whitened-32"),
-        )
-        for s in (0.125, 0.2)
-    ),
-    *(
-        ("single tokens", f"query-aware copy, rank {r}, 8 bits", "12.5 %", arm, TOKENS)
-        for r in (48, 64)
-        for arm in (f"bound-share-0.125 whitened-{r}",)
-    ),
-)
-GEMMA_TOKEN_SELECTION = Table(
+GEMMA_TOKEN_SELECTION = fidelity_table(
     "pruning_tokens_gemma",
-    TOKEN_SELECTION.lead,
-    TOKEN_SELECTION.columns,
-    tuple(
-        Row((chosen, ranking, kept), Pick(labels={"arm": arm} | size))
-        for chosen, ranking, kept, arm, size in GEMMA_ARMS
+    fidelity_rows(
+        {
+            "oracle ranking (exact mass)": SHARES,
+            "`bound` (key bounds)": SHARES,
+            "`digest`": SHARES,
+            "`reused-mass`": (0.125,),
+        },
+        dict.fromkeys(
+            (
+                "oracle ranking (exact mass)",
+                "exact scores",
+                "low-rank keys, rank 24, 4 bits",
+                "low-rank keys, rank 48, 4 bits",
+                "query-aware copy, rank 16, 8 bits",
+                "query-aware copy, rank 32, 8 bits",
+            ),
+            SHARES,
+        )
+        | dict.fromkeys(
+            ("query-aware copy, rank 48, 8 bits", "query-aware copy, rank 64, 8 bits"), (0.125,)
+        ),
     ),
-    Pick(benchmark="fidelity", kind=AVX512, labels=FLOAT | {"context": 8192}),
+    FLOAT | {"context": 8192},
 )
 
 KEY_COPY_PASSKEYS = "fidelity/2026-11-29-e3dd7ee-token-passkeys.json"

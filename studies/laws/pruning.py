@@ -93,8 +93,6 @@ def fidelity_rows(
                     "step_ratio": stats.step_ratio,
                     "sketch_reads": sketch * pruned,
                     "dense_reads": dense_reads,
-                    "block_size": llm.engine.config.block_size,
-                    "quantization": llm.engine.config.quantization,
                 }
             )
             print(

@@ -43,7 +43,7 @@ def fidelity_figures(rows: list[dict], setting: dict) -> list[Figure]:
     for row in rows:
         labels = {"arm": row["scorer"], "batch": row["batch"], "context": row["context"]}
         labels["workload"] = "teacher-forced"
-        labels |= setting_labels(row) | setting
+        labels |= setting
         n = row["steps"]
         found += [
             Figure("kl", row["kl_mean"], "nats", labels | DENSE, n=n),
@@ -57,17 +57,17 @@ def fidelity_figures(rows: list[dict], setting: dict) -> list[Figure]:
     return found
 
 
-def setting_labels(row: dict) -> dict:
-    """The engine's block size, weights and model where they are not the defaults (16, ``auto``,
-    the embedded model): the tables of runs on the defaults then leave these out (runs before
-    them carry none)."""
+def setting_labels(setting: dict) -> dict:
+    """The engine's block size, weights and model (a report's ``setting``) where they are not
+    the defaults (16, ``auto``, the embedded model): the tables of runs on the defaults then
+    leave these out (runs before them carry none)."""
     labels = {}
-    if row.get("model") is not None:
-        labels["model"] = row["model"]
-    if row.get("block_size", 16) != 16:
-        labels["block_size"] = row["block_size"]
-    if row.get("quantization", "auto") != "auto":
-        labels["quantization"] = row["quantization"]
+    if setting.get("model") is not None:
+        labels["model"] = setting["model"]
+    if setting.get("block_size", 16) != 16:
+        labels["block_size"] = setting["block_size"]
+    if setting.get("quantization", "auto") != "auto":
+        labels["quantization"] = setting["quantization"]
     return labels
 
 
