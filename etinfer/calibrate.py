@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from etinfer import options
+from etinfer.calibrate_sketch import with_sketch_maps
 from etinfer.config import EngineConfig
 from etinfer.control.calibration import (
     Calibration,
@@ -130,11 +131,17 @@ def calibrate(
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:
     """An engine for ``config``; with ``calibration="auto"`` over the model file's cached
-    calibration, fitted now (on a plain engine over the same weights) if there is none yet."""
-    if config.calibration != AUTO:
+    calibration, fitted now (on a plain engine over the same weights) if there is none yet,
+    and likewise the sketch scorer's maps where pruning asks for them."""
+    pruning = config.control.pruning_config
+    sketching = pruning is not None and pruning.scorer == "sketch" and pruning.sketch_maps is None
+    if config.calibration != AUTO and not sketching:
         return LLMEngine(config, loaded)
     loaded = loaded or load_model(config.model)
     path = cached_calibration_path(config, loaded)
+    config = with_sketch_maps(config, loaded, path)
+    if config.calibration != AUTO:
+        return LLMEngine(config, loaded)
     if not path.exists():
         logger.warning(
             "calibration='auto': fitting %s's temperature once (cached at %s)",

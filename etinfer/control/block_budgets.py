@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from etinfer.validation import check_choice, check_float, check_int
 
-SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass")
+SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass", "sketch")
 # How many blocks a row keeps:
 # - "entropy", the paper's law: its predictive entropy between the floor and the high mark sets
 #   a share between budget_low and budget_high;
@@ -34,7 +34,7 @@ SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth
 # call: they start where reused masses did before (8K), at every batch (BENCHMARKS.md,
 # "Entropic pruning").
 PAYING_CONTEXT: dict[str, tuple[tuple[int, int], ...]] = {
-    **dict.fromkeys(("bound", "bound-value", "digest", "mass"), ((1, 8192),)),
+    **dict.fromkeys(("bound", "bound-value", "digest", "mass", "sketch"), ((1, 8192),)),
     "reused-mass": ((1, 3072), (8, 1024)),
 }
 
@@ -68,17 +68,22 @@ class PruningConfig:
     budget_law: str = "entropy"
     top_p: float = 0.95  # the top-p laws' share of the measured mass
     token_budget: int = 1024  # the fixed law's tokens per row (Quest's budgets: 1-4K)
+    # sketch: the directions of the key copy (16 at 8 bits: 1/16 of a 16-bit cache's bytes at a
+    # head size of 64), and the file of its fitted maps (``SketchMaps``); None: fitted once per
+    # model file and cached (``etinfer.calibrate.build_engine``)
+    sketch_rank: int = 16
+    sketch_maps: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("scorer", self.scorer, SCORERS)
         check_choice("budget_law", self.budget_law, BUDGET_LAWS)
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_int("token_budget", self.token_budget, low=1)
-        if self.head_budgets and self.scorer == "reused-mass":
+        check_int("sketch_rank", self.sketch_rank, low=1)
+        if self.head_budgets and self.scorer in ("reused-mass", "sketch"):
             raise ValueError(
                 "head_budgets shares a budget among KV heads by their key bounds: it needs scorer "
-                "'bound', 'bound-value', 'digest' or 'mass', got 'reused-mass' (one choice for "
-                "all heads)"
+                f"'bound', 'bound-value', 'digest' or 'mass', got {self.scorer!r}"
             )
         if self.budget_law in MEASURED_LAWS and self.scorer != "reused-mass":
             raise ValueError(

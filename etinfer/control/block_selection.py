@@ -35,7 +35,12 @@ time the closest to dense attention, and it keeps the passkeys dense attention f
   deep layer retrieves to the layers before it: with the first layer's mass alone a passkey
   dense attention found was lost, with both it was kept (BENCHMARKS.md). Exact where it ranks,
   it needs no key bounds at all; a layer that pruned this way certifies nothing it dropped (its
-  dropped mass reads 1).
+  dropped mass reads 1);
+- ``sketch``: every key's low-rank copy, kept by the cache in 8 bits (``key_sketch.py``), scores
+  each token against the layer's query; a block weighs the softmax mass its tokens carry under
+  those scores, the most any query head of its group gives it. It reads the copy of every
+  token in context (rank / (2 head_dim) of a 16-bit cache's bytes, in 8 bits) and certifies
+  nothing it dropped.
 
 **Per-head budgets** (``head_budgets``, after EntropyInfer and AdaKV): the sequence's budget,
 times its KV heads, is shared among the heads by one ranking of every (head, block) pair by the
@@ -77,6 +82,7 @@ from etinfer.control.block_scores import (
     key_digest_scores,
     value_weighted,
 )
+from etinfer.control.key_sketch import SketchMaps, sketch_block_scores
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
 from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
@@ -114,12 +120,13 @@ class EntropicSelector(BlockSelector):
         config: PruningConfig | None = None,
         scale: float | None = None,
         full_layers: Sequence[int] | None = None,
+        sketch: SketchMaps | None = None,
     ) -> None:
         """``scale``: attention's score scale, where the model's is not head_dim ** -0.5
         (Gemma's query_pre_attn_scalar): the head budgets and the bound-value scorer turn key
         bounds into attention logits with it. ``full_layers``: the model's layers that see the
         whole context (the others slide over a window and are never pruned), where the
-        reused-mass scorer's selection layers must lie."""
+        reused-mass scorer's selection layers must lie. ``sketch``: the sketch scorer's maps."""
         self.config = config = config or PruningConfig()
         # Only the digest reads them: the other scorers' caches skip their upkeep at every write.
         self.needs_moments = config.scorer == "digest"
@@ -130,6 +137,11 @@ class EntropicSelector(BlockSelector):
         self.selection_layers: tuple[int, ...] = ()
         if config.scorer == "reused-mass":
             self.selection_layers = selection_layers(config, full_layers)
+        self.sketch = sketch
+        if config.scorer == "sketch":
+            if sketch is None:
+                raise ValueError("scorer 'sketch' needs its fitted maps (SketchMaps)")
+            self.sketch_key_maps = sketch.key_maps
 
     def observes(self, layer: int) -> bool:
         if self.config.scorer == "reused-mass":
@@ -174,6 +186,12 @@ class EntropicSelector(BlockSelector):
         if self.config.scorer == "digest":
             spread = self.config.digest_spread
             estimates, bounds = key_digest_scores(query, summaries, blocks, spread), None
+        elif self.config.scorer == "sketch":
+            codes, code_scales = summaries.key_sketch, summaries.sketch_scales
+            query_map = self.sketch.query_maps[layer].to(query.device)
+            scale = self._scale(query)
+            estimates = sketch_block_scores(query, query_map, codes, code_scales, blocks, scale)
+            bounds = None
         else:
             estimates = bounds = key_bound_scores(query, summaries, blocks.block_tables)
         scores = self.block_scores(layer, query, blocks, summaries, estimates)

@@ -22,6 +22,7 @@ from etinfer.control.block_budgets import check_context
 from etinfer.control.block_selection import BLOCK_SELECTORS, BlockSelector, PruningConfig
 from etinfer.control.calibration import Calibration
 from etinfer.control.drafting import DraftCosts, SpeculationState, SpeculativeShaper
+from etinfer.control.key_sketch import SketchMaps
 from etinfer.control.kv_compression import KVCompressionState
 from etinfer.control.pruning_state import PruningState
 from etinfer.control.scheduling import SCHEDULING_POLICIES, SchedulingPolicy
@@ -129,9 +130,33 @@ def pruning_selector(
     """The entropic selector for ``config`` on ``model``: its score scale, and the layers that
     see the whole context (where the reused-mass scorer's selection layers lie)."""
     check_context(config, max_model_len)
+    sketch = None
+    if config.scorer == "sketch":
+        sketch = sketch_maps(config, model)
     return BLOCK_SELECTORS.create(
-        "entropic", config=config, scale=model.scale, full_layers=full_context_layers(model)
+        "entropic",
+        config=config,
+        scale=model.scale,
+        full_layers=full_context_layers(model),
+        sketch=sketch,
     )
+
+
+def sketch_maps(config: PruningConfig, model: ModelConfig) -> SketchMaps:
+    """The sketch scorer's maps from ``config.sketch_maps``, checked against ``model``."""
+    if config.sketch_maps is None:
+        raise ValueError(
+            "control.pruning.scorer 'sketch' needs its maps (control.pruning.sketch_maps): an "
+            "engine built by build_engine (LLM, etinfer serve) fits them once per model file"
+        )
+    maps = SketchMaps.load(config.sketch_maps)
+    expected = (model.num_layers, model.num_kv_heads, model.head_dim, config.sketch_rank)
+    if tuple(maps.key_maps.shape) != expected:
+        raise ValueError(
+            f"control.pruning.sketch_maps {config.sketch_maps} holds maps of shape "
+            f"{tuple(maps.key_maps.shape)}; this model and sketch_rank need {expected}"
+        )
+    return maps
 
 
 def full_context_layers(model: ModelConfig) -> list[int]:

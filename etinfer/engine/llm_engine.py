@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -185,6 +186,9 @@ class LLMEngine:
                 "(control=ControlConfig(pruning=...))"
             )
         if config is not None:
+            built = self.config.control.pruning_config
+            if config.scorer == "sketch" and config.sketch_maps is None:
+                config = replace(config, sketch_maps=built.sketch_maps)  # the engine's own maps
             self.runner.set_selector(
                 selector or pruning_selector(config, self.model_config, self.max_model_len)
             )

@@ -1,13 +1,13 @@
 """The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``,
-``native/block_summaries.c``): the CSR pattern of the blocks each decode row reads, the key-bound
-and digest scores of every block, the mask of each row's best blocks, and the mass attention
-gave each block.
+``native/block_summaries.c``, ``native/key_sketch.c``): the CSR pattern of the blocks each
+decode row reads, the key-bound and digest scores of every block, the blocks' scores from the
+low-rank key copy, the mask of each row's best blocks, and the mass attention gave each block.
 
 Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
 the attention that pruning saves. Their torch forms (``attention/pattern.py``,
-``control/block_selection.py``) remain for other devices and where the kernels are off; the
-tests hold each pair to the same answers. Every function returns None where the native form
-does not apply, and its caller then takes the torch one.
+``control/block_selection.py``, ``control/key_sketch.py``) remain for other devices and where
+the kernels are off; the tests hold each pair to the same answers. Every function returns None
+where the native form does not apply, and its caller then takes the torch one.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ BOUND_KINDS = {
     dtype: native_kernels.KV_KINDS[dtype]
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
 }
+# The largest rank the native sketch scores take (native/key_sketch.c's buffer of widened codes).
+MAX_SKETCH_RANK = 1024
 
 
 def _native(*tensors: torch.Tensor):
@@ -117,6 +119,48 @@ def key_digest_scores(
             q, key_moments.data_ptr(), tables, tokens.data_ptr(), *sizes, spread, out, threads
         ),
     )
+
+
+def sketch_block_scores(
+    projected: torch.Tensor,  # [seqs, kv_heads, group, rank] float32
+    codes: torch.Tensor,  # [kv_heads, num_slots, rank] int8: the layer's key copy
+    code_scales: torch.Tensor,  # [kv_heads, num_slots] float32
+    tables: torch.Tensor,  # [seqs, width] block ids (padding past the context is not read)
+    lens: torch.Tensor,  # [seqs] tokens in context
+    block_size: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """``[seqs, kv_heads, group, width]``: per query head, each block's share of the softmax
+    mass under the key copy's scores, in logs (-inf where an entry holds no context), as
+    ``control.key_sketch.sketch_block_scores`` computes it in torch."""
+    native = _native(projected, codes, code_scales, tables, lens)
+    seqs, kv_heads, group, rank = projected.shape
+    if native is None or rank > MAX_SKETCH_RANK or projected.dtype != torch.float32:
+        return None
+    if codes.dtype != torch.int8 or code_scales.dtype != torch.float32:
+        return None
+    num_slots = codes.shape[1]
+    if codes.shape != (kv_heads, num_slots, rank) or code_scales.shape != codes.shape[:2]:
+        raise ValueError(
+            f"sketch scores: codes {tuple(codes.shape)} and scales {tuple(code_scales.shape)} "
+            f"for queries projected to {tuple(projected.shape)}"
+        )
+    # Held in names until the call returns: a temporary's memory could be reused before it.
+    projected, codes, code_scales = (t.contiguous() for t in (projected, codes, code_scales))
+    tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    width, threads = tables.shape[1], min(torch.get_num_threads(), seqs * kv_heads)
+    out = torch.empty(seqs, kv_heads, group, width)
+    status = native.sketch_block_scores(
+        projected.data_ptr(), codes.data_ptr(), code_scales.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), seqs, kv_heads, group, rank, width, num_slots, block_size, scale,
+        out.data_ptr(), threads,
+    )  # fmt: skip
+    if status == -1:
+        blocks = num_slots // block_size
+        raise IndexError(f"sketch scores: a block id outside [0, {blocks}) in {tables}")
+    if status == -3:
+        raise MemoryError(f"sketch scores: no scratch for {group} rows of {width} blocks")
+    return out if status == 0 else None
 
 
 def _block_scores(query, summary, tables, kinds, call) -> torch.Tensor | None:

@@ -60,6 +60,10 @@ class BlockSummaries:
     # [layers, kv_heads, num_blocks]: every layer's last observed mass, so that a selector may
     # read a later layer's from the step before (it has not run yet in this one)
     layer_masses: torch.Tensor | None = None
+    # Indexed by slot, not block: every key's low-rank copy, [kv_heads, slots, rank] int8, and
+    # its scale per key [kv_heads, slots] float32 (``control/key_sketch.py``)
+    key_sketch: torch.Tensor | None = None
+    sketch_scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,6 +88,9 @@ class AttentionSelector(ABC):
     # None): a pruned step may run in native calls, one per run of layers reading the same
     # blocks (``PrunedDecode.segments``).
     selects_without_query = False
+    # [layers, kv_heads, head_dim, rank]: the cache keeps every key's low-rank copy by these
+    # maps for it (``BlockSummaries.key_sketch``), or None
+    sketch_key_maps: torch.Tensor | None = None
 
     def observes(self, layer: int) -> bool:
         """Whether attention records the blocks' mass at ``layer`` (``observes_mass`` layers)."""

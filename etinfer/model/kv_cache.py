@@ -77,6 +77,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         summaries: bool = False,
         moments: bool = False,
+        sketch_key_maps: torch.Tensor | None = None,
     ) -> None:
         if dtype not in native_kernels.KV_KINDS:
             raise ValueError(f"a KV cache of {dtype}: it stores {list(native_kernels.KV_KINDS)}")
@@ -115,12 +116,21 @@ class KVCache:
                 self.key_moments = torch.empty(
                     (*per_block, 2, head_dim), device=device, dtype=summary_dtype
                 )
+        # The sketch scorer's copy of every key, written with the keys (``update_sketch``).
+        self.sketch_key_maps = self.key_sketch = self.sketch_scales = None
+        if sketch_key_maps is not None:
+            self.sketch_key_maps = sketch_key_maps.to(device, self.compute_dtype)
+            per_slot = (num_layers, num_kv_heads, self.num_slots)
+            rank = sketch_key_maps.shape[-1]
+            self.key_sketch = torch.zeros((*per_slot, rank), device=device, dtype=torch.int8)
+            self.sketch_scales = torch.zeros(per_slot, device=device, dtype=self.compute_dtype)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         """Everything the pool allocates: keys, values, their int8 scales, block summaries."""
         tensors = (self.keys, self.values, self.key_scales, self.value_scales)
         tensors += (self.key_bounds, self.mass, self.value_sums, self.key_moments)
+        tensors += (self.key_sketch, self.sketch_scales)
         return [t for t in tensors if t is not None]
 
     @property
@@ -177,6 +187,8 @@ class KVCache:
             self.value_sums[layer],
             key_moments=None if self.key_moments is None else self.key_moments[layer],
             layer_masses=self.mass,
+            key_sketch=None if self.key_sketch is None else self.key_sketch[layer],
+            sketch_scales=None if self.sketch_scales is None else self.sketch_scales[layer],
         )
 
     def clear_fresh(self, fresh_blocks: torch.Tensor, layers: slice) -> None:
@@ -221,6 +233,20 @@ class KVCache:
                     row_scales.index_copy_(1, slots, scale)
         if self.key_bounds is not None:
             self.update_summaries(slice(layer, layer + 1), slots, fresh_blocks)
+        self.update_sketch(slice(layer, layer + 1), slots)
+
+    def update_sketch(self, layers: slice, slots: torch.Tensor) -> None:
+        """The key copy of ``layers`` at ``slots`` after their keys were written, from the keys
+        as stored (nothing where the cache keeps no copy): the layer-by-layer path calls it for a
+        layer as it writes, the native decoder's caller for all its layers after a step."""
+        if self.key_sketch is None:
+            return
+        keys = self.keys[layers][:, :, slots].to(self.compute_dtype)
+        if self.key_scales is not None:
+            keys *= self.key_scales[layers][:, :, slots, None]
+        codes, scales = quantize_rows(keys @ self.sketch_key_maps[layers])
+        self.key_sketch[layers].index_copy_(2, slots, codes)
+        self.sketch_scales[layers].index_copy_(2, slots, scales)
 
     def update_summaries(
         self, layers: slice, slots: torch.Tensor, fresh_blocks: torch.Tensor | None

@@ -1,9 +1,9 @@
 """Kernels in C (``native/kernels.c``, ``native/block_sparse.c``, ``native/decoder.c``), compiled
 for this machine on first use and called through ctypes: decode attention, the cache write, the
-residual add with an RMS norm; the block-sparse pattern and key-bound scores (``block_kernels.py``
-calls those); rotation, per-head norms, the gated MLP's activation and a decode step's layers
-in one call (``native_decoder.py``); and the walk over a GGUF file's string arrays
-(``gguf_reader.py``).
+residual add with an RMS norm; the block-sparse pattern, the key-bound scores and the key
+copy's block scores (``block_kernels.py`` calls those); rotation, per-head norms, the gated MLP's
+activation and a decode step's layers in one call (``native_decoder.py``); and the walk over a
+GGUF file's string arrays (``gguf_reader.py``).
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and
@@ -32,7 +32,10 @@ import torch
 
 logger = logging.getLogger("etinfer.model")
 
-_NAMES = ("kernels", "block_sparse", "block_summaries", "decoder", "row_scores", "gguf_strings")
+_NAMES = (
+    "kernels", "block_sparse", "block_summaries", "key_sketch", "decoder", "row_scores",
+    "gguf_strings",
+)  # fmt: skip
 _SOURCES = [Path(__file__).parent / "native" / f"{name}.c" for name in _NAMES]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 # OpenMP: the kernels share work on torch's own threads (the libgomp torch loaded first is the
@@ -159,6 +162,9 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.key_bound_scores.restype = ctypes.c_int
     library.key_digest_scores.argtypes = [pointer] * 4 + [i64] * 6 + [ctypes.c_float, pointer, i64]
     library.key_digest_scores.restype = ctypes.c_int
+    library.sketch_block_scores.argtypes = [pointer] * 5 + [i64] * 7 + [ctypes.c_float]
+    library.sketch_block_scores.argtypes += [pointer, i64]
+    library.sketch_block_scores.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
     library.update_block_summaries.argtypes = [pointer] * 4 + [ctypes.c_int, pointer] + [i64] * 5

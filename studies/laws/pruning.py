@@ -161,13 +161,18 @@ def dense_layer_sweep(
 
 def engine(args: argparse.Namespace) -> LLM:
     """One engine for every comparison, built with pruning by the digest so that its cache keeps
-    the key bounds and the keys' moments (every scorer's summaries); ``set_pruning`` switches it
-    between dense and each configuration. Its batch and pool
-    are sized for the largest batch and context asked."""
+    the key bounds and the keys' moments (every other scorer's summaries), or by the sketch
+    where a configuration asks for its key copy (then no digest configuration may run: one
+    engine keeps one or the other); ``set_pruning`` switches it between dense and each
+    configuration. Its batch and pool are sized for the largest batch and context asked."""
     longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
+    names = args.speed_configs + args.fidelity_configs + args.passkey_configs
+    scorers = {CONFIGS[name].scorer for name in names}
+    if {"sketch", "digest"} <= scorers:
+        raise SystemExit("the sketch and digest configurations need two runs: one engine each")
     return LLM(
         args.model,
-        control=ControlConfig(pruning=CONFIGS["digest"]),
+        control=ControlConfig(pruning=CONFIGS["sketch" if "sketch" in scorers else "digest"]),
         max_num_seqs=max(max(args.batches), 16),
         num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
         **options.engine_kwargs(args),

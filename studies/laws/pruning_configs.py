@@ -10,10 +10,12 @@ from etinfer.control.block_selection import PruningConfig
 BOUND = PruningConfig(scorer="bound")
 REUSED = PruningConfig(scorer="reused-mass")
 DIGEST = PruningConfig(scorer="digest")
+SKETCH = PruningConfig(scorer="sketch")
 CONFIGS = {
     "bound": BOUND,
     "digest": DIGEST,
     "mass": PruningConfig(scorer="mass"),
+    "sketch": SKETCH,
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
     "bound-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2),
     "bound-quarter": replace(BOUND, budget_low=0.25, budget_high=0.25),
@@ -35,7 +37,8 @@ CONFIGS = {
 # shares prune from any context (the scorers' defaults wait for where they pay, 8K for those that
 # rank by each layer's query, past the fidelity runs' 6K).
 for share in (0.08, 0.125, 0.175, 0.2, 0.35):
-    for prefix, base in (("bound", BOUND), ("reused", REUSED), ("digest", DIGEST)):
+    bases = (("bound", BOUND), ("reused", REUSED), ("digest", DIGEST), ("sketch", SKETCH))
+    for prefix, base in bases:
         CONFIGS[f"{prefix}-share-{share}"] = replace(
             base, budget_low=share, budget_high=share, min_context=0
         )
@@ -53,6 +56,7 @@ for low, high in ((0.05, 0.3), (0.1, 0.5), (0.2, 0.6)):
 CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
 CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
 CONFIGS["digest-ungated"] = replace(DIGEST, min_context=0)
+CONFIGS["sketch-ungated"] = replace(SKETCH, min_context=0)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = replace(

@@ -98,6 +98,7 @@ class ModelRunner:
             options.kv_cache_dtype,
             summaries=summaries,
             moments=selector.needs_moments,
+            sketch_key_maps=selector.sketch_key_maps,
         )
         self.graphs = None
         if graphs:
@@ -136,6 +137,12 @@ class ModelRunner:
             raise ValueError(
                 "this selector scores blocks by their summaries, which the cache does not keep: "
                 "build the engine with pruning on (control=ControlConfig(pruning=...))"
+            )
+        maps, kept = selector.sketch_key_maps, self.cache.sketch_key_maps
+        if maps is not None and (kept is None or not torch.equal(maps.to(kept), kept)):
+            raise ValueError(
+                "this selector ranks tokens by a copy of the keys the cache does not keep by its "
+                "maps: build the engine with the same pruning (PruningConfig(scorer='sketch'))"
             )
         self.attention.set_selector(selector)
 
