@@ -39,6 +39,7 @@ from etinfer.control.block_selection import PruningConfig
 from etinfer.control.config import ControlConfig
 from etinfer.engine.layers import full_context_layers
 from etinfer.llm import LLM
+from etinfer.model.config import ModelConfig
 from etinfer.options import positive_int
 from studies import PROGRAM
 from studies.laws.pruning_arms import Arm, Rankings, add_ranking_options, arms
@@ -78,7 +79,7 @@ def fidelity_rows(
         for name, config, selector in runs:
             stats = teacher_forced(llm, texts, context, steps, config, dense, selector)
             # A sketch reads its share of every key in each pruned layer, besides the blocks.
-            sketch = getattr(selector, "sketch_share", 0.0)
+            sketch = getattr(selector, "sketch_share", engine_sketch_share(config, model))
             # ... in each layer it prunes: past the dense ones, those that see the whole
             # context (sliding layers read their window, never pruned).
             full = full_context_layers(model)
@@ -103,6 +104,14 @@ def fidelity_rows(
                 flush=True,
             )
     return rows
+
+
+def engine_sketch_share(config: PruningConfig, model: ModelConfig) -> float:
+    """The share of a 16-bit cache's KV bytes the engine's sketch scorer reads of every token
+    in each layer it prunes: the copy's 8-bit components and its float32 scale."""
+    if config.scorer != "sketch":
+        return 0.0
+    return (config.sketch_rank + 4) / (2 * 2 * model.head_dim)
 
 
 def passkey_rows(llm: LLM, runs: list[Arm], lengths: tuple[int, ...]) -> list[dict]:
