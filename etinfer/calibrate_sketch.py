@@ -12,6 +12,7 @@ temperature calibration, keyed the same way.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from etinfer.config import EngineConfig
 from etinfer.control.block_selection import BlockSelector, PruningConfig
 from etinfer.control.config import ControlConfig
-from etinfer.control.key_sketch import SketchMaps, fit_maps
+from etinfer.control.key_sketch import SketchMaps, fit_maps, gram
 from etinfer.corpus import corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
 from etinfer.model.block_layout import DecodeBlocks
@@ -31,61 +32,73 @@ from etinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("etinfer.calibrate")
 
-PASSAGES = 4  # passages read at once, each a prompt and its forced continuation
-CONTEXT = 1024  # prompt tokens a passage
+# Prompt tokens of each passage, read one after another. Keys and queries are taken after the
+# rotary embedding, which turns them by their positions: passages of several lengths give the
+# maps the positions of short and long contexts alike (fitted at 1K tokens alone, they ranked
+# blocks at 3K tokens worse than the key bounds did).
+CONTEXTS = (1024, 2048, 4096, 8192)
 STEPS = 32  # forced decode steps a passage: the queries
 
 
 class QueryRecorder(BlockSelector):
-    """Reads everything and keeps every whole-context layer's decode queries, and the layout of
-    the widest step (every passage decoding) to read their keys back once they end."""
+    """Reads everything; sums each whole-context layer's decode queries' ``gram`` by KV head,
+    and keeps the step's layout, to read the passage's keys back once it ends."""
 
-    def __init__(self) -> None:
-        self.queries: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        self.query_grams: dict[int, torch.Tensor] = {}
         self.layout: DecodeBlocks | None = None
 
     def select(self, layer, query, blocks, summaries) -> None:
-        self.queries.setdefault(layer, []).append(query.float().clone())
-        widest = self.layout is None or len(blocks.context_lens) >= len(self.layout.context_lens)
-        self.layout = blocks if widest else self.layout
+        seqs, _, dim = query.shape
+        grouped = (
+            query.view(seqs, self.kv_heads, -1, dim).transpose(0, 1).reshape(self.kv_heads, -1, dim)
+        )
+        self.query_grams[layer] = self.query_grams.get(layer, 0) + gram(grouped.cpu())
+        self.layout = blocks
         return None
 
 
 def context_keys(cache: KVCache, layer: int, blocks: DecodeBlocks) -> torch.Tensor:
     """Every key in the contexts of ``blocks`` at ``layer``, [kv_heads, tokens, head_dim]."""
     size = blocks.block_size
-    slots = [
-        blocks.block_tables[row, torch.arange(length) // size] * size + torch.arange(length) % size
-        for row, length in enumerate(blocks.context_lens.tolist())
-    ]
-    return cache.read(layer, torch.cat(slots).to(blocks.block_tables.device))[0]
+    slots = []
+    for row, length in enumerate(blocks.context_lens.tolist()):
+        positions = torch.arange(length, device=blocks.block_tables.device)
+        slots.append(blocks.block_tables[row, positions // size] * size + positions % size)
+    return cache.read(layer, torch.cat(slots))[0]
 
 
 def fit_sketch_maps(engine: LLMEngine, rank: int) -> SketchMaps:
     """The maps of ``engine``'s model at ``rank``: for each whole-context layer, from the
-    queries of ``PASSAGES`` forced continuations and the keys of their contexts."""
+    queries of passages of the corpus's last text, ``STEPS`` forced tokens each, and the keys
+    of their contexts."""
     model = engine.model_config
-    windows = list(corpus_windows(engine.tokenizer, CONTEXT + STEPS))[-PASSAGES:]
-    recorder = QueryRecorder()
+    recorder = QueryRecorder(model.num_kv_heads)
+    key_grams: dict[int, torch.Tensor] = {}
+    contexts = [c for c in CONTEXTS if c + STEPS <= engine.max_model_len] or [
+        engine.max_model_len - STEPS
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     engine.set_pruning(PruningConfig(), recorder)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-        for ids in windows:
+        for context in contexts:
+            ids = list(corpus_windows(engine.tokenizer, context + STEPS))[-1]
             engine.add_request(
-                None, params, prompt_token_ids=ids[:CONTEXT], forced_token_ids=ids[CONTEXT:]
+                None, params, prompt_token_ids=ids[:context], forced_token_ids=ids[context:]
             )
-        while engine.has_unfinished_requests():
-            engine.step()
+            while engine.has_unfinished_requests():
+                engine.step()
+            # Read before the next passage takes the freed blocks.
+            for layer in recorder.query_grams:
+                keys = gram(context_keys(engine.runner.cache, layer, recorder.layout).cpu())
+                key_grams[layer] = key_grams.get(layer, 0) + keys
     finally:
         engine.set_pruning(None)
-    kv_heads, group = model.num_kv_heads, model.num_heads // model.num_kv_heads
-    key_maps = torch.zeros(model.num_layers, kv_heads, model.head_dim, rank)
+    key_maps = torch.zeros(model.num_layers, model.num_kv_heads, model.head_dim, rank)
     query_maps = torch.zeros_like(key_maps)
-    for layer, queries in recorder.queries.items():  # sliding layers are never asked: zeros
-        grouped = torch.cat(queries).view(-1, kv_heads, group, model.head_dim)
-        grouped = grouped.transpose(0, 1).flatten(1, 2)  # [kv_heads, n, dim]
-        keys = context_keys(engine.runner.cache, layer, recorder.layout)
-        key_maps[layer], query_maps[layer] = fit_maps(grouped.cpu(), keys.cpu(), rank)
+    for layer, query_gram in recorder.query_grams.items():  # sliding layers never asked: zeros
+        key_maps[layer], query_maps[layer] = fit_maps(query_gram, key_grams[layer], rank)
     return SketchMaps(key_maps, query_maps)
 
 
@@ -96,7 +109,9 @@ def with_sketch_maps(config: EngineConfig, loaded: LoadedModel, cache_path: Path
     pruning = config.control.pruning_config
     if pruning is None or pruning.scorer != "sketch" or pruning.sketch_maps is not None:
         return config
-    path = cache_path.with_name(f"{cache_path.stem}-sketch{pruning.sketch_rank}.pt")
+    # Named by how the maps are fitted too: a change of passages fits them afresh.
+    recipe = hashlib.sha256(repr((CONTEXTS, STEPS, pruning.sketch_rank)).encode()).hexdigest()
+    path = cache_path.with_name(f"{cache_path.stem}-sketch-{recipe[:12]}.pt")
     if not path.exists():
         logger.warning(
             "pruning scorer 'sketch': fitting %s's key maps once (cached at %s)",

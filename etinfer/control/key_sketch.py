@@ -52,25 +52,31 @@ class SketchMaps:
         return cls(saved["key_maps"].float(), saved["query_maps"].float())
 
 
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """``x^T x`` per head, in float64: [heads, dim, dim] of ``x`` [heads, n, dim], what the maps
+    are fitted from (summed over any number of passages)."""
+    x = x.double()
+    return x.transpose(1, 2) @ x
+
+
 def fit_maps(
-    queries: torch.Tensor, keys: torch.Tensor, rank: int, whitened: bool = True
+    query_gram: torch.Tensor, key_gram: torch.Tensor, rank: int, whitened: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key map, query map), [kv_heads, head_dim, rank] each, from ``queries`` [kv_heads, n,
-    head_dim] and ``keys`` [kv_heads, tokens, head_dim] one layer met; query-aware unless
-    ``whitened`` is False (then both are the keys' leading right singular vectors)."""
-    queries, keys = queries.double(), keys.double()  # eigh of a near-singular covariance
+    """(key map, query map), [kv_heads, head_dim, rank] each, from the ``gram`` of the queries
+    and of the keys [kv_heads, head_dim, head_dim] one layer met; query-aware unless
+    ``whitened`` is False (then both are the keys' leading principal directions)."""
     if not whitened:
-        vectors = torch.linalg.svd(keys, full_matrices=False).Vh[:, :rank]
-        basis = vectors.transpose(1, 2).contiguous().float()
+        basis = torch.linalg.eigh(key_gram).eigenvectors[:, :, -rank:].float()
         return basis, basis
-    covariance = queries.transpose(1, 2) @ queries / queries.shape[1]
-    values, vectors = torch.linalg.eigh(covariance)
+    values, vectors = torch.linalg.eigh(
+        query_gram / query_gram.diagonal(0, 1, 2).sum(-1)[:, None, None]
+    )
     values = values.clamp(min=0)
     lifted = values + RIDGE * values.mean(-1, keepdim=True)
     root = vectors @ torch.diag_embed(lifted.sqrt()) @ vectors.transpose(1, 2)
     inverse_root = vectors @ torch.diag_embed(lifted.rsqrt()) @ vectors.transpose(1, 2)
-    mapped = keys @ root  # the keys where the queries are white (root is symmetric)
-    top = torch.linalg.eigh(mapped.transpose(1, 2) @ mapped).eigenvectors[:, :, -rank:]
+    # The keys where the queries are white (root is symmetric): their principal directions.
+    top = torch.linalg.eigh(root @ key_gram @ root).eigenvectors[:, :, -rank:]
     return (root @ top).float(), (inverse_root @ top).float()
 
 

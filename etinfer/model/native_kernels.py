@@ -1,9 +1,7 @@
-"""Kernels in C (``native/kernels.c``, ``native/block_sparse.c``, ``native/decoder.c``), compiled
-for this machine on first use and called through ctypes: decode attention, the cache write, the
-residual add with an RMS norm; the block-sparse pattern, the key-bound scores and the key
-copy's block scores (``block_kernels.py`` calls those); rotation, per-head norms, the gated MLP's
-activation and a decode step's layers in one call (``native_decoder.py``); and the walk over a
-GGUF file's string arrays (``gguf_reader.py``).
+"""Kernels in C (``native/*.c``), compiled for this machine on first use and called through
+ctypes: decode attention, the cache write, the residual add with an RMS norm; pruning's patterns
+and block scores (``block_kernels.py``); rotation, per-head norms, the gated MLP's activation and
+a decode step's layers in one call (``native_decoder.py``); GGUF string arrays' walk.
 
 Why C and not a torch extension: the kernels take raw pointers and need no torch headers, so
 they compile in well under a second (a torch extension takes most of a minute on 2 cores), and

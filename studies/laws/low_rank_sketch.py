@@ -25,6 +25,7 @@ import torch
 
 from etinfer.bench.common.fidelity import forced_log_probs
 from etinfer.control.block_selection import PruningConfig
+from etinfer.control.key_sketch import fit_maps, gram
 from etinfer.llm import LLM
 from etinfer.model.kv_cache import KVCache
 from studies.laws.oracle_selection import OracleSelector
@@ -32,10 +33,6 @@ from studies.laws.oracle_selection import OracleSelector
 # Forced steps of the calibration text: every pruned layer's budget falls below the whole
 # context within a few (a budget loses a quarter a step at most), and the rest gather queries.
 CALIBRATION_STEPS = 48
-# The calibration queries' covariance is lifted by this share of its mean eigenvalue before its
-# square root is inverted: a few hundred queries leave some of a 256-wide head's directions
-# unseen.
-RIDGE = 1e-2
 
 
 def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -84,20 +81,8 @@ class LowRankSketchSelector(OracleSelector):
 
     def _maps(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(key map, query map), [kv_heads, dim, rank] each, from ``queries`` [kv_heads, n,
-        dim] and ``keys`` [kv_heads, tokens, dim]."""
-        if not self.whitened:
-            vectors = torch.linalg.svd(keys, full_matrices=False).Vh[:, : self.rank]
-            basis = vectors.transpose(1, 2).contiguous()
-            return basis, basis
-        covariance = queries.transpose(1, 2) @ queries / queries.shape[1]
-        values, vectors = torch.linalg.eigh(covariance)
-        lifted = values.clamp(min=0) + RIDGE * values.clamp(min=0).mean(-1, keepdim=True)
-        root = vectors @ torch.diag_embed(lifted.sqrt()) @ vectors.transpose(1, 2)
-        inverse_root = vectors @ torch.diag_embed(lifted.rsqrt()) @ vectors.transpose(1, 2)
-        mapped = keys @ root  # the keys where the queries are white (root is symmetric)
-        principal = torch.linalg.eigh(mapped.transpose(1, 2) @ mapped).eigenvectors
-        top = principal[:, :, -self.rank :]
-        return root @ top, inverse_root @ top
+        dim] and ``keys`` [kv_heads, tokens, dim], as the engine's sketch scorer fits them."""
+        return fit_maps(gram(queries), gram(keys), self.rank, self.whitened)
 
 
 def calibrated_sketch(
