@@ -36,7 +36,7 @@ logger = logging.getLogger("etinfer.calibrate")
 # rotary embedding, which turns them by their positions: passages of several lengths give the
 # maps the positions of short and long contexts alike (fitted at 1K tokens alone, they ranked
 # blocks at 3K tokens worse than the key bounds did).
-CONTEXTS = (1024, 2048, 4096, 8192)
+CONTEXTS = (1024, 2048, 4096, 6144, 8192)
 STEPS = 32  # forced decode steps a passage: the queries
 
 
@@ -76,9 +76,8 @@ def fit_sketch_maps(engine: LLMEngine, rank: int) -> SketchMaps:
     model = engine.model_config
     recorder = QueryRecorder(model.num_kv_heads)
     key_grams: dict[int, torch.Tensor] = {}
-    contexts = [c for c in CONTEXTS if c + STEPS <= engine.max_model_len] or [
-        engine.max_model_len - STEPS
-    ]
+    # The longest passage fits the engine (its last steps at the longest context it decodes).
+    contexts = sorted({min(c, engine.max_model_len - STEPS) for c in CONTEXTS})
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     engine.set_pruning(PruningConfig(), recorder)
     try:
