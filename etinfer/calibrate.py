@@ -134,7 +134,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLM
     calibration, fitted now (on a plain engine over the same weights) if there is none yet,
     and likewise the sketch scorer's maps where pruning asks for them."""
     pruning = config.control.pruning_config
-    sketching = pruning is not None and pruning.scorer == "sketch" and pruning.sketch_maps is None
+    sketching = pruning is not None and pruning.sketched and pruning.sketch_maps is None
     if config.calibration != AUTO and not sketching:
         return LLMEngine(config, loaded)
     loaded = loaded or load_model(config.model)

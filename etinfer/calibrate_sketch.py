@@ -106,10 +106,11 @@ def with_sketch_maps(config: EngineConfig, loaded: LoadedModel, cache_path: Path
     engine over the same weights, with pruning on so that it may ask every layer) if there are
     none yet. Unchanged where pruning does not score by the sketch or names its maps."""
     pruning = config.control.pruning_config
-    if pruning is None or pruning.scorer != "sketch" or pruning.sketch_maps is not None:
+    if pruning is None or not pruning.sketched or pruning.sketch_maps is not None:
         return config
     # Named by how the maps are fitted too: a change of passages fits them afresh.
-    recipe = hashlib.sha256(repr((CONTEXTS, STEPS, pruning.sketch_rank)).encode()).hexdigest()
+    rank = pruning.rank_for(loaded.config.head_dim)
+    recipe = hashlib.sha256(repr((CONTEXTS, STEPS, rank)).encode()).hexdigest()
     path = cache_path.with_name(f"{cache_path.stem}-sketch-{recipe[:12]}.pt")
     if not path.exists():
         logger.warning(
@@ -124,7 +125,7 @@ def with_sketch_maps(config: EngineConfig, loaded: LoadedModel, cache_path: Path
             speculative=None,
             draft_model=None,
         )
-        maps = fit_sketch_maps(LLMEngine(plain, loaded), pruning.sketch_rank)
+        maps = fit_sketch_maps(LLMEngine(plain, loaded), rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         maps.save(partial)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from etinfer.validation import check_choice, check_float, check_int
 
-SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass", "sketch")
+SCORERS = ("bound", "bound-value", "digest", "mass", "reused-mass", "sketch", "sketch-tokens")
+SKETCHED = ("sketch", "sketch-tokens")  # the scorers that read the cache's key copy
 # How many blocks a row keeps:
 # - "entropy", the paper's law: its predictive entropy between the floor and the high mark sets
 #   a share between budget_low and budget_high;
@@ -34,7 +35,7 @@ SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth
 # call: they start where reused masses did before (8K), at every batch (BENCHMARKS.md,
 # "Entropic pruning").
 PAYING_CONTEXT: dict[str, tuple[tuple[int, int], ...]] = {
-    **dict.fromkeys(("bound", "bound-value", "digest", "mass", "sketch"), ((1, 8192),)),
+    **dict.fromkeys(("bound", "bound-value", "digest", "mass", *SKETCHED), ((1, 8192),)),
     "reused-mass": ((1, 3072), (8, 1024)),
 }
 
@@ -68,19 +69,31 @@ class PruningConfig:
     budget_law: str = "entropy"
     top_p: float = 0.95  # the top-p laws' share of the measured mass
     token_budget: int = 1024  # the fixed law's tokens per row (Quest's budgets: 1-4K)
-    # sketch: the directions of the key copy (16 at 8 bits: 1/16 of a 16-bit cache's bytes at a
-    # head size of 64), and the file of its fitted maps (``SketchMaps``); None: fitted once per
-    # model file and cached (``etinfer.calibrate.build_engine``)
-    sketch_rank: int = 16
+    # sketch scorers: the directions of the key copy, None: a quarter of the head size (16 of 64
+    # in 8 bits and a float32 scale are 7.8 % of a 16-bit cache's bytes; Gemma 3's global layers
+    # needed 48 of 256 to come near the oracle, BENCHMARKS.md "Tokens, not blocks"); and the
+    # file of its fitted maps (``SketchMaps``), None: fitted once per model file and cached
+    # (``etinfer.calibrate.build_engine``)
+    sketch_rank: int | None = None
     sketch_maps: str | None = None
+
+    def rank_for(self, head_dim: int) -> int:
+        """The key copy's rank for a model of ``head_dim``."""
+        return self.sketch_rank or max(1, head_dim // 4)
+
+    @property
+    def sketched(self) -> bool:
+        """Whether its scorer reads the cache's low-rank key copy (and needs its maps)."""
+        return self.scorer in SKETCHED
 
     def __post_init__(self) -> None:
         check_choice("scorer", self.scorer, SCORERS)
         check_choice("budget_law", self.budget_law, BUDGET_LAWS)
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_int("token_budget", self.token_budget, low=1)
-        check_int("sketch_rank", self.sketch_rank, low=1)
-        if self.head_budgets and self.scorer in ("reused-mass", "sketch"):
+        if self.sketch_rank is not None:
+            check_int("sketch_rank", self.sketch_rank, low=1)
+        if self.head_budgets and self.scorer in ("reused-mass", *SKETCHED):
             raise ValueError(
                 "head_budgets shares a budget among KV heads by their key bounds: it needs scorer "
                 f"'bound', 'bound-value', 'digest' or 'mass', got {self.scorer!r}"

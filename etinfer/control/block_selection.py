@@ -40,7 +40,8 @@ time the closest to dense attention, and it keeps the passkeys dense attention f
   each token against the layer's query; a block weighs the softmax mass its tokens carry under
   those scores, the most any query head of its group gives it. It reads the copy of every
   token in context (rank / (2 head_dim) of a 16-bit cache's bytes, in 8 bits) and certifies
-  nothing it dropped.
+  nothing it dropped. ``sketch-tokens`` keeps single tokens by the same scores instead of
+  blocks, as many as the budget's blocks hold (attention then reads a list of cache rows).
 
 **Per-head budgets** (``head_budgets``, after EntropyInfer and AdaKV): the sequence's budget,
 times its KV heads, is shared among the heads by one ranking of every (head, block) pair by the
@@ -82,7 +83,7 @@ from etinfer.control.block_scores import (
     key_digest_scores,
     value_weighted,
 )
-from etinfer.control.key_sketch import SketchMaps, sketch_block_scores
+from etinfer.control.key_sketch import SketchMaps, sketch_block_scores, sketch_token_pattern
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
 from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
@@ -138,10 +139,11 @@ class EntropicSelector(BlockSelector):
         if config.scorer == "reused-mass":
             self.selection_layers = selection_layers(config, full_layers)
         self.sketch = sketch
-        if config.scorer == "sketch":
+        if config.sketched:
             if sketch is None:
-                raise ValueError("scorer 'sketch' needs its fitted maps (SketchMaps)")
+                raise ValueError(f"scorer {config.scorer!r} needs its fitted maps (SketchMaps)")
             self.sketch_key_maps = sketch.key_maps
+        self.selects_tokens = config.scorer == "sketch-tokens"
 
     def observes(self, layer: int) -> bool:
         if self.config.scorer == "reused-mass":
@@ -186,12 +188,8 @@ class EntropicSelector(BlockSelector):
         if self.config.scorer == "digest":
             spread = self.config.digest_spread
             estimates, bounds = key_digest_scores(query, summaries, blocks, spread), None
-        elif self.config.scorer == "sketch":
-            codes, code_scales = summaries.key_sketch, summaries.sketch_scales
-            query_map = self.sketch.query_maps[layer].to(query.device)
-            scale = self._scale(query)
-            estimates = sketch_block_scores(query, query_map, codes, code_scales, blocks, scale)
-            bounds = None
+        elif self.config.sketched:
+            return self.sketch_selection(layer, query, blocks, summaries)
         else:
             estimates = bounds = key_bound_scores(query, summaries, blocks.block_tables)
         scores = self.block_scores(layer, query, blocks, summaries, estimates)
@@ -200,6 +198,23 @@ class EntropicSelector(BlockSelector):
             logits = estimates * self._scale(query)
             budgets = self.head_budgets(self.head_mass(logits, scores, blocks), scores, blocks)
         return Selection(self.keep_best(scores, blocks, budgets), bounds)
+
+    def sketch_selection(
+        self, layer: int, query: torch.Tensor, blocks: DecodeBlocks, summaries: BlockSummaries
+    ) -> Selection:
+        """The blocks, or single tokens, the key copy ranks best: single tokens as many as
+        the budget's blocks hold, the sink's and the most recent ones first (the current
+        token among them)."""
+        config, size = self.config, blocks.block_size
+        codes, code_scales = summaries.key_sketch, summaries.sketch_scales
+        query_map = self.sketch.query_maps[layer].to(query.device)
+        copy = (query, query_map, codes, code_scales, blocks, self._scale(query))
+        if not self.selects_tokens:
+            scores = sketch_block_scores(*copy).amax(2)  # the most any head of the group gives
+            return Selection(self.keep_best(scores, blocks))
+        sink, recent = config.sink_blocks * size, max(1, config.recent_blocks * size)
+        tokens, kept = sketch_token_pattern(*copy, blocks.budgets * size, sink, recent)
+        return Selection(kept, tokens=tokens)
 
     def block_scores(
         self,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from etinfer.model import block_kernels
+from etinfer.model.attention.pattern import DecodePattern
 from etinfer.model.block_layout import DecodeBlocks
 
 # The calibration queries' covariance is lifted by this share of its mean eigenvalue before its
@@ -91,22 +92,90 @@ def sketch_block_scores(
     """Each block's share of the softmax mass under the copy's scores, in logs, per query head:
     [seqs, kv_heads, group, max_blocks], -inf past the context. Natively where the kernels run
     (one pass over the copy, no gathered tensors); else in torch."""
-    seqs, heads, dim = query.shape
-    kv_heads = query_map.shape[0]
-    projected = torch.einsum(
-        "skgd,kdr->skgr", query.view(seqs, kv_heads, heads // kv_heads, dim), query_map
-    ).contiguous()
+    projected = project(query, query_map)
     tables, lens, size = blocks.block_tables, blocks.context_lens, blocks.block_size
     native = block_kernels.sketch_block_scores(
         projected, codes, code_scales, tables, lens, size, scale
     )
     if native is not None:
         return native
+    log_mass = torch_token_log_mass(projected, codes, code_scales, blocks, scale)
+    width = tables.shape[1]
+    return log_mass.unflatten(-1, (width, size)).logsumexp(-1)
+
+
+def project(query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
+    """[seqs, kv_heads, group, rank]: each query head's query on its KV head's directions."""
+    seqs, heads, dim = query.shape
+    kv_heads = query_map.shape[0]
+    grouped = query.view(seqs, kv_heads, heads // kv_heads, dim)
+    return torch.einsum("skgd,kdr->skgr", grouped, query_map).contiguous()
+
+
+def torch_token_log_mass(
+    projected: torch.Tensor,
+    codes: torch.Tensor,
+    code_scales: torch.Tensor,
+    blocks: DecodeBlocks,
+    scale: float,
+) -> torch.Tensor:
+    """The torch form of the kernels' first pass: each slot of each row's blocks, its share of
+    the mass under the copy's scores, in logs, per query head: [seqs, kv_heads, group, max_blocks
+    * block_size], -inf past the context."""
+    tables, lens, size = blocks.block_tables, blocks.context_lens, blocks.block_size
     slots = (tables[:, :, None] * size + torch.arange(size, device=tables.device)).flatten(1)
     copy = codes[:, slots].float() * code_scales[:, slots, None]  # [kv, seqs, tokens, rank]
     logits = torch.einsum("skgr,kstr->skgt", projected, copy) * scale
     inside = torch.arange(slots.shape[1], device=tables.device) < lens[:, None]
     logits = logits.masked_fill(~inside[:, None, None], -torch.inf)
+    return logits - logits.logsumexp(-1, keepdim=True)
+
+
+def sketch_token_pattern(
+    query: torch.Tensor,  # [seqs, heads, head_dim] float32
+    query_map: torch.Tensor,  # [kv_heads, head_dim, rank]
+    codes: torch.Tensor,  # [kv_heads, slots, rank] int8
+    code_scales: torch.Tensor,  # [kv_heads, slots] float32
+    blocks: DecodeBlocks,
+    scale: float,
+    budgets: torch.Tensor,  # [seqs] tokens each sequence keeps (its forced ones included)
+    sink: int,  # the first tokens, always kept
+    recent: int,  # the last tokens (the current one among them), always kept
+) -> tuple[DecodePattern, torch.Tensor]:
+    """The cache rows each decode row reads when single tokens are kept: each sequence's sink
+    and recent tokens and, per KV head, its best others by the most mass any query head of the
+    group gives them under the copy's scores, ``budgets`` in all (at least the forced ones, at
+    most the context). Returns the pattern (each row's tokens in order) and the share of each
+    block's tokens in context kept, [seqs, kv_heads, max_blocks] (pruning's telemetry)."""
+    seqs, heads, _ = query.shape
+    kv_heads, num_slots = codes.shape[:2]
+    group = heads // kv_heads
+    projected = project(query, query_map)
+    tables, lens, size = blocks.block_tables, blocks.context_lens, blocks.block_size
+    native = block_kernels.sketch_token_pattern(
+        projected, codes, code_scales, tables, lens, size, scale, budgets, sink, recent
+    )
+    if native is not None:
+        crow, cols, kept = native
+        return DecodePattern(crow, cols, torch.zeros_like(cols, dtype=torch.uint8)), kept
+    log_mass = torch_token_log_mass(projected, codes, code_scales, blocks, scale)
+    positions = torch.arange(log_mass.shape[-1], device=tables.device)
+    inside = positions < lens[:, None]
+    forced = inside & ((positions < sink) | (positions >= lens[:, None] - recent))
+    score = log_mass.amax(2).masked_fill(forced[:, None], torch.inf)
+    score.masked_fill_(~inside[:, None], -torch.inf)
+    counts = budgets.maximum(forced.sum(-1)).minimum(lens)  # [seqs]
+    top = score.topk(int(counts.max()), dim=-1).indices  # [seqs, kv_heads, largest]
+    taken = torch.arange(top.shape[-1], device=top.device) < counts[:, None, None]
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, taken.expand_as(top))
+    # Rows (sequence, KV head, query head) in order, each reading its KV head's tokens in order.
+    seq, head, _, position = keep[:, :, None].expand(-1, -1, group, -1).nonzero(as_tuple=True)
+    slots = tables[seq, position // size] * size + position % size
+    cols = (head * num_slots + slots).int()
+    crow = torch.zeros(seqs * heads + 1, dtype=torch.int32, device=tables.device)
+    torch.cumsum(counts.repeat_interleave(heads), 0, out=crow[1:])
     width = tables.shape[1]
-    per_block = logits.unflatten(-1, (width, size)).logsumexp(-1)
-    return per_block - logits.logsumexp(-1, keepdim=True)
+    kept = keep.view(seqs, kv_heads, width, size).sum(-1) / blocks.block_tokens[:, None].clamp(
+        min=1
+    )
+    return DecodePattern(crow, cols, torch.zeros_like(cols, dtype=torch.uint8)), kept

@@ -131,7 +131,7 @@ def pruning_selector(
     see the whole context (where the reused-mass scorer's selection layers lie)."""
     check_context(config, max_model_len)
     sketch = None
-    if config.scorer == "sketch":
+    if config.sketched:
         sketch = sketch_maps(config, model)
     return BLOCK_SELECTORS.create(
         "entropic",
@@ -146,11 +146,13 @@ def sketch_maps(config: PruningConfig, model: ModelConfig) -> SketchMaps:
     """The sketch scorer's maps from ``config.sketch_maps``, checked against ``model``."""
     if config.sketch_maps is None:
         raise ValueError(
-            "control.pruning.scorer 'sketch' needs its maps (control.pruning.sketch_maps): an "
-            "engine built by build_engine (LLM, etinfer serve) fits them once per model file"
+            f"control.pruning.scorer {config.scorer!r} needs its maps (control.pruning."
+            "sketch_maps): an engine built by build_engine (LLM, etinfer serve) fits them once "
+            "per model file"
         )
     maps = SketchMaps.load(config.sketch_maps)
-    expected = (model.num_layers, model.num_kv_heads, model.head_dim, config.sketch_rank)
+    rank = config.rank_for(model.head_dim)
+    expected = (model.num_layers, model.num_kv_heads, model.head_dim, rank)
     if tuple(maps.key_maps.shape) != expected:
         raise ValueError(
             f"control.pruning.sketch_maps {config.sketch_maps} holds maps of shape "

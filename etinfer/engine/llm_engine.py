@@ -187,7 +187,7 @@ class LLMEngine:
             )
         if config is not None:
             built = self.config.control.pruning_config
-            if config.scorer == "sketch" and config.sketch_maps is None:
+            if config.sketched and config.sketch_maps is None:
                 config = replace(config, sketch_maps=built.sketch_maps)  # the engine's own maps
             self.runner.set_selector(
                 selector or pruning_selector(config, self.model_config, self.max_model_len)

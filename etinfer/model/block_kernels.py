@@ -1,7 +1,8 @@
 """The native forms of block-sparse decode's bookkeeping (``native/block_sparse.c``,
-``native/block_summaries.c``, ``native/key_sketch.c``): the CSR pattern of the blocks each
-decode row reads, the key-bound and digest scores of every block, the blocks' scores from the
-low-rank key copy, the mask of each row's best blocks, and the mass attention gave each block.
+``native/block_summaries.c``, ``native/key_sketch.c``, ``native/token_choice.c``): the CSR
+pattern of the blocks each decode row reads, the key-bound and digest scores of every block,
+the blocks' scores from the low-rank key copy and the pattern of the single tokens it ranks
+best, the mask of each row's best blocks, and the mass attention gave each block.
 
 Each replaces some twenty torch operations a layer, which at 8K tokens of context cost more than
 the attention that pruning saves. Their torch forms (``attention/pattern.py``,
@@ -133,6 +134,71 @@ def sketch_block_scores(
     """``[seqs, kv_heads, group, width]``: per query head, each block's share of the softmax
     mass under the key copy's scores, in logs (-inf where an entry holds no context), as
     ``control.key_sketch.sketch_block_scores`` computes it in torch."""
+    held = _sketch_inputs(projected, codes, code_scales, tables, lens)
+    if held is None:
+        return None
+    native, tensors, sizes = held
+    seqs, kv_heads, group, _, width, _ = sizes
+    out = torch.empty(seqs, kv_heads, group, width)
+    status = native.sketch_block_scores(
+        *(t.data_ptr() for t in tensors), *sizes, block_size, scale, out.data_ptr(),
+        _sketch_threads(sizes),
+    )  # fmt: skip
+    _sketch_status(status, sizes, block_size, tables)
+    return out if status == 0 else None
+
+
+def sketch_token_pattern(  # the inputs of sketch_block_scores, then the choice's
+    projected: torch.Tensor,
+    codes: torch.Tensor,
+    code_scales: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    budgets: torch.Tensor,  # [seqs] tokens each sequence keeps (at least its forced ones)
+    sink: int,  # the first tokens, always kept
+    recent: int,  # the last tokens, always kept
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(crow, cols, kept)``: the cache rows each decode row reads where single tokens are
+    kept (the sink and recent tokens and, per KV head, the best others by the most mass any
+    query head of its group gives them under the key copy's scores), in the CSR layout of
+    ``attention/pattern.py``, and the share of each table entry's context tokens kept
+    ``[seqs, kv_heads, width]``, as ``control.key_sketch.sketch_token_pattern`` computes them in
+    torch (the same tokens, but for exact ties of scores)."""
+    if budgets.device.type != "cpu":
+        return None
+    held = _sketch_inputs(projected, codes, code_scales, tables, lens)
+    if held is None:
+        return None
+    native, tensors, sizes = held
+    seqs, kv_heads, group, _, width, _ = sizes
+    budgets = budgets.to(torch.int64).expand(seqs).contiguous()
+    crow = torch.empty(seqs * kv_heads * group + 1, dtype=torch.int32)
+    pointers, threads = [t.data_ptr() for t in tensors], _sketch_threads(sizes)
+    # First the rows' offsets alone (cheap), for cols' size; then the scores and the choice.
+    total = native.sketch_token_pattern(
+        *pointers, *sizes, block_size, scale, None, threads, budgets.data_ptr(), sink, recent,
+        crow.data_ptr(), None,
+    )  # fmt: skip
+    if total < 0:  # more entries or cache rows than int32 holds
+        return None
+    cols = torch.empty(total, dtype=torch.int32)
+    kept = torch.empty(seqs, kv_heads, width)
+    status = native.sketch_token_pattern(
+        *pointers, *sizes, block_size, scale, kept.data_ptr(), threads, budgets.data_ptr(), sink,
+        recent, crow.data_ptr(), cols.data_ptr(),
+    )  # fmt: skip
+    _sketch_status(status, sizes, block_size, tables)
+    return (crow, cols, kept) if status >= 0 else None
+
+
+def _sketch_inputs(projected, codes, code_scales, tables, lens):
+    """What the sketch kernels share: None where the native form does not apply (another device,
+    a rank above MAX_SKETCH_RANK, other dtypes); else the library, the tensors as it reads them
+    (projected, codes, code_scales, tables, lens: the caller holds them in names until the call
+    returns, as a temporary's memory could be reused before it) and the sizes (seqs, kv_heads,
+    group, rank, width, num_slots)."""
     native = _native(projected, codes, code_scales, tables, lens)
     seqs, kv_heads, group, rank = projected.shape
     if native is None or rank > MAX_SKETCH_RANK or projected.dtype != torch.float32:
@@ -145,22 +211,25 @@ def sketch_block_scores(
             f"sketch scores: codes {tuple(codes.shape)} and scales {tuple(code_scales.shape)} "
             f"for queries projected to {tuple(projected.shape)}"
         )
-    # Held in names until the call returns: a temporary's memory could be reused before it.
-    projected, codes, code_scales = (t.contiguous() for t in (projected, codes, code_scales))
-    tables, lens = tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
-    width, threads = tables.shape[1], min(torch.get_num_threads(), seqs * kv_heads)
-    out = torch.empty(seqs, kv_heads, group, width)
-    status = native.sketch_block_scores(
-        projected.data_ptr(), codes.data_ptr(), code_scales.data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), seqs, kv_heads, group, rank, width, num_slots, block_size, scale,
-        out.data_ptr(), threads,
-    )  # fmt: skip
+    tensors = (
+        *(t.contiguous() for t in (projected, codes, code_scales)),
+        *(t.to(torch.int64).contiguous() for t in (tables, lens)),
+    )
+    return native, tensors, (seqs, kv_heads, group, rank, tables.shape[1], num_slots)
+
+
+def _sketch_threads(sizes) -> int:
+    return min(torch.get_num_threads(), sizes[0] * sizes[1])
+
+
+def _sketch_status(status: int, sizes, block_size: int, tables: torch.Tensor) -> None:
+    """The sketch kernels' failures raised (-1: a block id of the context outside the cache;
+    -3: no scratch); -2 (sizes they do not take) is the caller's None."""
     if status == -1:
-        blocks = num_slots // block_size
+        blocks = sizes[-1] // block_size
         raise IndexError(f"sketch scores: a block id outside [0, {blocks}) in {tables}")
     if status == -3:
-        raise MemoryError(f"sketch scores: no scratch for {group} rows of {width} blocks")
-    return out if status == 0 else None
+        raise MemoryError(f"sketch scores: no scratch for {sizes[2]} rows of {sizes[4]} blocks")
 
 
 def _block_scores(query, summary, tables, kinds, call) -> torch.Tensor | None:

@@ -46,6 +46,43 @@ class DecodeBlocks:
 
 
 @dataclass
+class DecodePattern:
+    """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern.
+
+    Every kept block is read whole; ``outside`` flags the entries outside the context (past the
+    current token in the last block, before the window in the first), whose scores are set to
+    -inf. They are few (under two blocks' worth per row), and reading them costs less than
+    making every row's length exact: that needs a compaction over all entries.
+    """
+
+    crow: torch.Tensor  # [rows + 1] int32
+    cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
+    outside: torch.Tensor  # [nnz] uint8, 1 at the entries outside the context
+
+    # Built when first asked for (the torch path and the mass scorer ask): the native kernel
+    # needs none, and a prefill chunk's pattern has tens of millions of entries.
+    @cached_property
+    def masked(self) -> torch.Tensor:
+        """[few] the entries outside the context, as indices (the torch path's form)."""
+        return self.outside.nonzero().flatten()
+
+    @cached_property
+    def row_ids(self) -> torch.Tensor:
+        """[nnz] the row of each entry, to subtract its row's max."""
+        rows = torch.arange(self.crow.numel() - 1, device=self.crow.device)
+        return rows.repeat_interleave(self.crow.diff(), output_size=self.nnz)
+
+    @cached_property
+    def zeros(self) -> torch.Tensor:
+        """[nnz] placeholder values; sampled_addmm needs some."""
+        return torch.zeros(self.nnz, device=self.cols.device)
+
+    @property
+    def nnz(self) -> int:
+        return self.cols.numel()
+
+
+@dataclass
 class BlockSummaries:
     """What a layer's cache keeps per block for scoring, indexed by block id."""
 
@@ -68,12 +105,17 @@ class BlockSummaries:
 
 @dataclass
 class Selection:
-    """A selector's answer for one layer."""
+    """A selector's answer for one layer: blocks, or single tokens."""
 
-    mask: torch.Tensor  # [seqs, kv_heads, max_blocks] blocks to attend to
+    # [seqs, kv_heads, max_blocks] blocks to attend to; for single tokens, the share of each
+    # block's tokens in context kept (float)
+    mask: torch.Tensor
     # [seqs, kv_heads, group, max_blocks] upper bounds of q.k per block and query head, when the
     # selector computed them (attention turns them into a dropped-mass certificate)
     bounds: torch.Tensor | None = None
+    # The cache rows each decode row reads, where the selector chose single tokens (then
+    # attention reads exactly these, and ``mask`` is what pruning's telemetry counts)
+    tokens: DecodePattern | None = None
 
 
 class AttentionSelector(ABC):
@@ -88,6 +130,8 @@ class AttentionSelector(ABC):
     # None): a pruned step may run in native calls, one per run of layers reading the same
     # blocks (``PrunedDecode.segments``).
     selects_without_query = False
+    # It answers with single tokens (``Selection.tokens``): attention must run on patterns.
+    selects_tokens = False
     # [layers, kv_heads, head_dim, rank]: the cache keeps every key's low-rank copy by these
     # maps for it (``BlockSummaries.key_sketch``), or None
     sketch_key_maps: torch.Tensor | None = None

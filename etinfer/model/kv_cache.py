@@ -233,12 +233,13 @@ class KVCache:
                     row_scales.index_copy_(1, slots, scale)
         if self.key_bounds is not None:
             self.update_summaries(slice(layer, layer + 1), slots, fresh_blocks)
-        self.update_sketch(slice(layer, layer + 1), slots)
 
     def update_sketch(self, layers: slice, slots: torch.Tensor) -> None:
         """The key copy of ``layers`` at ``slots`` after their keys were written, from the keys
-        as stored (nothing where the cache keeps no copy): the layer-by-layer path calls it for a
-        layer as it writes, the native decoder's caller for all its layers after a step."""
+        as stored (nothing where the cache keeps no copy). Called once for all layers after a
+        step's forward pass, not as each layer writes (a dozen operations a layer were 4 ms of a
+        batch-1 step): no step reads the copy of a token it writes, which its sequence keeps
+        whatever it prunes (the current token, and the block that holds it)."""
         if self.key_sketch is None:
             return
         keys = self.keys[layers][:, :, slots].to(self.compute_dtype)

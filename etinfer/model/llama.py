@@ -328,12 +328,11 @@ class LlamaModel:
         if decoder is not None:
             for run, pattern in self.attention.segments(cache, meta, layers):
                 x = decoder(x, angles, meta, run, pattern)
-            # The C writes keys and block summaries; a key copy follows in one call for all.
-            cache.update_sketch(slice(layers.start, layers.stop), meta.slot_mapping)
-            return x
-        for index in layers:
-            layer = self.layers[index]
-            x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)
+        else:
+            for index in layers:
+                layer = self.layers[index]
+                x = layer(index, x, angles[self.layer_rope[index]], self.attention, cache, meta)
+        cache.update_sketch(slice(layers.start, layers.stop), meta.slot_mapping)
         return x
 
     def decode_path(self, cache: KVCache) -> str:

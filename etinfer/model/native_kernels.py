@@ -32,7 +32,7 @@ logger = logging.getLogger("etinfer.model")
 
 _NAMES = (
     "kernels", "block_sparse", "block_summaries", "key_sketch", "decoder", "row_scores",
-    "gguf_strings",
+    "gguf_strings", "token_choice",
 )  # fmt: skip
 _SOURCES = [Path(__file__).parent / "native" / f"{name}.c" for name in _NAMES]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
@@ -144,7 +144,7 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     fails."""
     library = ctypes.CDLL(str(build_library(_SOURCES, target)))
     function = library.decode_attention
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
     function.argtypes += [ctypes.c_int, pointer, pointer]
     function.restype = ctypes.c_int
@@ -160,9 +160,9 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.key_bound_scores.restype = ctypes.c_int
     library.key_digest_scores.argtypes = [pointer] * 4 + [i64] * 6 + [ctypes.c_float, pointer, i64]
     library.key_digest_scores.restype = ctypes.c_int
-    library.sketch_block_scores.argtypes = [pointer] * 5 + [i64] * 7 + [ctypes.c_float]
-    library.sketch_block_scores.argtypes += [pointer, i64]
-    library.sketch_block_scores.restype = ctypes.c_int
+    library.sketch_block_scores.argtypes = sketch = [pointer] * 5 + [i64] * 7 + [f32, pointer, i64]
+    library.sketch_token_pattern.argtypes = [*sketch, pointer, i64, i64, pointer, pointer]
+    library.sketch_block_scores.restype = library.sketch_token_pattern.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
     library.update_block_summaries.argtypes = [pointer] * 4 + [ctypes.c_int, pointer] + [i64] * 5

@@ -18,7 +18,9 @@ class PrunedLayer:
     # [seqs, kv_heads, group, blocks] upper bounds of q.k per block; None where the selector
     # ranked without them (then the layer certifies nothing it dropped: a dropped mass of 1)
     bounds: torch.Tensor | None
-    visible: torch.Tensor  # [seqs, kv_heads, blocks] the blocks read
+    # [seqs, kv_heads, blocks] the blocks read; where single tokens were, the share of each
+    # block's tokens in context read (float)
+    visible: torch.Tensor
     # [seqs * heads] each query row's largest score (scaled) and its softmax denominator over
     # the kept entries, where there are bounds to weigh against them (else None)
     row_max: torch.Tensor | None
@@ -90,7 +92,7 @@ class PruningTelemetry:
                 layers = torch.tensor([p.layer for p in self.pruned], device=kept.device)
                 visible = torch.stack([p.visible for p in self.pruned])
                 kept[layers] = visible.sum((2, 3)).float()
-                gone = self.in_context & ~visible  # [pruned, seqs, kv, blocks]
+                gone = self.in_context & (visible < 1)  # [pruned, seqs, kv, blocks]
                 # One selector prunes every layer of a step: all with key bounds, or none.
                 if self.pruned[0].bounds is None:  # no certificate: 1 where any was dropped
                     dropped[layers] = gone.flatten(2).any(2).float()

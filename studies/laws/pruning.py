@@ -109,9 +109,9 @@ def fidelity_rows(
 def engine_sketch_share(config: PruningConfig, model: ModelConfig) -> float:
     """The share of a 16-bit cache's KV bytes the engine's sketch scorer reads of every token
     in each layer it prunes: the copy's 8-bit components and its float32 scale."""
-    if config.scorer != "sketch":
+    if not config.sketched:
         return 0.0
-    return (config.sketch_rank + 4) / (2 * 2 * model.head_dim)
+    return (config.rank_for(model.head_dim) + 4) / (2 * 2 * model.head_dim)
 
 
 def passkey_rows(llm: LLM, runs: list[Arm], lengths: tuple[int, ...]) -> list[dict]:
@@ -176,12 +176,12 @@ def engine(args: argparse.Namespace) -> LLM:
     configuration. Its batch and pool are sized for the largest batch and context asked."""
     longest = max(max(args.contexts), args.fidelity_context + args.fidelity_steps) + 128
     names = args.speed_configs + args.fidelity_configs + args.passkey_configs
-    scorers = {CONFIGS[name].scorer for name in names}
-    if {"sketch", "digest"} <= scorers:
+    sketched = any(CONFIGS[name].sketched for name in names)
+    if sketched and any(CONFIGS[name].scorer == "digest" for name in names):
         raise SystemExit("the sketch and digest configurations need two runs: one engine each")
     return LLM(
         args.model,
-        control=ControlConfig(pruning=CONFIGS["sketch" if "sketch" in scorers else "digest"]),
+        control=ControlConfig(pruning=CONFIGS["sketch" if sketched else "digest"]),
         max_num_seqs=max(max(args.batches), 16),
         num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
         **options.engine_kwargs(args),

@@ -11,11 +11,13 @@ BOUND = PruningConfig(scorer="bound")
 REUSED = PruningConfig(scorer="reused-mass")
 DIGEST = PruningConfig(scorer="digest")
 SKETCH = PruningConfig(scorer="sketch")
+TOKENS = PruningConfig(scorer="sketch-tokens")
 CONFIGS = {
     "bound": BOUND,
     "digest": DIGEST,
     "mass": PruningConfig(scorer="mass"),
     "sketch": SKETCH,
+    "tokens": TOKENS,
     # Fixed shares of the blocks at every entropy: the speed/fidelity frontier.
     "bound-fifth": replace(BOUND, budget_low=0.2, budget_high=0.2),
     "bound-quarter": replace(BOUND, budget_low=0.25, budget_high=0.25),
@@ -38,6 +40,7 @@ CONFIGS = {
 # rank by each layer's query, past the fidelity runs' 6K).
 for share in (0.08, 0.125, 0.175, 0.2, 0.35):
     bases = (("bound", BOUND), ("reused", REUSED), ("digest", DIGEST), ("sketch", SKETCH))
+    bases += (("tokens", TOKENS),)
     for prefix, base in bases:
         CONFIGS[f"{prefix}-share-{share}"] = replace(
             base, budget_low=share, budget_high=share, min_context=0
@@ -57,6 +60,7 @@ CONFIGS["bound-ungated"] = replace(BOUND, min_context=0)
 CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
 CONFIGS["digest-ungated"] = replace(DIGEST, min_context=0)
 CONFIGS["sketch-ungated"] = replace(SKETCH, min_context=0)
+CONFIGS["tokens-ungated"] = replace(TOKENS, min_context=0)
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = replace(

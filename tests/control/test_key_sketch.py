@@ -7,7 +7,13 @@ import torch
 
 from etinfer import ControlConfig, PruningConfig, SamplingParams
 from etinfer.bench.common.fidelity import corpus_tokens, teacher_forced
-from etinfer.control.key_sketch import SketchMaps, fit_maps, gram, sketch_block_scores
+from etinfer.control.key_sketch import (
+    SketchMaps,
+    fit_maps,
+    gram,
+    sketch_block_scores,
+    sketch_token_pattern,
+)
 from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.kv_cache import KVCache, quantize_rows
 
@@ -77,7 +83,45 @@ def test_block_scores_are_each_blocks_share_of_the_mass():
     assert scores[1, :, :, 2:].isneginf().all()  # past a 6-token context
 
 
-def test_the_cache_writes_the_copy_of_every_key_it_writes():
+def test_single_tokens_are_the_forced_ones_and_the_best_others(monkeypatch):
+    """Each row reads its sink and recent tokens and its KV head's best others by the most mass
+    any query head of the group gives them, in order, as many as its budget; what the
+    telemetry counts is the share of each block read."""
+    kv_heads, group, rank, size = 2, 3, 8, 4
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(-127, 128, (kv_heads, 10 * size, rank), generator=generator)
+    codes = codes.to(torch.int8)
+    scales = torch.rand(kv_heads, 10 * size, generator=generator) * 0.1
+    query = torch.randn(2, kv_heads * group, rank, generator=generator)
+    tables = torch.tensor([[7, 2, 9, 0, 5], [3, 1, 0, 0, 0]])
+    lens, budgets = torch.tensor([19, 6]), torch.tensor([9, 9])
+    layout = DecodeBlocks(tables, lens, size)
+    identity = torch.eye(rank).expand(kv_heads, rank, rank)
+    pattern, kept = sketch_token_pattern(query, identity, codes, scales, layout, 0.5, budgets, 2, 3)
+    counts = pattern.crow.diff().view(2, kv_heads, group)
+    assert counts[0].eq(9).all() and counts[1].eq(6).all()  # a context shorter than the budget
+    for seq in range(2):
+        length = int(lens[seq])
+        slots = (tables[seq, :, None] * size + torch.arange(size)).flatten()[:length]
+        for head in range(kv_heads):
+            q = query[seq, head * group : (head + 1) * group]
+            logits = q @ (codes[head, slots].float() * scales[head, slots, None]).T * 0.5
+            score = (logits - logits.logsumexp(-1, keepdim=True)).amax(0)
+            forced = [0, 1, *range(length - 3, length)]
+            others = [t for t in score.argsort(descending=True).tolist() if t not in forced]
+            chosen = sorted(forced + others[: int(counts[seq, head, 0]) - len(forced)])
+            for j in range(group):
+                row = (seq * kv_heads + head) * group + j
+                cols = pattern.cols[pattern.crow[row] : pattern.crow[row + 1]]
+                assert cols.tolist() == (head * 10 * size + slots[chosen]).tolist()
+            share = torch.zeros(5 * size)
+            share[chosen] = 1.0
+            in_block = layout.block_tokens[seq].clamp(min=1)
+            assert torch.allclose(kept[seq, head], share.view(5, size).sum(-1) / in_block)
+    assert not pattern.outside.any()
+
+
+def test_the_cache_writes_the_copy_of_the_keys_it_stored():
     generator = torch.Generator().manual_seed(4)
     maps = torch.randn(2, 2, 16, 4, generator=generator)
     cache = KVCache(2, 8, 4, 2, 16, torch.device("cpu"), torch.float16, summaries=True,
@@ -85,6 +129,7 @@ def test_the_cache_writes_the_copy_of_every_key_it_writes():
     slots = torch.tensor([3, 9, 17])
     keys = torch.randn(3, 2, 16, generator=generator)
     cache.write(1, slots, None, keys, torch.randn(3, 2, 16, generator=generator))
+    cache.update_sketch(slice(1, 2), slots)  # after a step's layers, for all of them at once
     stored = keys.to(torch.float16).float().transpose(0, 1)  # [kv_heads, 3, dim]
     codes, scales = quantize_rows(stored @ maps[1])
     assert torch.equal(cache.key_sketch[1][:, slots], codes)

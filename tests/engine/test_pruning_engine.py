@@ -31,7 +31,7 @@ def test_control_switches_select_the_attention_layer(make_llm):
     assert make_llm(control=ControlConfig.full()).engine.config.control.pruning_config is not None
 
 
-@pytest.mark.parametrize("scorer", ["bound", "digest", "reused-mass", "sketch"])
+@pytest.mark.parametrize("scorer", ["bound", "digest", "reused-mass", "sketch", "sketch-tokens"])
 def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, texts, scorer):
     keep_all = PruningConfig(**EAGER | dict(budget_low=1.0, budget_high=1.0, scorer=scorer))
     pruned = make_llm(max_num_seqs=16, control=ControlConfig(pruning=keep_all))
@@ -51,6 +51,7 @@ def test_keeping_every_block_generates_exactly_what_dense_does(llm, make_llm, te
         ("reused-mass", "entropy"),
         ("digest", "entropy"),
         ("sketch", "entropy"),
+        ("sketch-tokens", "entropy"),
         ("bound", "fixed"),
         ("reused-mass", "attention-entropy"),
     ],

@@ -17,17 +17,18 @@ BLOCK, NUM_BLOCKS, DIM = 16, 48, 32
 LENGTHS = [37, 1, 16, 200, 129]
 
 
-def case(kv_heads, group, rank, dtype, seed, size=BLOCK):
-    """A layout of LENGTHS in blocks of ``size`` (padding past each context holds ids inside
-    the cache, which the torch form gathers) and random queries, maps and key copy."""
+def case(kv_heads, group, rank, dtype, seed, size=BLOCK, lengths=LENGTHS, dim=DIM):
+    """A layout of ``lengths`` in blocks of ``size`` (padding past each context holds ids
+    inside the cache, which the torch form gathers) and random queries, maps and key copy."""
     gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // size) for n in LENGTHS) + 2
-    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in LENGTHS])
-    blocks = DecodeBlocks(tables.to(dtype), torch.tensor(LENGTHS, dtype=dtype), size)
-    query = torch.randn(len(LENGTHS), kv_heads * group, DIM, generator=gen)
-    query_map = torch.randn(kv_heads, DIM, rank, generator=gen) / DIM**0.5
-    codes = torch.randint(-127, 128, (kv_heads, NUM_BLOCKS * size, rank), generator=gen)
-    code_scales = torch.rand(kv_heads, NUM_BLOCKS * size, generator=gen) / 40
+    width = max(-(-n // size) for n in lengths) + 2
+    num_blocks = max(NUM_BLOCKS, width + 8)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lengths])
+    blocks = DecodeBlocks(tables.to(dtype), torch.tensor(lengths, dtype=dtype), size)
+    query = torch.randn(len(lengths), kv_heads * group, dim, generator=gen)
+    query_map = torch.randn(kv_heads, dim, rank, generator=gen) / dim**0.5
+    codes = torch.randint(-127, 128, (kv_heads, num_blocks * size, rank), generator=gen)
+    code_scales = torch.rand(kv_heads, num_blocks * size, generator=gen) / 40
     return blocks, (query, query_map, codes.to(torch.int8), code_scales)
 
 

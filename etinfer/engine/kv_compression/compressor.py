@@ -172,6 +172,7 @@ class KVCompressor:
                 keys.gather(1, kept).transpose(0, 1),
                 values.gather(1, kept).transpose(0, 1),
             )
+        cache.update_sketch(slice(None), new_slots)  # the moved keys' copy, where one is kept
         self.kv.pool.free(reversed(seq.block_table))
         seq.block_table = new_blocks
         state.offset, state.compressed = context - budget, True

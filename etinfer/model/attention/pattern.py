@@ -8,50 +8,10 @@ keeps fewer blocks makes attention compute less, not just mask more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 
 from etinfer.model import block_kernels
-from etinfer.model.block_layout import DecodeBlocks
-
-
-@dataclass
-class DecodePattern:
-    """Which cache rows each decode query row (sequence, head) reads, as a CSR pattern.
-
-    Every kept block is read whole; ``outside`` flags the entries outside the context (past the
-    current token in the last block, before the window in the first), whose scores are set to
-    -inf. They are few (under two blocks' worth per row), and reading them costs less than
-    making every row's length exact: that needs a compaction over all entries.
-    """
-
-    crow: torch.Tensor  # [rows + 1] int32
-    cols: torch.Tensor  # [nnz] int32 cache rows: kv_head * num_slots + slot
-    outside: torch.Tensor  # [nnz] uint8, 1 at the entries outside the context
-
-    # Built when first asked for (the torch path and the mass scorer ask): the native kernel
-    # needs none, and a prefill chunk's pattern has tens of millions of entries.
-    @cached_property
-    def masked(self) -> torch.Tensor:
-        """[few] the entries outside the context, as indices (the torch path's form)."""
-        return self.outside.nonzero().flatten()
-
-    @cached_property
-    def row_ids(self) -> torch.Tensor:
-        """[nnz] the row of each entry, to subtract its row's max."""
-        rows = torch.arange(self.crow.numel() - 1, device=self.crow.device)
-        return rows.repeat_interleave(self.crow.diff(), output_size=self.nnz)
-
-    @cached_property
-    def zeros(self) -> torch.Tensor:
-        """[nnz] placeholder values; sampled_addmm needs some."""
-        return torch.zeros(self.nnz, device=self.cols.device)
-
-    @property
-    def nnz(self) -> int:
-        return self.cols.numel()
+from etinfer.model.block_layout import DecodeBlocks, DecodePattern
 
 
 def decode_pattern(

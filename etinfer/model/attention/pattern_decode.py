@@ -37,10 +37,22 @@ class PatternDecode(SdpaPrefill):
         window: int | None,
         block_mask: torch.Tensor | None = None,
     ) -> Attended:
-        options = self.options
         pattern, visible = meta.dense_pattern, None
         if block_mask is not None or pattern is None:  # None: the step built none
             visible, pattern = self.masked_pattern(meta.decode_blocks, cache, block_mask, window)
+        return self.decode_over(layer, q, cache, pattern, visible)
+
+    def decode_over(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        cache: KVCache,
+        pattern: DecodePattern,
+        visible: torch.Tensor | None,
+    ) -> Attended:
+        """Decode rows over exactly the cache rows of ``pattern`` (what ``visible`` says was
+        read, for pruning's telemetry)."""
+        options = self.options
         rows = q.shape[0] * options.num_heads
         attended = self.attend(layer, q.reshape(rows, options.head_dim), cache, pattern)
         out, row_max, denominators, weights = attended

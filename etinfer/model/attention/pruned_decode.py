@@ -29,6 +29,11 @@ class PrunedDecode(BackendDecorator):
         self.weighing = inner
         if selector.observes_mass and not inner.reports_weights:
             self.weighing = TorchBackend(inner.options)
+        if selector.selects_tokens and not isinstance(inner, PatternDecode):
+            raise ValueError(
+                "a selector of single tokens needs attention that reads a list of cache rows: "
+                "the C or torch decode (attention_backend 'native' or 'torch')"
+            )
 
     def select(
         self, layer: int, q: torch.Tensor | None, cache: KVCache, meta: AttentionMetadata
@@ -54,8 +59,11 @@ class PrunedDecode(BackendDecorator):
         observing = summaries is not None and summaries.mass is not None
         observing = observing and self.selector.observes(layer)
         backend = self.weighing if observing else self.inner
-        mask = None if selection is None else selection.mask
-        attended = backend.decode(layer, q, cache, meta, window, mask)
+        if selection is not None and selection.tokens is not None:
+            attended = self.inner.decode_over(layer, q, cache, selection.tokens, selection.mask)
+        else:
+            mask = None if selection is None else selection.mask
+            attended = backend.decode(layer, q, cache, meta, window, mask)
         if meta.telemetry is not None and selection is not None:
             meta.telemetry.record(
                 PrunedLayer(

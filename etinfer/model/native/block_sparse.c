@@ -7,6 +7,7 @@
  * a dot product's additions).
  */
 #include "kv_elements.h"
+#include "select_largest.h"
 
 /* Which blocks each (row, KV head) reads, and the pattern of cache rows its query heads read.
  *
@@ -155,31 +156,6 @@ int key_digest_scores(const float *q, const float *moments, const int64_t *table
                       int64_t threads) {
     return score_blocks(q, NULL, KV_FLOAT32, moments, tokens, spread, tables, rows, kv_heads,
                         group, width, num_blocks, dim, out, threads);
-}
-
-/* The index of the k-th largest of values[0, n) once they are partially ordered around it
- * (quickselect, median of three): every value before it is >= it, every one after <= it. */
-static int64_t select_largest(float *values, int64_t n, int64_t k) {
-    int64_t low = 0, high = n - 1;
-    while (low < high) {
-        const int64_t middle = low + (high - low) / 2;
-        float a = values[low], b = values[middle], c = values[high];
-        const float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-        int64_t i = low, j = high;
-        while (i <= j) {
-            while (values[i] > pivot) ++i;
-            while (values[j] < pivot) --j;
-            if (i <= j) {
-                const float swap = values[i];
-                values[i++] = values[j];
-                values[j--] = swap;
-            }
-        }
-        if (k <= j) high = j;
-        else if (k >= i) low = i;
-        else return k;
-    }
-    return k;
 }
 
 /* mask [rows, width]: 1 at the budgets[r] largest of each row of scores (ties at the threshold

@@ -9,7 +9,8 @@
  * context's largest logit, eight blocks at a time, with one vector log for the eight. The same
  * answer as the torch form up to float rounding: a block far enough below the largest that its
  * exponentials would underflow is summed again against its own largest, as torch sums every
- * block, so that it keeps its finite score.
+ * block, so that it keeps its finite score. The same logits choose single tokens instead
+ * (sketch_token_pattern; the choice in token_choice.c).
  */
 #include <stdlib.h>
 
@@ -57,9 +58,10 @@ typedef struct {
     const int8_t *codes;
     const float *code_scales;
     const int64_t *tables, *lens;
-    int64_t kv_heads, group, rank, width, num_slots, block_size;
+    int64_t kv_heads, group, rank, width, num_slots, block_size, sink, recent;
     float scale;
-    float *out;
+    float *out;  // the block scores; or, with crow, the token pattern's kept shares
+    int32_t *crow, *cols;
 } Sketch;
 
 /* Tokens of sequence s's context the table covers (the torch form masks at width * size too). */
@@ -140,14 +142,13 @@ static float own_lse(const float *x, int64_t size) {
     return high + logf(sum);
 }
 
-/* One (sequence s, KV head h) pair: out[s, h, j, :] for each of its `group` query heads. Inlined
- * with `rank` a constant for the common ranks, so that the dot products unroll into registers.
- * First every context token's logits into `scratch` (a row of `span` floats a head, -inf past the
- * context in its last block) and each head's largest; then each block's sum of exponentials
- * against that largest, eight blocks at a time, their logs, and the context's. */
-static inline __attribute__((always_inline)) void score_pair(const Sketch *k, int64_t pair,
-                                                             float *scratch, int64_t span,
-                                                             const int64_t rank) {
+/* The first pass of one (sequence s, KV head h) pair: every context token's logits into
+ * `scratch` (a row of `span` floats a head, -inf from the context's end to its last block's) and
+ * each head's largest into `high`. Inlined with `rank` a constant for the common ranks, so that
+ * the dot products unroll into registers. */
+static inline __attribute__((always_inline)) void logits_of(const Sketch *k, int64_t pair,
+                                                            float *scratch, int64_t span,
+                                                            const int64_t rank, float *high) {
     const int64_t s = pair / k->kv_heads, h = pair % k->kv_heads;
     const int64_t group = k->group, size = k->block_size, width = k->width;
     const int64_t padded = (rank + 7) / 8 * 8, lanes = padded / 8;
@@ -204,13 +205,26 @@ static inline __attribute__((always_inline)) void score_pair(const Sketch *k, in
             }
         }
     }
-    float *out = k->out + pair * group * width;
     for (int64_t j = 0; j < group; ++j) {
-        const float *x = scratch + j * span;
-        float *lse = out + j * width, high = lane_max(top[j]);
-        for (int64_t b = blocks; b < width; ++b) lse[b] = -INFINITY;
+        high[j] = lane_max(top[j]);
         for (int64_t t = tokens; t < blocks * size; ++t) scratch[j * span + t] = -INFINITY;
-        if (!(high > -INFINITY && high < INFINITY)) {  // no finite logit: torch's NaN
+    }
+}
+
+/* out[s, h, j, :] for each of the pair's `group` query heads, from its logits: each block's sum
+ * of exponentials against the head's largest, eight blocks at a time, their logs, and the
+ * context's. Not inlined (nor token_rows) into the first pass's loop, which it slowed by 2%. */
+static __attribute__((noinline)) void block_shares(const Sketch *k, int64_t pair,
+                                                   const float *scratch, int64_t span,
+                                                   const float *high) {
+    const int64_t size = k->block_size, width = k->width;
+    const int64_t blocks = (context_of(k, pair / k->kv_heads) + size - 1) / size;
+    float *out = k->out + pair * k->group * width;
+    for (int64_t j = 0; j < k->group; ++j) {
+        const float *x = scratch + j * span, most = high[j];
+        float *lse = out + j * width;
+        for (int64_t b = blocks; b < width; ++b) lse[b] = -INFINITY;
+        if (!(most > -INFINITY && most < INFINITY)) {  // no finite logit: torch's NaN
             for (int64_t b = 0; b < blocks; ++b) lse[b] = NAN;
             continue;
         }
@@ -219,17 +233,82 @@ static inline __attribute__((always_inline)) void score_pair(const Sketch *k, in
             const int64_t n = blocks - b0 < 8 ? blocks - b0 : 8;
             v8 acc[8];
             for (int64_t i = 0; i < 8; ++i)
-                acc[i] = i < n ? block_exps(x + (b0 + i) * size, size, high) : (v8){0};
+                acc[i] = i < n ? block_exps(x + (b0 + i) * size, size, most) : (v8){0};
             const v8 sums = lane_sums(acc);
             total += sums;
             const v8i near = sums >= FAR_BELOW;
             v8 logs = log8(blend(near, sums, (v8){0} + 1.0f));
             for (int64_t i = 0; i < n; ++i)
-                lse[b0 + i] = near[i] ? logs[i] : own_lse(x + (b0 + i) * size, size) - high;
+                lse[b0 + i] = near[i] ? logs[i] : own_lse(x + (b0 + i) * size, size) - most;
         }
         const float whole = logf(lane_sum(total));  // at least 1: the largest logit's own term
         for (int64_t b = 0; b < blocks; ++b) lse[b] -= whole;
     }
+}
+
+/* token_choice.c: each row's entries, and a pair's choice of tokens from its heads' logits. */
+int token_offsets(const int64_t *lens, const int64_t *budgets, int64_t seqs, int64_t heads,
+                  int64_t room, int64_t sink, int64_t recent, int32_t *crow);
+void choose_tokens(float *rows, int64_t span, int64_t group, const float *lse, int64_t tokens,
+                   int64_t len, int64_t sink, int64_t recent, int64_t count,
+                   const int64_t *table, int64_t size, int64_t base, int32_t *cols, float *kept,
+                   int64_t width);
+
+/* The pair's rows of the token pattern, from its logits: each head's log-sum-exp against its
+ * largest (as the blocks' pass sums), and the choice (token_choice.c). */
+static __attribute__((noinline)) void token_rows(const Sketch *k, int64_t pair, float *scratch,
+                                                 int64_t span, const float *high) {
+    const int64_t s = pair / k->kv_heads, tokens = context_of(k, s), row = pair * k->group;
+    float lse[k->group];
+    for (int64_t j = 0; j < k->group; ++j)
+        lse[j] = high[j] + logf(lane_sum(block_exps(scratch + j * span, tokens, high[j])));
+    choose_tokens(scratch, span, k->group, lse, tokens, k->lens[s], k->sink, k->recent,
+                  k->crow[row + 1] - k->crow[row], k->tables + s * k->width, k->block_size,
+                  pair % k->kv_heads * k->num_slots, k->cols + k->crow[row],
+                  k->out + pair * k->width, k->width);
+}
+
+/* Every (sequence, KV head) pair's logits, then its block shares or (with crow) its token rows,
+ * in parallel over pairs taken one at a time (contexts differ in length), each thread with a
+ * scratch of max(group, 2) rows of width * size + 8 floats. The ids are checked first: the
+ * exported functions' statuses. */
+static int run_pairs(const Sketch *k, int64_t seqs, int64_t threads) {
+    if (k->rank < 1 || k->rank > MAX_RANK || k->group < 1 || k->block_size < 1 || k->width < 0)
+        return -2;
+    const int64_t num_blocks = k->num_slots / k->block_size;
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t *table = k->tables + s * k->width;
+        const int64_t blocks = (context_of(k, s) + k->block_size - 1) / k->block_size;
+        for (int64_t b = 0; b < blocks; ++b)
+            if (table[b] < 0 || table[b] >= num_blocks) return -1;
+    }
+    const int64_t span = k->width * k->block_size + 8;  // a head's logits, and eight spilled
+    const int64_t rows = k->group < 2 ? 2 : k->group;
+    int failed = 0;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        float *scratch = malloc(rows * span * sizeof *scratch);  // once a thread and call
+        float high[k->group];
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t pair = 0; pair < seqs * k->kv_heads; ++pair) {
+            if (!scratch) continue;
+            switch (k->rank) {
+                case 16: logits_of(k, pair, scratch, span, 16, high); break;
+                case 32: logits_of(k, pair, scratch, span, 32, high); break;
+                case 48: logits_of(k, pair, scratch, span, 48, high); break;
+                case 64: logits_of(k, pair, scratch, span, 64, high); break;
+                default: logits_of(k, pair, scratch, span, k->rank, high);
+            }
+            if (k->crow) token_rows(k, pair, scratch, span, high);
+            else block_shares(k, pair, scratch, span, high);
+        }
+        free(scratch);
+    }
+    return failed ? -3 : 0;
 }
 
 /* Each block's share of the softmax mass under the key copy's scores, in logs, per query head:
@@ -238,49 +317,43 @@ static inline __attribute__((always_inline)) void score_pair(const Sketch *k, in
  * sits in slot tables[s, t / size] * size + t % size; its logit for query head j of KV head h is
  * scale * code_scales[h, slot] * projected[s, h, j, :] . codes[h, slot, :], with projected
  * [seqs, kv_heads, group, rank], codes [kv_heads, num_slots, rank] and code_scales [kv_heads,
- * num_slots]. Only entries holding context are read: padding may hold any id. Parallel over
- * (sequence, KV head) pairs, taken one at a time (contexts differ in length), each thread with a
- * scratch of group * (width * size + 8) floats. Returns 0; -1 (nothing written) for a block id
- * of the context outside [0, num_slots / size); -2 for sizes it does not take (a rank above
- * MAX_RANK among them); -3 where a scratch could not be allocated. */
+ * num_slots]. Only entries holding context are read: padding may hold any id. Returns 0; -1
+ * (nothing written) for a block id of the context outside [0, num_slots / size); -2 for sizes it
+ * does not take (a rank above MAX_RANK among them); -3 where a scratch could not be allocated. */
 int sketch_block_scores(const float *projected, const int8_t *codes, const float *code_scales,
                         const int64_t *tables, const int64_t *lens, int64_t seqs,
                         int64_t kv_heads, int64_t group, int64_t rank, int64_t width,
                         int64_t num_slots, int64_t block_size, float scale, float *out,
                         int64_t threads) {
-    if (rank < 1 || rank > MAX_RANK || group < 1 || block_size < 1 || width < 0) return -2;
     const Sketch k = {.projected = projected, .codes = codes, .code_scales = code_scales,
                       .tables = tables, .lens = lens, .kv_heads = kv_heads, .group = group,
                       .rank = rank, .width = width, .num_slots = num_slots,
                       .block_size = block_size, .scale = scale, .out = out};
-    const int64_t num_blocks = num_slots / block_size;
-    for (int64_t s = 0; s < seqs; ++s) {  // checked first: ids are read inside the loop
-        const int64_t blocks = (context_of(&k, s) + block_size - 1) / block_size;
-        for (int64_t b = 0; b < blocks; ++b)
-            if (tables[s * width + b] < 0 || tables[s * width + b] >= num_blocks) return -1;
-    }
-    if (threads < 1) threads = 1;
-    const int64_t span = width * block_size + 8;  // a head's logits, and room for eight spilled
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *scratch = malloc(group * span * sizeof *scratch);  // once a thread and call
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t pair = 0; pair < seqs * kv_heads; ++pair) {
-            if (!scratch) continue;
-            switch (rank) {
-                case 16: score_pair(&k, pair, scratch, span, 16); break;
-                case 32: score_pair(&k, pair, scratch, span, 32); break;
-                case 48: score_pair(&k, pair, scratch, span, 48); break;
-                case 64: score_pair(&k, pair, scratch, span, 64); break;
-                default: score_pair(&k, pair, scratch, span, rank);
-            }
-        }
-        free(scratch);
-    }
-    return failed ? -3 : 0;
+    return run_pairs(&k, seqs, threads);
+}
+
+/* The cache rows each decode row reads where single tokens are kept (control/key_sketch.py's
+ * sketch_token_pattern), from sketch_block_scores' logits: per (sequence, KV head) the sink and
+ * recent tokens of the context and its best others by the largest log share of the mass any
+ * query head gives them, min(tokens, max(budgets[s], forced)) in all (token_choice.c). crow
+ * [seqs * kv_heads * group + 1] int32, rows (s, h, j) in order; cols [crow's last] int32; kept
+ * [seqs, kv_heads, width] (without it only crow is written, for the caller to size cols, and no
+ * id checked). Returns crow's last; else -1 and -3 as sketch_block_scores, -2 for sizes it does
+ * not take (entries or cache rows past int32's range among them). */
+int sketch_token_pattern(const float *projected, const int8_t *codes, const float *code_scales,
+                         const int64_t *tables, const int64_t *lens, int64_t seqs,
+                         int64_t kv_heads, int64_t group, int64_t rank, int64_t width,
+                         int64_t num_slots, int64_t block_size, float scale, float *kept,
+                         int64_t threads, const int64_t *budgets, int64_t sink, int64_t recent,
+                         int32_t *crow, int32_t *cols) {
+    const Sketch k = {.projected = projected, .codes = codes, .code_scales = code_scales,
+                      .tables = tables, .lens = lens, .kv_heads = kv_heads, .group = group,
+                      .rank = rank, .width = width, .num_slots = num_slots,
+                      .block_size = block_size, .sink = sink, .recent = recent, .scale = scale,
+                      .out = kept, .crow = crow, .cols = cols};
+    if (kv_heads * num_slots > INT32_MAX) return -2;
+    const int total = token_offsets(lens, budgets, seqs, kv_heads * group, width * block_size,
+                                    sink, recent, crow);
+    const int status = total < 0 || !kept ? 0 : run_pairs(&k, seqs, threads);
+    return status ? status : total;
 }
