@@ -11,7 +11,7 @@ from benchmarks.tables.table1 import PAPER, RATIOS
 # On the defaults: 16-token blocks, the file's own weights (``setting_labels``).
 FORCED = {
     "workload": "teacher-forced", "batch": 4, "context": 6144, "block_size": None,
-    "quantization": None,
+    "quantization": None, "key_copy": None,
 }  # fmt: skip
 
 
@@ -225,6 +225,7 @@ GEMMA = Table(
             "vs": "dense",
             "block_size": None,
             "quantization": None,
+            "key_copy": None,
         },
     ),
 )

@@ -204,6 +204,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             "block_size": llm.engine.config.block_size,
             "quantization": llm.engine.config.quantization,
             "model": args.model,  # None: the default model
+            # an engine built for a sketch scorer keeps every key's low-rank copy
+            "key_copy": llm.engine.runner.cache.key_sketch is not None,
         },
     }
 

@@ -59,8 +59,8 @@ def fidelity_figures(rows: list[dict], setting: dict) -> list[Figure]:
 
 def setting_labels(setting: dict) -> dict:
     """The engine's block size, weights and model (a report's ``setting``) where they are not
-    the defaults (16, ``auto``, the embedded model): the tables of runs on the defaults then
-    leave these out (runs before them carry none)."""
+    the defaults (16, ``auto``, the embedded model), and whether its cache kept the key copy:
+    the tables of runs on the defaults then leave these out (runs before them carry none)."""
     labels = {}
     if setting.get("model") is not None:
         labels["model"] = setting["model"]
@@ -68,6 +68,8 @@ def setting_labels(setting: dict) -> dict:
         labels["block_size"] = setting["block_size"]
     if setting.get("quantization", "auto") != "auto":
         labels["quantization"] = setting["quantization"]
+    if setting.get("key_copy"):
+        labels["key_copy"] = "kept"
     return labels
 
 
