@@ -48,10 +48,12 @@ def fidelity_rows(blocks: dict[str, tuple[float, ...]], tokens: dict[str, tuple[
                 yield Row((chosen, ranking, f"{s * 100:g} %"), arm)
 
 
-def fidelity_table(name: str, rows, labels: dict) -> Table:
+def fidelity_table(
+    name: str, rows, labels: dict, lead=("chosen", "ranking", "share kept"), result=None
+) -> Table:
     return Table(
         name,
-        ("chosen", "ranking", "share kept"),
+        lead,
         (
             Column("KV bytes read", Pick(subject="kv bytes read", unit="%", decimals=1)),
             Column("KL mean (nats)", Pick(subject="kl", unit="nats", decimals=4)),
@@ -59,7 +61,7 @@ def fidelity_table(name: str, rows, labels: dict) -> Table:
             Column("perplexity ratio", Pick(subject="perplexity", unit="x", decimals=4)),
         ),
         tuple(rows),
-        Pick(benchmark="fidelity", kind=AVX512, labels=labels),
+        Pick(benchmark="fidelity", kind=AVX512, labels=labels, result=result),
     )
 
 
@@ -147,4 +149,25 @@ TOKEN_PASSKEYS = Table(
     Pick(benchmark="fidelity", kind=AVX512, labels=TOKENS | {"quantization": "none"}),
 )
 
-TABLES = (TOKEN_SELECTION, GEMMA_TOKEN_SELECTION, TOKEN_PASSKEYS)
+# The engine's scorers that read its key copy, beside the block oracle and the bounds, on the
+# file's own weights and 16-token blocks, in one run.
+KEY_COPY_RUN = "fidelity/2026-11-29-0ec3fce-key-copy.json"
+ENGINE_COPY_ARMS = (
+    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.125, 0.2)),
+    ("`bound` (key bounds), blocks", "bound-share-", "", (0.125, 0.2)),
+    ("`sketch`: blocks by the key copy", "sketch-share-", "", (0.125, 0.2)),
+    ("`sketch-tokens`: single tokens by the key copy", "tokens-share-", "", (0.08, 0.125, 0.175)),
+)
+ENGINE_KEY_COPY = fidelity_table(
+    "pruning_key_copy",
+    (
+        Row((chosen, f"{s * 100:g} %"), Pick(labels={"arm": f"{before}{s}{after}"}))
+        for chosen, before, after, shares in ENGINE_COPY_ARMS
+        for s in shares
+    ),
+    {"workload": "teacher-forced", "batch": 4, "context": 6144, "vs": "dense"},
+    ("ranking", "share kept"),
+    KEY_COPY_RUN,
+)
+
+TABLES = (TOKEN_SELECTION, GEMMA_TOKEN_SELECTION, TOKEN_PASSKEYS, ENGINE_KEY_COPY)

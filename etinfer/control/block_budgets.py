@@ -69,9 +69,10 @@ class PruningConfig:
     budget_law: str = "entropy"
     top_p: float = 0.95  # the top-p laws' share of the measured mass
     token_budget: int = 1024  # the fixed law's tokens per row (Quest's budgets: 1-4K)
-    # sketch scorers: the directions of the key copy, None: a quarter of the head size (16 of 64
-    # in 8 bits and a float32 scale are 7.8 % of a 16-bit cache's bytes; Gemma 3's global layers
-    # needed 48 of 256 to come near the oracle, BENCHMARKS.md "Tokens, not blocks"); and the
+    # sketch scorers: the directions of the key copy, None: 3/8 of the head size (24 of 64 in 8
+    # bits and a float32 scale are 10.9 % of a 16-bit cache's bytes; at 16, single tokens lost a
+    # passkey dense attention found, and Gemma 3's global layers needed 48 of 256 to come near
+    # the oracle: BENCHMARKS.md "Tokens, not blocks"); and the
     # file of its fitted maps (``SketchMaps``), None: fitted once per model file and cached
     # (``etinfer.calibrate.build_engine``)
     sketch_rank: int | None = None
@@ -79,7 +80,7 @@ class PruningConfig:
 
     def rank_for(self, head_dim: int) -> int:
         """The key copy's rank for a model of ``head_dim``."""
-        return self.sketch_rank or max(1, head_dim // 4)
+        return self.sketch_rank or max(1, head_dim * 3 // 8)
 
     @property
     def sketched(self) -> bool:

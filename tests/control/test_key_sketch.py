@@ -186,7 +186,7 @@ def test_maps_round_trip_and_mismatches_are_refused(tmp_path, make_llm):
     llm = make_llm(control=ControlConfig(pruning=sketch_config()))
     path = llm.engine.config.control.pruning_config.sketch_maps
     maps = SketchMaps.load(path)
-    assert maps.rank == 16 and maps.key_maps.shape[:2] == (30, 3)
+    assert maps.rank == 24 and maps.key_maps.shape[:2] == (30, 3)
     assert (maps.query_maps.flatten(1).abs().sum(1) > 0).all()  # every layer fitted
     other = tmp_path / "other.pt"
     SketchMaps(maps.key_maps[..., :8], maps.query_maps[..., :8]).save(other)
