@@ -80,6 +80,11 @@ class PruningConfig:
 
     def rank_for(self, head_dim: int) -> int:
         """The key copy's rank for a model of ``head_dim``."""
+        if self.sketch_rank is not None and self.sketch_rank > head_dim:
+            raise ValueError(
+                f"control.pruning.sketch_rank must be at most the head size {head_dim}, got "
+                f"{self.sketch_rank}"
+            )
         return self.sketch_rank or max(1, head_dim * 3 // 8)
 
     @property

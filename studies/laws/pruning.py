@@ -181,11 +181,19 @@ def engine(args: argparse.Namespace) -> LLM:
         raise SystemExit("the sketch and digest configurations need two runs: one engine each")
     return LLM(
         args.model,
-        control=ControlConfig(pruning=CONFIGS["sketch" if sketched else "digest"]),
+        control=ControlConfig(pruning=configured("sketch" if sketched else "digest", args)),
         max_num_seqs=max(max(args.batches), 16),
         num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
         **options.engine_kwargs(args),
     )
+
+
+def configured(name: str, args: argparse.Namespace) -> PruningConfig:
+    """The configuration ``name``, its key copy's rank ``--sketch-rank`` where it reads one."""
+    config = CONFIGS[name]
+    if config.sketched and args.sketch_rank is not None:
+        return replace(config, sketch_rank=args.sketch_rank)
+    return config
 
 
 def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
@@ -199,18 +207,19 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         "date": time.strftime("%Y-%m-%d"),
         "threads": torch.get_num_threads(),
         "clock": args.clock,
-        "pruning": {name: asdict(CONFIGS[name]) for name in names},
+        "pruning": {name: asdict(configured(name, args)) for name in names},
         "setting": {
             "block_size": llm.engine.config.block_size,
             "quantization": llm.engine.config.quantization,
             "model": args.model,  # None: the default model
             # an engine built for a sketch scorer keeps every key's low-rank copy
             "key_copy": llm.engine.runner.cache.key_sketch is not None,
+            "sketch_rank": args.sketch_rank,  # None: the default rank
         },
     }
 
     def subset(names: list[str]) -> dict[str, PruningConfig]:
-        return {name: CONFIGS[name] for name in names}
+        return {name: configured(name, args) for name in names}
 
     def save() -> None:  # after every part: a long run leaves what it measured behind
         (out_dir / "pruning.json").write_text(json.dumps(report, indent=2))
@@ -303,6 +312,11 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
                 f"--{part}-configs", nargs="+", choices=list(CONFIGS), default=default
             )
         add_ranking_options(parser)
+        parser.add_argument(
+            "--sketch-rank",
+            type=positive_int,
+            help="the key copy's rank for the sketch scorers (default: 3/8 of the head size)",
+        )
         parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(parts))
         parser.add_argument("--output-dir", default=f"results/{name}")
         add_result_option(parser)

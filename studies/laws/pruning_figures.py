@@ -70,6 +70,8 @@ def setting_labels(setting: dict) -> dict:
         labels["quantization"] = setting["quantization"]
     if setting.get("key_copy"):
         labels["key_copy"] = "kept"
+    if setting.get("sketch_rank") is not None:
+        labels["sketch_rank"] = setting["sketch_rank"]
     return labels
 
 

@@ -194,5 +194,7 @@ def test_maps_round_trip_and_mismatches_are_refused(tmp_path, make_llm):
         make_llm(control=ControlConfig(pruning=sketch_config(sketch_maps=str(other))))
     with pytest.raises(ValueError, match="sketch_rank"):
         PruningConfig(scorer="sketch", sketch_rank=0)
+    with pytest.raises(ValueError, match="sketch_rank must be at most the head size 64"):
+        make_llm(control=ControlConfig(pruning=sketch_config(sketch_rank=65)))
     with pytest.raises(ValueError, match="head_budgets"):
         PruningConfig(scorer="sketch", head_budgets=True)
