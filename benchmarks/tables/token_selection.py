@@ -3,7 +3,8 @@ engine of one-token blocks) beside 16-token blocks, both on the file's weights d
 float32, whose arithmetic adds no rounding of its own to the comparison."""
 
 from benchmarks.layout import Column, Pick, Row, Table
-from benchmarks.tables.common import AVX512
+from benchmarks.tables.common import AVX512, HELD
+from benchmarks.tables.laws import step_table
 
 FLOAT = {
     "workload": "teacher-forced", "batch": 4, "context": 6144, "quantization": "none",
@@ -151,7 +152,7 @@ TOKEN_PASSKEYS = Table(
 
 # The engine's scorers that read its key copy, beside the block oracle and the bounds, on the
 # file's own weights and 16-token blocks, in one run.
-KEY_COPY_RUN = "fidelity/2026-11-29-0ec3fce-key-copy.json"
+KEY_COPY_RUN = "fidelity/2026-11-29-d3d36cb-key-copy.json"
 ENGINE_COPY_ARMS = (
     ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.125, 0.2)),
     ("`bound` (key bounds), blocks", "bound-share-", "", (0.125, 0.2)),
@@ -170,4 +171,47 @@ ENGINE_KEY_COPY = fidelity_table(
     KEY_COPY_RUN,
 )
 
-TABLES = (TOKEN_SELECTION, GEMMA_TOKEN_SELECTION, TOKEN_PASSKEYS, ENGINE_KEY_COPY)
+COPY_PASSKEYS = {  # rank: the run
+    16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
+    24: "fidelity/2026-11-29-ae6a13f-key-copy-passkeys.json",
+    32: "fidelity/2026-11-29-d3d36cb-key-copy-passkeys-rank32.json",
+}
+COPY_PASSKEY_ARMS = (
+    ("dense", "dense", 24),
+    *(
+        (f"`sketch-tokens`, {s * 100:g} %, rank {r}", f"tokens-share-{s}", r)
+        for s in (0.08, 0.125)
+        for r in (16, 24, 32)
+    ),
+    *((f"`sketch`, 12.5 %, rank {r}", "sketch-share-0.125", r) for r in (16, 24)),
+)
+ENGINE_COPY_PASSKEYS = Table(
+    "pruning_key_copy_passkeys",
+    ("configuration",),
+    TOKEN_PASSKEYS.columns,
+    tuple(
+        Row((name,), Pick(labels={"arm": arm}, result=COPY_PASSKEYS[rank]))
+        for name, arm, rank in COPY_PASSKEY_ARMS
+    ),
+    Pick(benchmark="fidelity", kind=AVX512),
+)
+
+ENGINE_COPY_STEP = step_table(
+    "pruning_key_copy_step_held",
+    (
+        ("`sketch-tokens`", "tokens-ungated"),
+        ("`sketch`", "sketch-ungated"),
+        ("`reused-mass`", "reused-ungated"),
+    ),
+    HELD,
+    "pruning/2026-11-29-d3d36cb-key-copy-speed-avx2-held.json",
+)
+
+TABLES = (
+    ENGINE_COPY_STEP,
+    TOKEN_SELECTION,
+    GEMMA_TOKEN_SELECTION,
+    TOKEN_PASSKEYS,
+    ENGINE_KEY_COPY,
+    ENGINE_COPY_PASSKEYS,
+)
