@@ -159,18 +159,31 @@ ENGINE_COPY_ARMS = (
     ("`sketch`: blocks by the key copy", "sketch-share-", "", (0.125, 0.2)),
     ("`sketch-tokens`: single tokens by the key copy", "tokens-share-", "", (0.08, 0.125, 0.175)),
 )
-ENGINE_KEY_COPY = fidelity_table(
-    "pruning_key_copy",
-    (
-        Row((chosen, f"{s * 100:g} %"), Pick(labels={"arm": f"{before}{s}{after}"}))
-        for chosen, before, after, shares in ENGINE_COPY_ARMS
-        for s in shares
-    ),
-    {"workload": "teacher-forced", "batch": 4, "context": 6144, "vs": "dense"},
-    ("ranking", "share kept"),
-    KEY_COPY_RUN,
+GEMMA_COPY_ARMS = (
+    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.125,)),
+    ("`bound` (key bounds), blocks", "bound-share-", "", (0.125,)),
+    ("`sketch-tokens`: single tokens by the key copy", "tokens-share-", "", (0.08, 0.125)),
 )
 
+
+def copy_table(name: str, arms, context: int, result: str) -> Table:
+    """The key copy's arms beside the oracle's and the bounds', a row per share, in one run."""
+    rows = (
+        Row((chosen, f"{s * 100:g} %"), Pick(labels={"arm": f"{before}{s}{after}"}))
+        for chosen, before, after, shares in arms
+        for s in shares
+    )
+    labels = {"workload": "teacher-forced", "batch": 4, "context": context, "vs": "dense"}
+    return fidelity_table(name, rows, labels, ("ranking", "share kept"), result)
+
+
+ENGINE_KEY_COPY = copy_table("pruning_key_copy", ENGINE_COPY_ARMS, 6144, KEY_COPY_RUN)
+GEMMA_ENGINE_KEY_COPY = copy_table(
+    "pruning_key_copy_gemma",
+    GEMMA_COPY_ARMS,
+    8192,
+    "fidelity/2026-11-29-d3d36cb-gemma-key-copy.json",
+)
 COPY_PASSKEYS = {  # rank: the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
     24: "fidelity/2026-11-29-ae6a13f-key-copy-passkeys.json",
@@ -213,5 +226,6 @@ TABLES = (
     GEMMA_TOKEN_SELECTION,
     TOKEN_PASSKEYS,
     ENGINE_KEY_COPY,
+    GEMMA_ENGINE_KEY_COPY,
     ENGINE_COPY_PASSKEYS,
 )

@@ -1,8 +1,9 @@
 """What decode attention knows of the paged cache in a step, and the hook that narrows it.
 
 Attention calls an :class:`AttentionSelector` once per layer with that layer's decode queries
-and the step's paged layout; the answer is a mask of the blocks to read. The model defines the
-hook it calls; the control layer (``etinfer.control.block_selection``) implements it.
+and the step's paged layout; the answer is a mask of the blocks to read, or the pattern of
+single tokens (:class:`DecodePattern`, the cache rows each decode row reads). The model defines
+the hook it calls; the control layer (``etinfer.control.block_selection``) implements it.
 """
 
 from __future__ import annotations
