@@ -61,6 +61,11 @@ CONFIGS["reused-ungated"] = replace(REUSED, min_context=0)
 CONFIGS["digest-ungated"] = replace(DIGEST, min_context=0)
 CONFIGS["sketch-ungated"] = replace(SKETCH, min_context=0)
 CONFIGS["tokens-ungated"] = replace(TOKENS, min_context=0)
+# Single tokens with two sink blocks always read (the needle right after the first block).
+for share in (0.08, 0.125):
+    CONFIGS[f"tokens-sink2-share-{share}"] = replace(
+        CONFIGS[f"tokens-share-{share}"], sink_blocks=2, min_blocks=8
+    )
 # Where reused-mass selects: a quarter of the blocks, the selection layers named after the @.
 for layers in ((2, 16), (14,), (18,), (2, 10, 18), (5,)):  # 5: Gemma 3's first global layer
     CONFIGS["reused-quarter@" + "-".join(map(str, layers))] = replace(
