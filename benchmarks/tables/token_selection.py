@@ -184,10 +184,11 @@ GEMMA_ENGINE_KEY_COPY = copy_table(
     8192,
     "fidelity/2026-11-29-d3d36cb-gemma-key-copy.json",
 )
-COPY_PASSKEYS = {  # rank: the run
+COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
     24: "fidelity/2026-11-29-ae6a13f-key-copy-passkeys.json",
     32: "fidelity/2026-11-29-d3d36cb-key-copy-passkeys-rank32.json",
+    "two sink blocks": "fidelity/2026-11-29-54b24ac-key-copy-passkeys-sink2.json",
 }
 COPY_PASSKEY_ARMS = (
     ("dense", "dense", 24),
@@ -196,8 +197,13 @@ COPY_PASSKEY_ARMS = (
         for s in (0.08, 0.125)
         for r in (16, 24, 32)
     ),
+    *(
+        (f"`sketch-tokens`, {s * 100:g} %, rank 24, two sink blocks", f"tokens-sink2-share-{s}",
+         "two sink blocks")
+        for s in (0.08, 0.125)
+    ),
     *((f"`sketch`, 12.5 %, rank {r}", "sketch-share-0.125", r) for r in (16, 24)),
-)
+)  # fmt: skip
 ENGINE_COPY_PASSKEYS = Table(
     "pruning_key_copy_passkeys",
     ("configuration",),
