@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,11 +34,11 @@ from etinfer.control.calibration import (
 from etinfer.control.config import ControlConfig
 from etinfer.corpus import CORPUS, corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
+from etinfer.fit_cache import fit_once, plain_engine
 from etinfer.model.loader import LoadedModel, load_model
 
 AUTO = "auto"  # EngineConfig.calibration: the model file's own, fitted once and cached
 CACHE_ENV = "ETINFER_CACHE_DIR"  # where cached calibrations live (default ~/.cache/etinfer)
-logger = logging.getLogger("etinfer.calibrate")
 
 
 def collect(
@@ -142,20 +141,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLM
     config = with_sketch_maps(config, loaded, path)
     if config.calibration != AUTO:
         return LLMEngine(config, loaded)
-    if not path.exists():
-        logger.warning(
-            "calibration='auto': fitting %s's temperature once (cached at %s)",
-            loaded.path.name,
-            path,
-        )
-        plain = dataclasses.replace(
-            config, calibration=None, control=ControlConfig(), speculative=None, draft_model=None
-        )
-        result = calibrate(LLMEngine(plain, loaded))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        result.save(partial)
-        partial.replace(path)  # whole or not at all, if two processes fit at once
+    fit_once(
+        path,
+        f"calibration='auto': fitting {loaded.path.name}'s temperature",
+        lambda partial: calibrate(plain_engine(config, loaded, ControlConfig())).save(partial),
+    )
     return LLMEngine(dataclasses.replace(config, calibration=str(path)), loaded)
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -25,12 +23,11 @@ from etinfer.control.config import ControlConfig
 from etinfer.control.key_sketch import SketchMaps, fit_maps, gram
 from etinfer.corpus import corpus_windows
 from etinfer.engine.llm_engine import LLMEngine
+from etinfer.fit_cache import fit_once, plain_engine
 from etinfer.model.block_layout import DecodeBlocks
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.loader import LoadedModel
 from etinfer.sampling_params import SamplingParams
-
-logger = logging.getLogger("etinfer.calibrate")
 
 # Prompt tokens of each passage, read one after another. Keys and queries are taken after the
 # rotary embedding, which turns them by their positions: passages of several lengths give the
@@ -102,9 +99,8 @@ def fit_sketch_maps(engine: LLMEngine, rank: int) -> SketchMaps:
 
 
 def with_sketch_maps(config: EngineConfig, loaded: LoadedModel, cache_path: Path) -> EngineConfig:
-    """``config`` with its sketch scorer's maps: from ``cache_path``, fitted now (on a plain
-    engine over the same weights, with pruning on so that it may ask every layer) if there are
-    none yet. Unchanged where pruning does not score by the sketch or names its maps."""
+    """``config`` with its sketch scorer's maps: from beside ``cache_path``, fitted now if there
+    are none yet. Unchanged where pruning does not score by the sketch or names its maps."""
     pruning = config.control.pruning_config
     if pruning is None or not pruning.sketched or pruning.sketch_maps is not None:
         return config
@@ -112,24 +108,13 @@ def with_sketch_maps(config: EngineConfig, loaded: LoadedModel, cache_path: Path
     rank = pruning.rank_for(loaded.config.head_dim)
     recipe = hashlib.sha256(repr((CONTEXTS, STEPS, rank)).encode()).hexdigest()
     path = cache_path.with_name(f"{cache_path.stem}-sketch-{recipe[:12]}.pt")
-    if not path.exists():
-        logger.warning(
-            "pruning scorer 'sketch': fitting %s's key maps once (cached at %s)",
-            loaded.path.name,
-            path,
-        )
-        plain = dataclasses.replace(
-            config,
-            calibration=None,
-            control=ControlConfig(pruning=PruningConfig()),
-            speculative=None,
-            draft_model=None,
-        )
-        maps = fit_sketch_maps(LLMEngine(plain, loaded), rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        maps.save(partial)
-        partial.replace(path)  # whole or not at all, if two processes fit at once
+    # With pruning on, so that the recorder may ask every layer.
+    plain = ControlConfig(pruning=PruningConfig())
+    fit_once(
+        path,
+        f"pruning scorer {pruning.scorer!r}: fitting {loaded.path.name}'s key maps",
+        lambda partial: fit_sketch_maps(plain_engine(config, loaded, plain), rank).save(partial),
+    )
     sketched = dataclasses.replace(pruning, sketch_maps=str(path))
     control = dataclasses.replace(config.control, pruning=sketched)
     return dataclasses.replace(config, control=control)

@@ -26,26 +26,6 @@ enum { CHUNK_FLOATS = 8192, MAX_RANK = CHUNK_FLOATS / 8, MAX_CHUNK = 64 };
  * torch's form, which subtracts each block's own largest, keeps them to full precision. */
 #define FAR_BELOW 1e-20f
 
-#if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* The sums of the lanes of a[0], ..., a[7] as the lanes of one vector (kernels.c's: three rounds
- * of pairwise additions, where eight horizontal sums would take twice the shuffles). */
-static inline v8 lane_sums(const v8 a[8]) {
-    v8 t[4], u[2];
-    for (int i = 0; i < 4; ++i)
-        t[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int i = 0; i < 2; ++i)
-        u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 static inline float lane_max(v8 x) {
     float m = x[0];
     for (int i = 1; i < 8; ++i) m = x[i] > m ? x[i] : m;

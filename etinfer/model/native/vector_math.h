@@ -1,4 +1,5 @@
-/* Vector arithmetic the native kernels share (kernels.c's softmax, decoder.c's activation). */
+/* Vector arithmetic the native kernels share (kernels.c's scores and softmax, key_sketch.c's,
+ * decoder.c's activation). */
 #ifndef ETINFER_VECTOR_MATH_H
 #define ETINFER_VECTOR_MATH_H
 #include "kv_elements.h"
@@ -23,6 +24,26 @@ static inline v8 exp8(v8 x) {
     p = p * (r * r) + r + 1.0f;
     const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;
     return blend(underflow, (v8){0}, p * (v8)exponent);
+}
+
+#if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* The sums of the lanes of a[0], ..., a[7], as the lanes of one vector (three rounds of
+ * pairwise additions instead of eight separate horizontal sums). */
+static inline v8 lane_sums(const v8 a[8]) {
+    v8 t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+        t[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; ++i)
+        u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 #endif
