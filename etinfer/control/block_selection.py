@@ -86,7 +86,13 @@ from etinfer.control.block_scores import (
 from etinfer.control.key_sketch import SketchMaps, sketch_block_scores, sketch_token_pattern
 from etinfer.control.record import Controlled, ControlRecord
 from etinfer.control.registry import Registry
-from etinfer.model.block_layout import AttentionSelector, BlockSummaries, DecodeBlocks, Selection
+from etinfer.model.block_layout import (
+    AttentionSelector,
+    BlockSummaries,
+    DecodeBlocks,
+    Selection,
+    TokenChoice,
+)
 
 
 class BlockSelector(AttentionSelector):
@@ -144,6 +150,10 @@ class EntropicSelector(BlockSelector):
                 raise ValueError(f"scorer {config.scorer!r} needs its fitted maps (SketchMaps)")
             self.sketch_key_maps = sketch.key_maps
         self.selects_tokens = config.scorer == "sketch-tokens"
+        if self.selects_tokens:
+            self.token_choice = TokenChoice(
+                sketch.query_maps, config.dense_layers, config.sink_blocks, config.recent_blocks
+            )
 
     def observes(self, layer: int) -> bool:
         if self.config.scorer == "reused-mass":
@@ -205,14 +215,14 @@ class EntropicSelector(BlockSelector):
         """The blocks, or single tokens, the key copy ranks best: single tokens as many as
         the budget's blocks hold, the sink's and the most recent ones first (the current
         token among them)."""
-        config, size = self.config, blocks.block_size
+        size = blocks.block_size
         codes, code_scales = summaries.key_sketch, summaries.sketch_scales
         query_map = self.sketch.query_maps[layer].to(query.device)
         copy = (query, query_map, codes, code_scales, blocks, self._scale(query))
         if not self.selects_tokens:
             scores = sketch_block_scores(*copy).amax(2)  # the most any head of the group gives
             return Selection(self.keep_best(scores, blocks))
-        sink, recent = config.sink_blocks * size, max(1, config.recent_blocks * size)
+        sink, recent = self.token_choice.forced_tokens(size)
         tokens, kept = sketch_token_pattern(*copy, blocks.budgets * size, sink, recent)
         return Selection(kept, tokens=tokens)
 

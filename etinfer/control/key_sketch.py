@@ -106,6 +106,9 @@ def sketch_block_scores(
 
 def project(query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
     """[seqs, kv_heads, group, rank]: each query head's query on its KV head's directions."""
+    native = block_kernels.project_queries(query, query_map)
+    if native is not None:
+        return native
     seqs, heads, dim = query.shape
     kv_heads = query_map.shape[0]
     grouped = query.view(seqs, kv_heads, heads // kv_heads, dim)

@@ -122,6 +122,24 @@ def key_digest_scores(
     )
 
 
+def project_queries(query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor | None:
+    """``[seqs, kv_heads, group, rank]``: each query head's query ``[seqs, heads, dim]`` on its
+    KV head's directions ``[kv_heads, dim, rank]`` (float32), as the native decoder projects
+    them inside its step: a pruned step chooses the same tokens whichever path it takes."""
+    native = _native(query, query_map)
+    if native is None or query.dtype != torch.float32 or query_map.dtype != torch.float32:
+        return None
+    seqs, heads, dim = query.shape
+    kv_heads, _, rank = query_map.shape
+    query, query_map = query.contiguous(), query_map.contiguous()
+    out = torch.empty(seqs, kv_heads, heads // kv_heads, rank)
+    native.project_queries(
+        query.data_ptr(), query_map.data_ptr(), seqs, kv_heads, heads // kv_heads, dim, rank,
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
 def sketch_block_scores(
     projected: torch.Tensor,  # [seqs, kv_heads, group, rank] float32
     codes: torch.Tensor,  # [kv_heads, num_slots, rank] int8: the layer's key copy

@@ -119,6 +119,23 @@ class Selection:
     tokens: DecodePattern | None = None
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: it holds tensors
+class TokenChoice:
+    """How a selector of single tokens chooses them at each layer (``Selection.tokens``), for the
+    native decoder to make the same choice inside its layer loop (``native/decoder.c``): the
+    layers from ``dense_layers`` on that see the whole context keep, per KV head, the sink's and
+    the recent tokens and the best others by the key copy's scores under the layer's map."""
+
+    query_maps: torch.Tensor  # [layers, kv_heads, head_dim, rank] float32
+    dense_layers: int  # the layers below it read everything
+    sink_blocks: int
+    recent_blocks: int
+
+    def forced_tokens(self, block_size: int) -> tuple[int, int]:
+        """The sink's tokens and the recent ones (at least the current token), always kept."""
+        return self.sink_blocks * block_size, max(1, self.recent_blocks * block_size)
+
+
 class AttentionSelector(ABC):
     """The per-layer hook: which blocks each decoding sequence's attention reads."""
 
@@ -133,6 +150,8 @@ class AttentionSelector(ABC):
     selects_without_query = False
     # It answers with single tokens (``Selection.tokens``): attention must run on patterns.
     selects_tokens = False
+    # How it chooses them, where the native decoder can choose the same inside its step.
+    token_choice: TokenChoice | None = None
     # [layers, kv_heads, head_dim, rank]: the cache keeps every key's low-rank copy by these
     # maps for it (``BlockSummaries.key_sketch``), or None
     sketch_key_maps: torch.Tensor | None = None

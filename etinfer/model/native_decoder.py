@@ -8,9 +8,12 @@ attention is the plain native kernel over the step's dense pattern, the model ha
 decode rows to ``NativeDecoder`` instead: the layers' tables (weights, norms, cache pointers) are
 built once, a step passes its rows, angles, slots and pattern. Every stage is the same C the
 layer-by-layer path calls, in the same order, so a token computes bit for bit the same whichever
-path its step takes (tested); steps with prefill rows, pruned or sparse attention or captured
-queries keep the layer-by-layer path. Llama's layer and Gemma 3's (``DecoderLayer.native_roles``
-names the norms each has in the C layer's roles).
+path its step takes (tested); steps with prefill rows, sparse prefill or captured queries keep the
+layer-by-layer path, and so do pruned steps of selectors that rank blocks by each layer's query.
+Pruning by reused masses runs a call per run of layers reading the same blocks; single tokens
+(``TokenChoice``) are chosen inside the one call, at each layer, by the C the other path calls
+(``native_token_step.py``). Llama's layer and Gemma 3's (``DecoderLayer.native_roles`` names the
+norms each has in the C layer's roles).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from etinfer.model.attention.layer import PagedAttention
 from etinfer.model.attention.metadata import AttentionMetadata
 from etinfer.model.attention.options import AttentionOptions
 from etinfer.model.attention.pattern import DecodePattern
+from etinfer.model.block_layout import TokenChoice
 from etinfer.model.config import ModelConfig
 from etinfer.model.kv_cache import KVCache
 from etinfer.model.linear import BlockLinear
+from etinfer.model.native_token_step import TokenStep
+from etinfer.model.pruning_telemetry import PrunedLayer
 from etinfer.model.rotary import RotaryRows
 
 _pointer, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -52,6 +58,7 @@ class _Layer(ctypes.Structure):
         ("key_bounds", _pointer),
         *((name, _pointer) for name in ("mass", "value_sums", "key_moments")),
         ("observed", _i64),
+        *((name, _pointer) for name in ("query_map", "codes", "code_scales")),
     ]
 
 
@@ -59,7 +66,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         *((name, _i64) for name in ("num_slots", "kv_kind", "activation")),
-        *((name, _i64) for name in ("block_size", "bound_kind")),
+        *((name, _i64) for name in ("block_size", "bound_kind", "sketch_rank")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("block_linear", _pointer),
@@ -79,6 +86,13 @@ class _Step(ctypes.Structure):
         *((name, _i64 * 2) for name in ("nnz", "attention_threads")),
         ("fresh", _pointer),
         ("num_fresh", _i64),
+        # Single tokens (``_TokenStep``).
+        *((name, _pointer) for name in ("tables", "lens", "budgets")),
+        *((name, _i64) for name in ("width", "sink", "recent")),
+        *((name, _pointer) for name in ("token_crow", "token_cols", "token_outside")),
+        *((name, _i64) for name in ("token_nnz", "token_threads")),
+        *((name, _pointer) for name in ("kept", "projected")),
+        ("kept_stride", _i64),
     ]
 
 
@@ -158,16 +172,27 @@ class NativeDecoder:
         cache: KVCache,
         attention: AttentionOptions,
         observed: list[int],
+        choice: TokenChoice | None = None,
     ) -> None:
         native, kernels = native_kernels.library(), quant_kernels.library()
         assert native is not None and kernels is not None, "check NativeDecoder.takes() first"
         self.native, self.cache = native, cache
         bounds = cache.key_bounds
+        self.choice = choice
+        # The layers that choose single tokens, and their maps as the C reads them.
+        self.choosing: list[int] = []
+        maps = None
+        if choice is not None:
+            assert cache.key_sketch is not None, "a cache that keeps the key copy"
+            maps = choice.query_maps.to(torch.float32).contiguous()
+            local = attention.local_layers
+            self.choosing = [i for i in range(choice.dense_layers, len(layers)) if i not in local]
         self.shape = _Shape(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, cache.num_slots, native_kernels.KV_KINDS[cache.dtype],
             ACTIVATIONS[layers[0].activation], cache.block_size,
             native_kernels.KV_KINDS[bounds.dtype] if bounds is not None else 0,
+            0 if maps is None else maps.shape[-1],
             config.rms_norm_eps, attention.scale,
             ctypes.cast(kernels.block_linear, _pointer),
             ctypes.cast(kernels.float_linear, _pointer),
@@ -177,6 +202,10 @@ class NativeDecoder:
         for index, layer in enumerate(layers):
             key_scales, value_scales = cache.layer_scales(index)
             roles = layer.native_roles()
+            sketch = (None, None, None)
+            if index in self.choosing:
+                copy = (maps[index], cache.key_sketch[index], cache.sketch_scales[index])
+                sketch = tuple(t.data_ptr() for t in copy)
             self.layers[index] = _Layer(
                 _product(layer.qkv), _product(layer.o), _product(layer.gate_up),
                 _product(layer.down), _address(layer.qkv.bias),
@@ -184,9 +213,9 @@ class NativeDecoder:
                 cache.layer_keys[index].data_ptr(), cache.layer_values[index].data_ptr(),
                 _address(key_scales), _address(value_scales), index in attention.local_layers,
                 *(None if t is None else _address(t[index]) for t in summaries),
-                index in observed,
+                index in observed, *sketch,
             )  # fmt: skip
-        self.held = layers  # the tables point into their weights
+        self.held = (layers, maps)  # the tables point into their weights and maps
 
     @staticmethod
     def takes(layers: list, cache: KVCache) -> bool:
@@ -220,7 +249,11 @@ class NativeDecoder:
         patterns = [pattern or meta.dense_pattern, (meta.local or meta).dense_pattern]
         tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles[0], angles[-1])]
         entries = [p.cols.shape[0] for p in patterns]
-        floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], max(entries))
+        tokens = None
+        if any(index in self.choosing for index in layers):
+            tokens = TokenStep.of(self.choice, self.shape, meta, len(layers))
+        most = max([*entries, tokens.nnz if tokens else 0])
+        floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], most)
         work = torch.empty(floats)
 
         def pair(values: list, kind=_pointer):
@@ -235,7 +268,7 @@ class NativeDecoder:
             pair([p.cols.data_ptr() for p in patterns]),
             pair([p.outside.data_ptr() for p in patterns]), pair(entries, _i64),
             pair([native_kernels.attention_threads(n) for n in entries], _i64),
-            fresh.data_ptr(), fresh.numel(),
+            fresh.data_ptr(), fresh.numel(), *(tokens.fields if tokens else TokenStep.NONE),
         )  # fmt: skip
         first = ctypes.byref(self.layers, layers.start * ctypes.sizeof(_Layer))
         status = self.native.decode_layers(
@@ -243,6 +276,11 @@ class NativeDecoder:
         )
         if status:
             raise RuntimeError(f"the native decoder failed at stage code {status}")
+        if tokens is not None and meta.telemetry is not None:
+            for index in layers:
+                if index in self.choosing:
+                    visible = tokens.kept[index - layers.start]
+                    meta.telemetry.record(PrunedLayer(index, None, visible, None, None))
         return x
 
 
@@ -264,6 +302,8 @@ class NativeDecoders:
             return "in one native call"
         if selector.selects_without_query:
             return "in one native call, or one per run of layers reading the same blocks"
+        if selector.token_choice is not None:
+            return "in one native call, single tokens chosen inside it"
         return "in one native call where no layer is pruned"
 
     def for_step(self, cache: KVCache, meta: AttentionMetadata) -> NativeDecoder | None:
@@ -275,12 +315,14 @@ class NativeDecoders:
         if cache.mass is not None:
             selector = attention.selector
             observed = tuple(i for i in range(len(self.layers)) if selector.observes(i))
+        choice = attention.selector.token_choice
         # Keyed by what the tables hold, not by the selector: a benchmark that switches between
         # selectors each step would otherwise rebuild them each step.
-        if self.key is None or self.key[0] is not cache or self.key[1] != observed:
-            self.key, self.decoder = (cache, observed), None
+        key = (cache, observed, choice)
+        if self.key is None or self.key[0] is not cache or self.key[1:] != key[1:]:
+            self.key, self.decoder = key, None
             if NativeDecoder.takes(self.layers, cache):
                 self.decoder = NativeDecoder(
-                    self.config, self.layers, cache, attention.options, list(observed)
+                    self.config, self.layers, cache, attention.options, list(observed), choice
                 )
         return self.decoder

@@ -163,6 +163,10 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     library.sketch_block_scores.argtypes = sketch = [pointer] * 5 + [i64] * 7 + [f32, pointer, i64]
     library.sketch_token_pattern.argtypes = [*sketch, pointer, i64, i64, pointer, pointer]
     library.sketch_block_scores.restype = library.sketch_token_pattern.restype = ctypes.c_int
+    library.project_queries.argtypes = [pointer, pointer] + [i64] * 5 + [pointer]
+    library.project_queries.restype = None
+    library.token_offsets.argtypes = [pointer, pointer] + [i64] * 5 + [pointer]
+    library.token_offsets.restype = ctypes.c_int
     library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
     library.keep_largest.restype = None
     library.update_block_summaries.argtypes = [pointer] * 4 + [ctypes.c_int, pointer] + [i64] * 5

@@ -112,3 +112,14 @@ def test_without_the_kernels_the_scores_are_left_to_torch(monkeypatch):
     args = (projected, *inputs[2:], blocks.block_tables, blocks.context_lens, BLOCK, 1.0)
     monkeypatch.setattr(native_kernels, "library", lambda: None)
     assert block_kernels.sketch_block_scores(*args) is None
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "rank"), [(3, 3, 24), (2, 1, 5)])
+def test_native_query_projection_is_torchs(kv_heads, group, rank):
+    """The projection both decode paths take (the native decoder's inside its step)."""
+    _, (query, query_map, _, _) = case(kv_heads, group, rank, torch.int64, seed=rank)
+    native = block_kernels.project_queries(query, query_map)
+    assert native is not None
+    grouped = query.view(len(LENGTHS), kv_heads, group, DIM)
+    expected = torch.einsum("skgd,kdr->skgr", grouped, query_map)
+    torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-5)

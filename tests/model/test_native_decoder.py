@@ -23,6 +23,7 @@ from etinfer.model.native_decoder import (
     gated_activation,
     rotate_heads,
 )
+from etinfer.model.native_token_step import TokenStep
 from etinfer.model.quantized import GGUFBlocks
 from etinfer.model.rotary import RotaryEmbedding
 from tests.conftest import PROMPTS
@@ -109,7 +110,7 @@ def test_the_native_decoder_adds_query_key_and_value_biases(tiny_model, monkeypa
     assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
 
 
-@pytest.mark.parametrize("scorer", ["reused-mass", "mass", "digest"])
+@pytest.mark.parametrize("scorer", ["reused-mass", "mass", "digest", "sketch-tokens"])
 def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, monkeypatch, scorer):
     """Steps where no layer is pruned (contexts under 48 tokens here) take the native decoder,
     and so do pruned steps of reused masses, a call per run of layers reading the same blocks;
@@ -127,15 +128,21 @@ def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, m
         block_size=4,
     )
     path = llm.engine.runner.model.decode_path(llm.engine.runner.cache)
-    runs = []  # the native calls' layers, where a pattern narrowed them
-    call = NativeDecoder.__call__
+    runs, chosen = [], []  # the native calls' layers, where a pattern narrowed them
+    call, choose = NativeDecoder.__call__, TokenStep.of
 
     def counting(self, x, angles, meta, layers, pattern=None):
         if pattern is not None:
             runs.append(layers)
         return call(self, x, angles, meta, layers, pattern)
 
+    def choosing(choice, shape, meta, num_layers):
+        step = choose(choice, shape, meta, num_layers)
+        chosen.append(step is not None)
+        return step
+
     monkeypatch.setattr(NativeDecoder, "__call__", counting)
+    monkeypatch.setattr(TokenStep, "of", choosing)
     fused = tokens_and_logprobs(llm, PROMPTS[:4], False, monkeypatch)
     assert native_decoder_built(llm)
     assert fused == tokens_and_logprobs(llm, PROMPTS[:4], True, monkeypatch)
@@ -143,6 +150,9 @@ def test_a_pruning_engines_dense_steps_keep_its_masses_and_summaries(make_llm, m
         # Pruned steps too, a call per run of layers after each selection layer (0 and 18).
         assert path == "in one native call, or one per run of layers reading the same blocks"
         assert set(runs) == {range(1, 18), range(19, 30)}
+    elif scorer == "sketch-tokens":  # pruned steps in one call, tokens chosen inside it
+        assert path == "in one native call, single tokens chosen inside it" and not runs
+        assert any(chosen) and not all(chosen)  # pruned steps, and dense ones
     else:  # the others rank by each layer's query: pruned steps go layer by layer
         assert path == "in one native call where no layer is pruned" and not runs
 

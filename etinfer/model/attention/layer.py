@@ -64,14 +64,20 @@ class PagedAttention:
     def decodes_natively(self, meta: AttentionMetadata) -> bool:
         """Whether this step's decode rows attend as the native decoder computes them
         (``native_decoder.py``): the C kernel over the step's dense patterns (the sliding
-        layers' own too) or, for a selector that answers without a layer's query, over the
-        blocks it keeps for each run of layers (``segments``); nothing captured, no prefill
-        rows."""
+        layers' own too); for a selector that answers without a layer's query, over the
+        blocks it keeps for each run of layers (``segments``); for one of single tokens, over
+        those the C chooses at each layer as the selector would (``TokenChoice``); nothing
+        captured, no prefill rows."""
         views = [meta] if not self.options.local_layers else [meta, meta.local]
         selector = self.selector
+        chooses = (
+            selector.reads_all_of(meta.decode_blocks)
+            or selector.selects_without_query
+            or selector.token_choice is not None
+        )
         return (
             self.reads_natively
-            and (selector.reads_all_of(meta.decode_blocks) or selector.selects_without_query)
+            and chooses
             and not meta.prefills
             and all(view is not None and view.dense_pattern is not None for view in views)
             and meta.capture_rows is None
@@ -82,8 +88,14 @@ class PagedAttention:
     ) -> Iterator[tuple[range, DecodePattern | None]]:
         """A native decode step's ``layers`` as runs that read the same blocks, each with the
         pattern its whole-context layers read (None: the step's dense one); compute each run
-        before asking for the next, which may read the masses it observed."""
-        if self.pruned is None or self.selector.reads_all_of(meta.decode_blocks):
+        before asking for the next, which may read the masses it observed. Single tokens are
+        chosen inside the one call, at each layer."""
+        selector = self.selector
+        if (
+            self.pruned is None
+            or selector.reads_all_of(meta.decode_blocks)
+            or selector.token_choice is not None
+        ):
             yield layers, None
         else:
             yield from self.pruned.segments(cache, meta, layers)

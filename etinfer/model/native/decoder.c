@@ -41,11 +41,18 @@ typedef struct {
     void *key_bounds;
     float *mass, *value_sums, *key_moments;
     int64_t observed;
+    /* A layer that keeps single tokens (control/key_sketch.py): its query map [kv_heads, head_dim,
+     * sketch_rank] and the cache's low-rank copy of its keys (codes [kv_heads, slots, rank] int8,
+     * their scales [kv_heads, slots]); else NULL. */
+    const float *query_map;
+    const int8_t *codes;
+    const float *code_scales;
 } Layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, kv_kind, activation;
     int64_t block_size, bound_kind;  // the cache's blocks; the type its key bounds are kept in
+    int64_t sketch_rank;  // of the key copy, where a layer keeps single tokens
     float eps, scale;
     BlockLinear block_linear;
     FloatLinear float_linear;
@@ -65,6 +72,20 @@ typedef struct {
     int64_t nnz[2], attention_threads[2];
     const int64_t *fresh;  // [num_fresh] blocks receiving their first token (their summaries reset)
     int64_t num_fresh;
+    /* Single tokens, chosen by each layer that keeps them (its query_map) as the layer-by-layer
+     * path chooses them (key_sketch.c): each row's block table [rows, width] and context, the
+     * tokens it keeps (budgets, NULL: every layer reads the dense pattern this step), the sink's
+     * and recent ones always among them. The pattern is rebuilt in token_crow [rows * heads + 1]
+     * and token_cols [token_nnz] at each such layer (token_outside: token_nnz zeros), the queries
+     * projected in `projected` [rows * heads * sketch_rank]; the l-th layer of the call writes the
+     * share of each block it read, [rows, kv_heads, width], at kept + l * kept_stride. */
+    const int64_t *tables, *lens, *budgets;
+    int64_t width, sink, recent;
+    int32_t *token_crow, *token_cols;
+    const uint8_t *token_outside;
+    int64_t token_nnz, token_threads;
+    float *kept, *projected;
+    int64_t kept_stride;
 } Step;
 
 /* Rotate the first `heads` heads of each row in place, Hugging Face's layout (a head's two halves
@@ -137,9 +158,27 @@ static void norm_rows(float *v, int64_t rows, const Shape *s, const float *weigh
     residual_rms_norm(v, NULL, 0, weight, rows, s->hidden, s->eps, v, v, 1);
 }
 
+/* The single tokens layer l of the call reads (its queries in q [rows, heads * head_dim]) into the
+ * step's token pattern: 0, or key_sketch.c's failure. */
+static int choose_tokens_of(const Shape *s, const Layer *layer, int64_t l, const Step *step,
+                            const float *q) {
+    const int64_t rows = step->rows, group = s->heads / s->kv_heads, rank = s->sketch_rank;
+    const int64_t pairs = rows * s->kv_heads;
+    project_queries(q, layer->query_map, rows, s->kv_heads, group, s->head_dim, rank,
+                    step->projected);
+    const int total = sketch_token_pattern(
+        step->projected, layer->codes, layer->code_scales, step->tables, step->lens, rows,
+        s->kv_heads, group, rank, step->width, s->num_slots, s->block_size, s->scale,
+        step->kept + l * step->kept_stride, step->threads < pairs ? step->threads : pairs,
+        step->budgets, step->sink, step->recent, step->token_crow, step->token_cols);
+    if (total < 0) return -total;
+    return total == step->token_nnz ? 0 : 4;  // 4: not the entries the caller sized for
+}
+
 /* Layers [0, count) of `layers` over the step's rows (decode rows only, one token each). Returns
  * 0, or the first stage's nonzero status: 1000 + a product's, 2000 + the cache write's, 3000 +
- * attention's (the layer is then half done: the caller fails the step). */
+ * attention's, 4000 + the choice of single tokens' (the layer is then half done: the caller
+ * fails the step). */
 int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step *step) {
     const int64_t rows = step->rows, hidden = s->hidden, dim = s->head_dim;
     const int64_t q_width = s->heads * dim, kv_width = s->kv_heads * dim;
@@ -176,15 +215,23 @@ int decode_layers(const Shape *s, const Layer *layers, int64_t count, const Step
                                    layer->value_sums, layer->key_moments);
         for (int64_t r = 0; r < rows; ++r)
             memcpy(q + r * q_width, qkv + r * width, q_width * sizeof(float));
-        status = decode_attention(q, layer->key_cache, layer->value_cache, step->crow[at],
-                                  step->cols[at], step->outside[at], rows * s->heads, dim,
-                                  step->nnz[at], s->kv_heads * s->num_slots,
+        const int32_t *crow = step->crow[at], *cols = step->cols[at];
+        const uint8_t *outside = step->outside[at];
+        int64_t nnz = step->nnz[at], attention_threads = step->attention_threads[at];
+        if (layer->query_map && step->budgets) {
+            status = choose_tokens_of(s, layer, l, step, q);
+            if (status) return 4000 + status;
+            crow = step->token_crow, cols = step->token_cols, outside = step->token_outside;
+            nnz = step->token_nnz, attention_threads = step->token_threads;
+        }
+        status = decode_attention(q, layer->key_cache, layer->value_cache, crow, cols, outside,
+                                  rows * s->heads, dim, nnz, s->kv_heads * s->num_slots,
                                   s->heads / s->kv_heads, s->scale, attended, stats,
-                                  stats + rows * s->heads, weights, step->attention_threads[at],
-                                  kind, layer->key_scales, layer->value_scales);
+                                  stats + rows * s->heads, weights, attention_threads, kind,
+                                  layer->key_scales, layer->value_scales);
         if (status) return 3000 + status;
         if (layer->observed)
-            observe_block_mass(layer->mass, step->crow[at], step->cols[at], weights,
+            observe_block_mass(layer->mass, crow, cols, weights,
                                stats + rows * s->heads, rows * s->heads, s->block_size,
                                s->heads / s->kv_heads);
         status = product(s, &layer->o, attended, rows, q_width, proj, step->threads);

@@ -1,6 +1,6 @@
-/* The entry points of kernels.c and block_summaries.c that other native code calls too
- * (decoder.c runs a decode step's layers through them, so that a fused step computes what the
- * separate calls do). */
+/* The entry points of kernels.c, block_summaries.c and key_sketch.c that other native code calls
+ * too (decoder.c runs a decode step's layers through them, so that a fused step computes what
+ * the separate calls do). */
 #ifndef ETINFER_KERNELS_H
 #define ETINFER_KERNELS_H
 #include "kv_elements.h"
@@ -30,5 +30,15 @@ void update_block_summaries(const void *keys, const void *values, const float *k
 void observe_block_mass(float *mass, const int32_t *crow, const int32_t *cols,
                         const float *weights, const float *denominators, int64_t rows,
                         int64_t block_size, int64_t group);
+
+void project_queries(const float *q, const float *maps, int64_t seqs, int64_t kv_heads,
+                     int64_t group, int64_t dim, int64_t rank, float *projected);
+
+int sketch_token_pattern(const float *projected, const int8_t *codes, const float *code_scales,
+                         const int64_t *tables, const int64_t *lens, int64_t seqs,
+                         int64_t kv_heads, int64_t group, int64_t rank, int64_t width,
+                         int64_t num_slots, int64_t block_size, float scale, float *kept,
+                         int64_t threads, const int64_t *budgets, int64_t sink, int64_t recent,
+                         int32_t *crow, int32_t *cols);
 
 #endif

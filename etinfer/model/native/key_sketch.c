@@ -14,6 +14,7 @@
  */
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 /* The floats of one thread's widened codes: a chunk of at most MAX_CHUNK of a block's tokens,
@@ -74,29 +75,6 @@ static inline void widen(const int8_t *src, int64_t count, float *keys, const in
     }
     const int64_t rounded = (count + 7) / 8 * 8;
     memset(keys + count * padded, 0, (rounded - count) * padded * sizeof *keys);
-}
-
-/* log(x) for normal x > 0, within about 1 ulp of logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
- * log(m) by Cephes' logf expansion (a block's log-sum-exp, eight blocks at a time). */
-static inline v8 log8(v8 x) {
-    const v8i bits = (v8i)x;
-    v8i e = ((bits >> 23) & 0xff) - 126;                  // x = f 2^e with f in [0.5, 1)
-    v8 m = (v8)((bits & 0x007fffff) | 0x3f000000);        // f
-    const v8i small = m < 0.707106781186547524f;          // then 2f - 1 and e - 1
-    e += small;
-    m = m + blend(small, m, (v8){0}) - 1.0f;
-    const v8 z = m * m;
-    v8 y = 7.0376836292e-2f * m - 1.1514610310e-1f;
-    y = y * m + 1.1676998740e-1f;
-    y = y * m - 1.2420140846e-1f;
-    y = y * m + 1.4249322787e-1f;
-    y = y * m - 1.6668057665e-1f;
-    y = y * m + 2.0000714765e-1f;
-    y = y * m - 2.4999993993e-1f;
-    y = y * m + 3.3333331174e-1f;
-    const v8 n = __builtin_convertvector(e, v8);
-    y = y * m * z - 2.12194440e-4f * n - 0.5f * z;
-    return m + y + 0.693359375f * n;
 }
 
 /* The exponentials of a block's `size` logits against `high` (>= each), summed lane-wise. */
@@ -289,6 +267,21 @@ static int run_pairs(const Sketch *k, int64_t seqs, int64_t threads) {
         free(scratch);
     }
     return failed ? -3 : 0;
+}
+
+/* projected [seqs, kv_heads, group, rank]: each query head's row of q [seqs, kv_heads * group,
+ * dim] times its KV head's map [kv_heads, dim, rank] (control/key_sketch.py's project), summed
+ * over dim in order: the layer-by-layer path and the native decoder call this one, so that both
+ * choose the same tokens. */
+void project_queries(const float *q, const float *maps, int64_t seqs, int64_t kv_heads,
+                     int64_t group, int64_t dim, int64_t rank, float *projected) {
+    for (int64_t row = 0; row < seqs * kv_heads * group; ++row) {
+        const float *query = q + row * dim, *map = maps + row / group % kv_heads * dim * rank;
+        float *out = projected + row * rank;
+        for (int64_t r = 0; r < rank; ++r) out[r] = 0.0f;
+        for (int64_t d = 0; d < dim; ++d)
+            for (int64_t r = 0; r < rank; ++r) out[r] += query[d] * map[d * rank + r];
+    }
 }
 
 /* Each block's share of the softmax mass under the key copy's scores, in logs, per query head:

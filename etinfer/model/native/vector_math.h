@@ -1,5 +1,5 @@
-/* Vector arithmetic the native kernels share (kernels.c's scores and softmax, key_sketch.c's,
- * decoder.c's activation). */
+/* Vector arithmetic the native kernels share (kernels.c's scores and softmax, key_sketch.c's
+ * scores and logs, decoder.c's activation). */
 #ifndef ETINFER_VECTOR_MATH_H
 #define ETINFER_VECTOR_MATH_H
 #include "kv_elements.h"
@@ -24,6 +24,29 @@ static inline v8 exp8(v8 x) {
     p = p * (r * r) + r + 1.0f;
     const v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;
     return blend(underflow, (v8){0}, p * (v8)exponent);
+}
+
+/* log(x) for normal x > 0, within about 1 ulp of logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+ * log(m) by Cephes' logf expansion (a block's log-sum-exp, eight blocks at a time). */
+static inline v8 log8(v8 x) {
+    const v8i bits = (v8i)x;
+    v8i e = ((bits >> 23) & 0xff) - 126;                  // x = f 2^e with f in [0.5, 1)
+    v8 m = (v8)((bits & 0x007fffff) | 0x3f000000);        // f
+    const v8i small = m < 0.707106781186547524f;          // then 2f - 1 and e - 1
+    e += small;
+    m = m + blend(small, m, (v8){0}) - 1.0f;
+    const v8 z = m * m;
+    v8 y = 7.0376836292e-2f * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    const v8 n = __builtin_convertvector(e, v8);
+    y = y * m * z - 2.12194440e-4f * n - 0.5f * z;
+    return m + y + 0.693359375f * n;
 }
 
 #if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
