@@ -26,6 +26,7 @@ import torch
 from etinfer.model import block_kernels
 from etinfer.model.attention.pattern import DecodePattern
 from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.key_copy import code_rows
 
 # The calibration queries' covariance is lifted by this share of its mean eigenvalue before its
 # square root is inverted: a few hundred queries leave some of a 256-wide head's directions
@@ -84,7 +85,7 @@ def fit_maps(
 def sketch_block_scores(
     query: torch.Tensor,  # [seqs, heads, head_dim] float32
     query_map: torch.Tensor,  # [kv_heads, head_dim, rank]
-    codes: torch.Tensor,  # [kv_heads, slots, rank] int8: the layer's key copy
+    codes: torch.Tensor,  # the layer's key copy, int8 (``model/key_copy.py``)
     code_scales: torch.Tensor,  # [kv_heads, slots] float32
     blocks: DecodeBlocks,
     scale: float,
@@ -115,6 +116,15 @@ def project(query: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
     return torch.einsum("skgd,kdr->skgr", grouped, query_map).contiguous()
 
 
+def quantize_queries(projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each projected query in 16 bits, as the kernels score with it: its values over its
+    largest magnitude / 32767, rounded to nearest even (integers, in the input's type), and that
+    scale [..., ] float32."""
+    scale = projected.abs().amax(-1) / 32767.0
+    divisor = torch.where(scale > 0, scale, 1.0)
+    return torch.round(projected / divisor[..., None]), scale
+
+
 def torch_token_log_mass(
     projected: torch.Tensor,
     codes: torch.Tensor,
@@ -124,11 +134,15 @@ def torch_token_log_mass(
 ) -> torch.Tensor:
     """The torch form of the kernels' first pass: each slot of each row's blocks, its share of
     the mass under the copy's scores, in logs, per query head: [seqs, kv_heads, group, max_blocks
-    * block_size], -inf past the context."""
+    * block_size], -inf past the context. The dot products of 16-bit queries and 8-bit codes are
+    integers, exact in float64, so each logit is the kernel's up to its last rounding."""
     tables, lens, size = blocks.block_tables, blocks.context_lens, blocks.block_size
     slots = (tables[:, :, None] * size + torch.arange(size, device=tables.device)).flatten(1)
-    copy = codes[:, slots].float() * code_scales[:, slots, None]  # [kv, seqs, tokens, rank]
-    logits = torch.einsum("skgr,kstr->skgt", projected, copy) * scale
+    rows = code_rows(codes, projected.shape[-1])[:, slots]  # [kv, seqs, tokens, rank]
+    queries, query_scale = quantize_queries(projected)
+    dots = torch.einsum("skgr,kstr->skgt", queries.double(), rows.double()).float()
+    unit = code_scales[:, slots].transpose(0, 1)[:, :, None]  # [seqs, kv, 1, tokens]
+    logits = dots * (unit * (query_scale * scale)[..., None])
     inside = torch.arange(slots.shape[1], device=tables.device) < lens[:, None]
     logits = logits.masked_fill(~inside[:, None, None], -torch.inf)
     return logits - logits.logsumexp(-1, keepdim=True)
@@ -137,7 +151,7 @@ def torch_token_log_mass(
 def sketch_token_pattern(
     query: torch.Tensor,  # [seqs, heads, head_dim] float32
     query_map: torch.Tensor,  # [kv_heads, head_dim, rank]
-    codes: torch.Tensor,  # [kv_heads, slots, rank] int8
+    codes: torch.Tensor,  # the layer's key copy, int8 (``model/key_copy.py``)
     code_scales: torch.Tensor,  # [kv_heads, slots] float32
     blocks: DecodeBlocks,
     scale: float,
@@ -151,7 +165,7 @@ def sketch_token_pattern(
     most the context). Returns the pattern (each row's tokens in order) and the share of each
     block's tokens in context kept, [seqs, kv_heads, max_blocks] (pruning's telemetry)."""
     seqs, heads, _ = query.shape
-    kv_heads, num_slots = codes.shape[:2]
+    kv_heads, num_slots = code_scales.shape
     group = heads // kv_heads
     projected = project(query, query_map)
     tables, lens, size = blocks.block_tables, blocks.context_lens, blocks.block_size

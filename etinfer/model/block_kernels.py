@@ -16,14 +16,16 @@ from __future__ import annotations
 import torch
 
 from etinfer.model import native_kernels
+from etinfer.model.key_copy import copy_shape
 
 # The types key bounds are read in: float32, or a 16-bit cache's own type.
 BOUND_KINDS = {
     dtype: native_kernels.KV_KINDS[dtype]
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
 }
-# The largest rank the native sketch scores take (native/key_sketch.c's buffer of widened codes).
-MAX_SKETCH_RANK = 1024
+# The largest rank the native sketch scores take (native/key_sketch.c's: its integer dot products
+# stay exact).
+MAX_SKETCH_RANK = 512
 
 
 def _native(*tensors: torch.Tensor):
@@ -142,7 +144,7 @@ def project_queries(query: torch.Tensor, query_map: torch.Tensor) -> torch.Tenso
 
 def sketch_block_scores(
     projected: torch.Tensor,  # [seqs, kv_heads, group, rank] float32
-    codes: torch.Tensor,  # [kv_heads, num_slots, rank] int8: the layer's key copy
+    codes: torch.Tensor,  # the layer's key copy, int8 (model/key_copy.py)
     code_scales: torch.Tensor,  # [kv_heads, num_slots] float32
     tables: torch.Tensor,  # [seqs, width] block ids (padding past the context is not read)
     lens: torch.Tensor,  # [seqs] tokens in context
@@ -152,7 +154,7 @@ def sketch_block_scores(
     """``[seqs, kv_heads, group, width]``: per query head, each block's share of the softmax
     mass under the key copy's scores, in logs (-inf where an entry holds no context), as
     ``control.key_sketch.sketch_block_scores`` computes it in torch."""
-    held = _sketch_inputs(projected, codes, code_scales, tables, lens)
+    held = _sketch_inputs(projected, codes, code_scales, tables, lens, block_size)
     if held is None:
         return None
     native, tensors, sizes = held
@@ -186,7 +188,7 @@ def sketch_token_pattern(  # the inputs of sketch_block_scores, then the choice'
     torch (the same tokens, but for exact ties of scores)."""
     if budgets.device.type != "cpu":
         return None
-    held = _sketch_inputs(projected, codes, code_scales, tables, lens)
+    held = _sketch_inputs(projected, codes, code_scales, tables, lens, block_size)
     if held is None:
         return None
     native, tensors, sizes = held
@@ -211,7 +213,7 @@ def sketch_token_pattern(  # the inputs of sketch_block_scores, then the choice'
     return (crow, cols, kept) if status >= 0 else None
 
 
-def _sketch_inputs(projected, codes, code_scales, tables, lens):
+def _sketch_inputs(projected, codes, code_scales, tables, lens, block_size: int):
     """What the sketch kernels share: None where the native form does not apply (another device,
     a rank above MAX_SKETCH_RANK, other dtypes); else the library, the tensors as it reads them
     (projected, codes, code_scales, tables, lens: the caller holds them in names until the call
@@ -223,8 +225,9 @@ def _sketch_inputs(projected, codes, code_scales, tables, lens):
         return None
     if codes.dtype != torch.int8 or code_scales.dtype != torch.float32:
         return None
-    num_slots = codes.shape[1]
-    if codes.shape != (kv_heads, num_slots, rank) or code_scales.shape != codes.shape[:2]:
+    num_slots = code_scales.shape[-1]
+    layout = copy_shape(kv_heads, num_slots // block_size, block_size, rank)
+    if codes.shape != layout or code_scales.shape != (kv_heads, num_slots):
         raise ValueError(
             f"sketch scores: codes {tuple(codes.shape)} and scales {tuple(code_scales.shape)} "
             f"for queries projected to {tuple(projected.shape)}"

@@ -98,7 +98,7 @@ class BlockSummaries:
     # [layers, kv_heads, num_blocks]: every layer's last observed mass, so that a selector may
     # read a later layer's from the step before (it has not run yet in this one)
     layer_masses: torch.Tensor | None = None
-    # Indexed by slot, not block: every key's low-rank copy, [kv_heads, slots, rank] int8, and
+    # Every key's low-rank copy, int8 by block and pairs of directions (``key_copy.py``), and
     # its scale per key [kv_heads, slots] float32 (``control/key_sketch.py``)
     key_sketch: torch.Tensor | None = None
     sketch_scales: torch.Tensor | None = None

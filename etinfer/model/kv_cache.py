@@ -23,6 +23,7 @@ import torch
 from etinfer.model import native_kernels
 from etinfer.model.block_layout import BlockSummaries
 from etinfer.model.config import ModelConfig
+from etinfer.model.key_copy import copy_shape, write_codes
 
 # index_reduce is stable in the pinned torch; the notice would only confuse.
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
@@ -121,8 +122,9 @@ class KVCache:
         if sketch_key_maps is not None:
             self.sketch_key_maps = sketch_key_maps.to(device, self.compute_dtype)
             per_slot = (num_layers, num_kv_heads, self.num_slots)
-            rank = sketch_key_maps.shape[-1]
-            self.key_sketch = torch.zeros((*per_slot, rank), device=device, dtype=torch.int8)
+            rank, blocks = sketch_key_maps.shape[-1], self.num_slots // block_size
+            layout = (num_layers, *copy_shape(num_kv_heads, blocks, block_size, rank))
+            self.key_sketch = torch.zeros(layout, device=device, dtype=torch.int8)
             self.sketch_scales = torch.zeros(per_slot, device=device, dtype=self.compute_dtype)
 
     @property
@@ -246,7 +248,7 @@ class KVCache:
         if self.key_scales is not None:
             keys *= self.key_scales[layers][:, :, slots, None]
         codes, scales = quantize_rows(keys @ self.sketch_key_maps[layers])
-        self.key_sketch[layers].index_copy_(2, slots, codes)
+        write_codes(self.key_sketch[layers], slots, codes)
         self.sketch_scales[layers].index_copy_(2, slots, scales)
 
     def update_summaries(

@@ -15,6 +15,7 @@ from etinfer.control.key_sketch import (
     sketch_token_pattern,
 )
 from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.key_copy import code_rows, from_rows
 from etinfer.model.kv_cache import KVCache, quantize_rows
 
 EAGER = dict(min_context=0, min_blocks=4, recent_blocks=1, dense_layers=1)
@@ -64,6 +65,7 @@ def test_block_scores_are_each_blocks_share_of_the_mass():
     generator = torch.Generator().manual_seed(3)
     keys = torch.randn(kv_heads, blocks * size, dim, generator=generator)
     codes, scales = quantize_rows(keys)
+    codes = from_rows(codes, size)
     query = torch.randn(2, kv_heads * group, dim, generator=generator)
     tables = torch.tensor([[5, 2, 0, 1], [3, 4, 1, 0]])
     lens = torch.tensor([14, 6])
@@ -92,12 +94,13 @@ def test_single_tokens_are_the_forced_ones_and_the_best_others(monkeypatch):
     codes = torch.randint(-127, 128, (kv_heads, 10 * size, rank), generator=generator)
     codes = codes.to(torch.int8)
     scales = torch.rand(kv_heads, 10 * size, generator=generator) * 0.1
+    copy = from_rows(codes, size)
     query = torch.randn(2, kv_heads * group, rank, generator=generator)
     tables = torch.tensor([[7, 2, 9, 0, 5], [3, 1, 0, 0, 0]])
     lens, budgets = torch.tensor([19, 6]), torch.tensor([9, 9])
     layout = DecodeBlocks(tables, lens, size)
     identity = torch.eye(rank).expand(kv_heads, rank, rank)
-    pattern, kept = sketch_token_pattern(query, identity, codes, scales, layout, 0.5, budgets, 2, 3)
+    pattern, kept = sketch_token_pattern(query, identity, copy, scales, layout, 0.5, budgets, 2, 3)
     counts = pattern.crow.diff().view(2, kv_heads, group)
     assert counts[0].eq(9).all() and counts[1].eq(6).all()  # a context shorter than the budget
     for seq in range(2):
@@ -132,7 +135,7 @@ def test_the_cache_writes_the_copy_of_the_keys_it_stored():
     cache.update_sketch(slice(1, 2), slots)  # after a step's layers, for all of them at once
     stored = keys.to(torch.float16).float().transpose(0, 1)  # [kv_heads, 3, dim]
     codes, scales = quantize_rows(stored @ maps[1])
-    assert torch.equal(cache.key_sketch[1][:, slots], codes)
+    assert torch.equal(code_rows(cache.key_sketch[1], 4)[:, slots], codes)
     assert torch.allclose(cache.sketch_scales[1][:, slots], scales)
     assert not cache.key_sketch[0].any()  # the other layer untouched
 
@@ -162,7 +165,8 @@ def test_decode_steps_keep_the_copy_current_on_both_paths(make_llm):
             keys, _ = cache.read(layer, slots)
             codes, _ = quantize_rows(keys @ cache.sketch_key_maps[layer])
             # Rounding of the projection may move a code by one where it sits on a half.
-            assert (cache.key_sketch[layer][:, slots].int() - codes.int()).abs().max() <= 1
+            kept = code_rows(cache.key_sketch[layer], codes.shape[-1])[:, slots]
+            assert (kept.int() - codes.int()).abs().max() <= 1
         engine.abort_request(request)
 
 

@@ -8,6 +8,7 @@ import torch
 from etinfer.control.key_sketch import sketch_block_scores
 from etinfer.model import block_kernels, native_kernels
 from etinfer.model.block_layout import DecodeBlocks
+from etinfer.model.key_copy import from_rows
 
 pytestmark = pytest.mark.skipif(
     native_kernels.compiler() is None or not native_kernels.enabled(), reason="no C compiler"
@@ -29,7 +30,7 @@ def case(kv_heads, group, rank, dtype, seed, size=BLOCK, lengths=LENGTHS, dim=DI
     query_map = torch.randn(kv_heads, dim, rank, generator=gen) / dim**0.5
     codes = torch.randint(-127, 128, (kv_heads, num_blocks * size, rank), generator=gen)
     code_scales = torch.rand(kv_heads, num_blocks * size, generator=gen) / 40
-    return blocks, (query, query_map, codes.to(torch.int8), code_scales)
+    return blocks, (query, query_map, from_rows(codes.to(torch.int8), size), code_scales)
 
 
 def in_torch(inputs, blocks, scale, monkeypatch):
@@ -62,8 +63,8 @@ def test_native_sketch_scores_are_the_torch_ones(kv_heads, group, rank, dtype, m
 
 @pytest.mark.parametrize(("size", "rank"), [(5, 16), (12, 7), (128, 16), (128, 200)])
 def test_blocks_of_any_size_are_scored(size, rank, monkeypatch):
-    """Blocks of no multiple of eight tokens, and blocks longer than the kernel's chunk of
-    widened codes (64 tokens at rank 16, 40 at rank 200)."""
+    """Blocks of no multiple of eight tokens (their last tokens' codes read apart), odd ranks
+    (a zero pair's half), long blocks and a wide copy."""
     blocks, inputs = case(2, 3, rank, torch.int64, seed=size + rank, size=size)
     native = sketch_block_scores(*inputs, blocks, 0.125)
     expected = in_torch(inputs, blocks, 0.125, monkeypatch)

@@ -128,7 +128,7 @@ def test_tied_scores_are_taken_in_position_order(monkeypatch):
     )
     assert pattern.crow.equal(torch_pattern.crow)
     slots = (blocks.block_tables[:, :, None] * BLOCK + torch.arange(BLOCK)).flatten(1)
-    num_slots = inputs[2].shape[1]
+    num_slots = inputs[3].shape[1]
     for seq, (length, budget) in enumerate(zip([3000, 37], [1000, 20], strict=True)):
         positions = [*range(budget - 8), *range(length - 8, length)]
         for head in range(2):

@@ -2,9 +2,14 @@
  * this): every context token scored against each query head's projected query, and each block's
  * share of the softmax mass those scores give, in logs. It runs in every pruned layer of a decode
  * step over every context token, where the torch form gathers the copy of every table entry
- * (padding included) as float32 and keeps a logit a token and query head: at 8K tokens and
- * batch 8 some 13 MB written and read again a layer. Here each block's codes are read once and
- * widened in L1 for all the query heads of their KV head; a context's logits go to a scratch of
+ * (padding included) and keeps a logit a token and query head: at 8K tokens and batch 8 some
+ * 13 MB written and read again a layer. Here the copy is stored by block and pairs of its
+ * directions, [kv_heads, blocks, rank / 2, block_size, 2] (each token's two codes of a pair side
+ * by side), so that eight tokens' codes of a pair widen to one vector of 16-bit integers and one
+ * multiply-add of pairs (vpmaddwd; vpdpwssd with VNNI) scores them against a query head's pair,
+ * quantized to 16 bits: no sum across lanes, where a token-major copy needed one a token and
+ * head (the first pass took 2.1x as long held to AVX2, 3.4x with VNNI). The dot products are
+ * exact integers, so the torch form computes them alike. A context's logits go to a scratch of
  * the thread's (L2-sized), and a second pass sums each block's exponentials against the
  * context's largest logit, eight blocks at a time, with one vector log for the eight. The same
  * answer as the torch form up to float rounding: a block far enough below the largest that its
@@ -17,11 +22,9 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-/* The floats of one thread's widened codes: a chunk of at most MAX_CHUNK of a block's tokens,
- * each padded to whole vectors (the copy is int8; the dot products read it eight floats at a
- * time, once per query head, from L1). Ranks above MAX_RANK leave no room for eight tokens: the
- * caller takes torch's form for them. */
-enum { CHUNK_FLOATS = 8192, MAX_RANK = CHUNK_FLOATS / 8, MAX_CHUNK = 64 };
+/* The largest rank: its int32 sums of 16-bit queries times 8-bit codes stay exact (127 * 32767 *
+ * 512 < 2^31). */
+enum { MAX_RANK = 512 };
 /* A block whose exponentials against the context's largest logit sum below this is summed again
  * against its own largest: its terms lie near float's underflow (exp8 flushes below e^-87), where
  * torch's form, which subtracts each block's own largest, keeps them to full precision. */
@@ -51,30 +54,39 @@ static inline int64_t context_of(const Sketch *k, int64_t s) {
     return len < 0 ? 0 : len > room ? room : len;
 }
 
-/* `count` tokens' codes from `src` widened into keys, each to `padded` floats (zeros past the
- * rank), then zero rows up to the next multiple of eight tokens (their logits are discarded;
- * zeros keep them finite). A rank of whole vectors is one run of conversions. */
-static inline void widen(const int8_t *src, int64_t count, float *keys, const int64_t rank,
-                         const int64_t padded) {
-    if (rank == padded) {
-        for (int64_t e = 0; e < count * rank; e += 8) {
-            const v8 x = load_kv(src, e, KV_INT8);
-            memcpy(keys + e, &x, sizeof x);
-        }
-    } else {
-        for (int64_t i = 0; i < count; ++i) {
-            for (int64_t c = 0; c + 8 <= rank; c += 8) {
-                const v8 x = load_kv(src, i * rank + c, KV_INT8);
-                memcpy(keys + i * padded + c, &x, sizeof x);
-            }
-            v8i8 tail = {0};  // the last partial vector, copied so as not to read past the copy
-            memcpy(&tail, src + i * rank + rank / 8 * 8, rank % 8);
-            const v8 x = __builtin_convertvector(tail, v8);
-            memcpy(keys + i * padded + rank / 8 * 8, &x, sizeof x);
-        }
+/* A query head's projected query in 16 bits: each of its rank values divided by its largest
+ * magnitude over 32767, rounded to nearest even (control/key_sketch.py's quantize_queries), as
+ * pairs (value 2p in the low half, 2p + 1 in the high; a zero past an odd rank); returns the
+ * scale. */
+static float query_pairs(const float *q, int64_t rank, int32_t *pairs) {
+    float most = 0.0f;
+    for (int64_t r = 0; r < rank; ++r) most = fabsf(q[r]) > most ? fabsf(q[r]) : most;
+    const float scale = most / 32767.0f, divisor = scale > 0.0f ? scale : 1.0f;
+    for (int64_t p = 0; p < (rank + 1) / 2; ++p) {
+        const int32_t low = (int32_t)lrintf(q[2 * p] / divisor);
+        const int32_t high = 2 * p + 1 < rank ? (int32_t)lrintf(q[2 * p + 1] / divisor) : 0;
+        pairs[p] = (int32_t)((uint32_t)(uint16_t)low | (uint32_t)high << 16);
     }
-    const int64_t rounded = (count + 7) / 8 * 8;
-    memset(keys + count * padded, 0, (rounded - count) * padded * sizeof *keys);
+    return scale;
+}
+
+/* The eight int32 sums of eight tokens' pairs of codes times a query head's: `codes` holds a
+ * pair's 16 bytes (each token's two codes side by side), `pair` the query's two 16-bit values. */
+static inline v8i pair_products(v8i acc, const int8_t *codes, int32_t pair) {
+#if defined(__AVX2__)
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)codes));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (v8i)_mm256_dpwssd_epi32((__m256i)acc, wide, _mm256_set1_epi32(pair));
+#elif defined(__AVXVNNI__)
+    return (v8i)_mm256_dpwssd_avx_epi32((__m256i)acc, wide, _mm256_set1_epi32(pair));
+#else
+    return acc + (v8i)_mm256_madd_epi16(wide, _mm256_set1_epi32(pair));
+#endif
+#else
+    const int32_t low = (int16_t)(pair & 0xffff), high = (int16_t)((uint32_t)pair >> 16);
+    for (int i = 0; i < 8; ++i) acc[i] += codes[2 * i] * low + codes[2 * i + 1] * high;
+    return acc;
+#endif
 }
 
 /* The exponentials of a block's `size` logits against `high` (>= each), summed lane-wise. */
@@ -102,64 +114,57 @@ static float own_lse(const float *x, int64_t size) {
 
 /* The first pass of one (sequence s, KV head h) pair: every context token's logits into
  * `scratch` (a row of `span` floats a head, -inf from the context's end to its last block's) and
- * each head's largest into `high`. Inlined with `rank` a constant for the common ranks, so that
- * the dot products unroll into registers. */
+ * each head's largest into `high`. Inlined with `group` a constant for the common groups, so that
+ * the heads' sums stay in registers. */
 static inline __attribute__((always_inline)) void logits_of(const Sketch *k, int64_t pair,
                                                             float *scratch, int64_t span,
-                                                            const int64_t rank, float *high) {
+                                                            const int64_t group, float *high) {
     const int64_t s = pair / k->kv_heads, h = pair % k->kv_heads;
-    const int64_t group = k->group, size = k->block_size, width = k->width;
-    const int64_t padded = (rank + 7) / 8 * 8, lanes = padded / 8;
+    const int64_t size = k->block_size, pairs = (k->rank + 1) / 2;
     const int64_t tokens = context_of(k, s), blocks = (tokens + size - 1) / size;
-    int64_t chunk = CHUNK_FLOATS / padded / 8 * 8;
-    if (chunk > MAX_CHUNK) chunk = MAX_CHUNK;
-    float query[group * padded], keys[CHUNK_FLOATS];
+    const int64_t block_bytes = pairs * size * 2, num_blocks = k->num_slots / size;
+    int32_t query[group * pairs];
+    float factor[group];
     v8 top[group];
-    for (int64_t j = 0; j < group; ++j) {  // zeros past the rank meet the widened codes' zeros
-        memcpy(query + j * padded, k->projected + (pair * group + j) * rank, rank * sizeof *query);
-        memset(query + j * padded + rank, 0, (padded - rank) * sizeof *query);
+    for (int64_t j = 0; j < group; ++j) {
+        const float *q = k->projected + (pair * group + j) * k->rank;
+        factor[j] = query_pairs(q, k->rank, query + j * pairs) * k->scale;
         top[j] = (v8){0} - INFINITY;
     }
-    const int64_t *table = k->tables + s * width;
-    const int8_t *codes = k->codes + h * k->num_slots * rank;
+    const int64_t *table = k->tables + s * k->width;
+    const int8_t *codes = k->codes + h * num_blocks * block_bytes;
     const float *code_scales = k->code_scales + h * k->num_slots;
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t first = table[b] * size;
-        const int64_t count = tokens - b * size < size ? tokens - b * size : size;
+        const int8_t *block = codes + table[b] * block_bytes;
         if (b + 1 < blocks) {  // the next block's codes: blocks lie anywhere in the cache
-            const int64_t next = table[b + 1] * size;
-            for (int64_t e = 0; e < size * rank; e += 64)
-                __builtin_prefetch(codes + next * rank + e, 0, 3);
-            __builtin_prefetch(code_scales + next, 0, 3);
+            const int8_t *next = codes + table[b + 1] * block_bytes;
+            for (int64_t e = 0; e < block_bytes; e += 64) __builtin_prefetch(next + e, 0, 3);
+            __builtin_prefetch(code_scales + table[b + 1] * size, 0, 3);
         }
-        for (int64_t t = 0; t < count; t += chunk) {
-            const int64_t m = count - t < chunk ? count - t : chunk;
-            widen(codes + (first + t) * rank, m, keys, rank, padded);
-            for (int64_t i0 = 0; i0 < m; i0 += 8) {  // eight tokens, each read by every head
-                const int64_t present = m - i0 < 8 ? m - i0 : 8;
-                const float *scales = code_scales + first + t + i0;
-                v8 factor = {0};
-                if (present == 8) factor = load8(scales) * k->scale;
-                for (int64_t i = 0; i < present && present < 8; ++i)
-                    factor[i] = scales[i] * k->scale;
-                const float *key = keys + i0 * padded;
-                /* Eight values from b * size + t + i0 on: past a block of no multiple of eight
-                 * tokens they spill into the next block's, written after them. */
-                float *at = scratch + b * size + t + i0;
-                for (int64_t j = 0; j < group; ++j) {
-                    const float *q = query + j * padded;
-                    v8 acc[8];
-                    const v8 q0 = load8(q);
-                    for (int i = 0; i < 8; ++i) acc[i] = q0 * load8(key + i * padded);
-                    for (int64_t l = 1; l < lanes; ++l) {
-                        const v8 ql = load8(q + 8 * l);
-                        for (int i = 0; i < 8; ++i) acc[i] += ql * load8(key + i * padded + 8 * l);
-                    }
-                    v8 x = lane_sums(acc) * factor;
-                    for (int64_t i = present; i < 8; ++i) x[i] = -INFINITY;
-                    top[j] = blend(x > top[j], x, top[j]);
-                    memcpy(at + j * span, &x, sizeof x);
-                }
+        const int64_t count = tokens - b * size < size ? tokens - b * size : size;
+        for (int64_t i0 = 0; i0 < count; i0 += 8) {  // eight tokens, each read by every head
+            const int64_t present = count - i0 < 8 ? count - i0 : 8, whole = size - i0 >= 8;
+            v8i acc[group];
+            for (int64_t j = 0; j < group; ++j) acc[j] = (v8i){0};
+            for (int64_t p = 0; p < pairs; ++p) {
+                const int8_t *at = block + (p * size + i0) * 2;
+                int8_t part[16] = {0};  // a block of no multiple of eight tokens: its last ones
+                if (!whole) memcpy(part, at, (size - i0) * 2);
+                for (int64_t j = 0; j < group; ++j)
+                    acc[j] = pair_products(acc[j], whole ? at : part, query[j * pairs + p]);
+            }
+            const float *scales = code_scales + table[b] * size + i0;
+            v8 unit = {0};  // each token's code scale
+            if (whole) unit = load8(scales);
+            else memcpy(&unit, scales, (size - i0) * sizeof *scales);
+            /* Eight values from b * size + i0 on: past a block of no multiple of eight tokens they
+             * spill into the next block's, written after them. */
+            float *out = scratch + b * size + i0;
+            for (int64_t j = 0; j < group; ++j) {
+                v8 x = __builtin_convertvector(acc[j], v8) * (unit * factor[j]);
+                for (int64_t i = present; i < 8; ++i) x[i] = -INFINITY;
+                top[j] = blend(x > top[j], x, top[j]);
+                memcpy(out + j * span, &x, sizeof x);
             }
         }
     }
@@ -254,12 +259,12 @@ static int run_pairs(const Sketch *k, int64_t seqs, int64_t threads) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t pair = 0; pair < seqs * k->kv_heads; ++pair) {
             if (!scratch) continue;
-            switch (k->rank) {
-                case 16: logits_of(k, pair, scratch, span, 16, high); break;
-                case 32: logits_of(k, pair, scratch, span, 32, high); break;
-                case 48: logits_of(k, pair, scratch, span, 48, high); break;
-                case 64: logits_of(k, pair, scratch, span, 64, high); break;
-                default: logits_of(k, pair, scratch, span, k->rank, high);
+            switch (k->group) {
+                case 1: logits_of(k, pair, scratch, span, 1, high); break;
+                case 2: logits_of(k, pair, scratch, span, 2, high); break;
+                case 3: logits_of(k, pair, scratch, span, 3, high); break;
+                case 4: logits_of(k, pair, scratch, span, 4, high); break;
+                default: logits_of(k, pair, scratch, span, k->group, high);
             }
             if (k->crow) token_rows(k, pair, scratch, span, high);
             else block_shares(k, pair, scratch, span, high);
@@ -288,9 +293,11 @@ void project_queries(const float *q, const float *maps, int64_t seqs, int64_t kv
  * out [seqs, kv_heads, group, width], -inf for a table entry holding no context token (a
  * sequence without context has -inf throughout, where torch's form has NaN). A token t < lens[s]
  * sits in slot tables[s, t / size] * size + t % size; its logit for query head j of KV head h is
- * scale * code_scales[h, slot] * projected[s, h, j, :] . codes[h, slot, :], with projected
- * [seqs, kv_heads, group, rank], codes [kv_heads, num_slots, rank] and code_scales [kv_heads,
- * num_slots]. Only entries holding context are read: padding may hold any id. Returns 0; -1
+ * (q . c) * (code_scales[h, slot] * (query_scale * scale)), with q the head's projected query in
+ * 16 bits and query_scale its scale (query_pairs), c the slot's codes, projected [seqs, kv_heads,
+ * group, rank], codes [kv_heads, num_slots / size, (rank + 1) / 2, size, 2] (a zero past an odd
+ * rank) and code_scales [kv_heads, num_slots]. Only entries holding context are read: padding
+ * may hold any id. Returns 0; -1
  * (nothing written) for a block id of the context outside [0, num_slots / size); -2 for sizes it
  * does not take (a rank above MAX_RANK among them); -3 where a scratch could not be allocated. */
 int sketch_block_scores(const float *projected, const int8_t *codes, const float *code_scales,
