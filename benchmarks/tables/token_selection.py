@@ -152,7 +152,7 @@ TOKEN_PASSKEYS = Table(
 
 # The engine's scorers that read its key copy, beside the block oracle and the bounds, on the
 # file's own weights and 16-token blocks, in one run.
-KEY_COPY_RUN = "fidelity/2026-11-29-d3d36cb-key-copy.json"
+KEY_COPY_RUN = "fidelity/2026-11-29-bc2afdb-key-copy.json"
 ENGINE_COPY_ARMS = (
     ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.125, 0.2)),
     ("`bound` (key bounds), blocks", "bound-share-", "", (0.125, 0.2)),
@@ -223,7 +223,7 @@ ENGINE_COPY_STEP = step_table(
         ("`reused-mass`", "reused-ungated"),
     ),
     HELD,
-    "pruning/2026-11-29-d3d36cb-key-copy-speed-avx2-held.json",
+    "pruning/2026-11-29-bc2afdb-key-copy-speed-avx2-held.json",
 )
 
 TABLES = (
