@@ -114,22 +114,26 @@ static float own_lse(const float *x, int64_t size) {
 
 /* The first pass of one (sequence s, KV head h) pair: every context token's logits into
  * `scratch` (a row of `span` floats a head, -inf from the context's end to its last block's) and
- * each head's largest into `high`. Inlined with `group` a constant for the common groups, so that
- * the heads' sums stay in registers. */
+ * each head's largest into `high`; with `lse`, each head's log-sum-exp too, summed as the logits
+ * come (each lane's exponentials against its running largest, rescaled the few times it rises):
+ * where the copy's bytes come from memory the exponentials hide under its loads, where a second
+ * pass over the scratch cost a tenth of a pruned step. Inlined with `group` a constant for the
+ * common groups (first_pass), so that the heads' sums stay in registers. */
 static inline __attribute__((always_inline)) void logits_of(const Sketch *k, int64_t pair,
                                                             float *scratch, int64_t span,
-                                                            const int64_t group, float *high) {
+                                                            const int64_t group, float *high,
+                                                            float *lse) {
     const int64_t s = pair / k->kv_heads, h = pair % k->kv_heads;
     const int64_t size = k->block_size, pairs = (k->rank + 1) / 2;
     const int64_t tokens = context_of(k, s), blocks = (tokens + size - 1) / size;
     const int64_t block_bytes = pairs * size * 2, num_blocks = k->num_slots / size;
     int32_t query[group * pairs];
     float factor[group];
-    v8 top[group];
+    v8 top[group], sums[group];
     for (int64_t j = 0; j < group; ++j) {
         const float *q = k->projected + (pair * group + j) * k->rank;
         factor[j] = query_pairs(q, k->rank, query + j * pairs) * k->scale;
-        top[j] = (v8){0} - INFINITY;
+        top[j] = (v8){0} - INFINITY, sums[j] = (v8){0};
     }
     const int64_t *table = k->tables + s * k->width;
     const int8_t *codes = k->codes + h * num_blocks * block_bytes;
@@ -163,7 +167,13 @@ static inline __attribute__((always_inline)) void logits_of(const Sketch *k, int
             for (int64_t j = 0; j < group; ++j) {
                 v8 x = __builtin_convertvector(acc[j], v8) * (unit * factor[j]);
                 for (int64_t i = present; i < 8; ++i) x[i] = -INFINITY;
-                top[j] = blend(x > top[j], x, top[j]);
+                const v8i rises = x > top[j];
+                if (lse && lane_bits(rises)) {  // the lanes' sums against their new largest
+                    const v8 raised = blend(rises, x, top[j]);
+                    sums[j] *= exp8(blend(top[j] > -INFINITY, top[j] - raised, top[j]));
+                }
+                top[j] = blend(rises, x, top[j]);
+                if (lse) sums[j] += exp8(blend(x > -INFINITY, x - top[j], x));
                 memcpy(out + j * span, &x, sizeof x);
             }
         }
@@ -171,6 +181,9 @@ static inline __attribute__((always_inline)) void logits_of(const Sketch *k, int
     for (int64_t j = 0; j < group; ++j) {
         high[j] = lane_max(top[j]);
         for (int64_t t = tokens; t < blocks * size; ++t) scratch[j * span + t] = -INFINITY;
+        if (lse)  // the lanes' sums against the largest of all (a lane without logits adds 0)
+            lse[j] = high[j] + logf(lane_sum(sums[j] * exp8(blend(top[j] > -INFINITY,
+                                                                  top[j] - high[j], top[j]))));
     }
 }
 
@@ -220,15 +233,25 @@ void choose_tokens(float *rows, int64_t span, int64_t group, const float *lse, i
 /* The pair's rows of the token pattern, from its logits: each head's log-sum-exp against its
  * largest (as the blocks' pass sums), and the choice (token_choice.c). */
 static __attribute__((noinline)) void token_rows(const Sketch *k, int64_t pair, float *scratch,
-                                                 int64_t span, const float *high) {
+                                                 int64_t span, const float *lse) {
     const int64_t s = pair / k->kv_heads, tokens = context_of(k, s), row = pair * k->group;
-    float lse[k->group];
-    for (int64_t j = 0; j < k->group; ++j)
-        lse[j] = high[j] + logf(lane_sum(block_exps(scratch + j * span, tokens, high[j])));
     choose_tokens(scratch, span, k->group, lse, tokens, k->lens[s], k->sink, k->recent,
                   k->crow[row + 1] - k->crow[row], k->tables + s * k->width, k->block_size,
                   pair % k->kv_heads * k->num_slots, k->cols + k->crow[row],
                   k->out + pair * k->width, k->width);
+}
+
+/* logits_of with `group` a constant for the common groups (and `lse`, NULL or not, too). */
+static inline __attribute__((always_inline)) void first_pass(const Sketch *k, int64_t pair,
+                                                             float *scratch, int64_t span,
+                                                             float *high, float *lse) {
+    switch (k->group) {
+        case 1: logits_of(k, pair, scratch, span, 1, high, lse); break;
+        case 2: logits_of(k, pair, scratch, span, 2, high, lse); break;
+        case 3: logits_of(k, pair, scratch, span, 3, high, lse); break;
+        case 4: logits_of(k, pair, scratch, span, 4, high, lse); break;
+        default: logits_of(k, pair, scratch, span, k->group, high, lse);
+    }
 }
 
 /* Every (sequence, KV head) pair's logits, then its block shares or (with crow) its token rows,
@@ -251,7 +274,7 @@ static int run_pairs(const Sketch *k, int64_t seqs, int64_t threads) {
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
     {
         float *scratch = malloc(rows * span * sizeof *scratch);  // once a thread and call
-        float high[k->group];
+        float high[k->group], lse[k->group];
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -259,15 +282,13 @@ static int run_pairs(const Sketch *k, int64_t seqs, int64_t threads) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t pair = 0; pair < seqs * k->kv_heads; ++pair) {
             if (!scratch) continue;
-            switch (k->group) {
-                case 1: logits_of(k, pair, scratch, span, 1, high); break;
-                case 2: logits_of(k, pair, scratch, span, 2, high); break;
-                case 3: logits_of(k, pair, scratch, span, 3, high); break;
-                case 4: logits_of(k, pair, scratch, span, 4, high); break;
-                default: logits_of(k, pair, scratch, span, k->group, high);
+            if (k->crow) {
+                first_pass(k, pair, scratch, span, high, lse);
+                token_rows(k, pair, scratch, span, lse);
+            } else {
+                first_pass(k, pair, scratch, span, high, NULL);
+                block_shares(k, pair, scratch, span, high);
             }
-            if (k->crow) token_rows(k, pair, scratch, span, high);
-            else block_shares(k, pair, scratch, span, high);
         }
         free(scratch);
     }

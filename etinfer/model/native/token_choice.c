@@ -118,16 +118,6 @@ static float kth_largest(float *values, int64_t n, int64_t k, float low, float h
     return kth;
 }
 
-static inline unsigned lane_bits(v8i mask) {
-#if defined(__AVX2__)
-    return (unsigned)_mm256_movemask_ps((__m256)mask);
-#else
-    unsigned bits = 0;
-    for (int i = 0; i < 8; ++i) bits |= (unsigned)(mask[i] & 1) << i;
-    return bits;
-#endif
-}
-
 /* first + i for each bit i of `take`, in order, from `out` on (eight written whatever `take`;
  * int32 into a float buffer, by bytes: no aliasing assumed). */
 static inline void pack(float *out, int32_t first, unsigned take) {

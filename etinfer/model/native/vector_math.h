@@ -49,6 +49,17 @@ static inline v8 log8(v8 x) {
     return m + y + 0.693359375f * n;
 }
 
+/* A mask's lanes as bits, lane i at bit i. */
+static inline unsigned lane_bits(v8i mask) {
+#if defined(__AVX2__)
+    return (unsigned)_mm256_movemask_ps((__m256)mask);
+#else
+    unsigned bits = 0;
+    for (int i = 0; i < 8; ++i) bits |= (unsigned)(mask[i] & 1) << i;
+    return bits;
+#endif
+}
+
 #if defined(__clang__)  // the same two-vector shuffle, spelt as each compiler does
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
