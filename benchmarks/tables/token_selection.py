@@ -223,7 +223,7 @@ ENGINE_COPY_STEP = step_table(
         ("`reused-mass`", "reused-ungated"),
     ),
     HELD,
-    "pruning/2026-11-29-bc2afdb-key-copy-speed-avx2-held.json",
+    "pruning/2026-11-29-1059dfd-key-copy-speed-avx2-held.json",
 )
 
 TABLES = (

@@ -35,10 +35,10 @@ SELECTION_DEPTH = 0.6  # reused-mass: the default second selection layer's depth
 # call: they start where reused masses did before (8K), at every batch (BENCHMARKS.md,
 # "Entropic pruning").
 # The key copy's scorers, held to AVX2: single tokens are chosen inside the native decoder's one
-# call a step, 1.08x dense at 1K, 0.97-1.01x at 2K, 0.82-0.84x at 4K and 0.76-0.78x at 8K at
-# batch 1, at batch 8 0.87-0.93x at 1K and 0.59-0.60x at 8K: reused masses' gate serves them.
-# Blocks by the copy run layer by layer (1.11-1.22x at 8K at batch 1; at batch 8 0.89-0.96x at
-# 4K, 0.68-0.75x at 8K); past 8K at batch 1 unmeasured (above the default model's context).
+# call a step, 1.02x dense at 1K, 0.95x at 2K, 0.80x at 4K and 0.70x at 8K at batch 1, at batch
+# 8 0.91x at 1K and 0.55x at 8K: reused masses' gate serves them. Blocks by the copy run layer
+# by layer (1.17x at 8K at batch 1; at batch 8 0.89x at 4K, 0.72x at 8K); past 8K at batch 1
+# unmeasured (above the default model's context).
 PAYING_CONTEXT: dict[str, tuple[tuple[int, int], ...]] = {
     **dict.fromkeys(("bound", "bound-value", "digest", "mass"), ((1, 8192),)),
     "sketch": ((1, 16384), (8, 4096)),
