@@ -186,7 +186,7 @@ GEMMA_ENGINE_KEY_COPY = copy_table(
 )
 COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
-    24: "fidelity/2026-11-29-ae6a13f-key-copy-passkeys.json",
+    24: "fidelity/2026-11-29-58aa9f8-key-copy-passkeys.json",
     32: "fidelity/2026-11-29-d3d36cb-key-copy-passkeys-rank32.json",
     "two sink blocks": "fidelity/2026-11-29-54b24ac-key-copy-passkeys-sink2.json",
 }
