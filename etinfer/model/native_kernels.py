@@ -136,6 +136,35 @@ class NoCompiler(RuntimeError):
     """No C compiler on this machine (``CC``, cc, gcc or clang)."""
 
 
+# Each exported function's result type, then its arguments' (void: None).
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SKETCH = (_P,) * 5 + (_I,) * 7 + (_F, _P, _I)  # the sketch kernels' shared arguments
+_SIGNATURES: dict[str, tuple] = {
+    "decode_attention": (_C, *(_P,) * 6, *(_I,) * 5, _F, *(_P,) * 4, _I, _C, _P, _P),
+    "write_cache": (_C, *(_P,) * 5, *(_I,) * 6, _C, _P, _P),
+    "residual_rms_norm": (None, _P, _P, _C, _P, _I, _I, _F, _P, _P, _C),
+    "decode_pattern": (_I, *(_P,) * 3, *(_I,) * 7, *(_P,) * 4, _I),
+    "key_bound_scores": (_C, _P, _P, _C, _P, *(_I,) * 6, _P, _I),
+    "key_digest_scores": (_C, *(_P,) * 4, *(_I,) * 6, _F, _P, _I),
+    "sketch_block_scores": (_C, *_SKETCH),
+    "sketch_token_pattern": (_C, *_SKETCH, _P, _I, _I, _P, _P),
+    "project_queries": (None, _P, _P, *(_I,) * 5, _P),
+    "token_offsets": (_C, _P, _P, *(_I,) * 5, _P),
+    "keep_largest": (None, _P, _P, _I, _I, _P, _P),
+    "update_block_summaries": (None, *(_P,) * 4, _C, _P, *(_I,) * 5, _P, _I, _P, _C, *(_P,) * 3),
+    "observe_block_mass": (None, *(_P,) * 5, *(_I,) * 3),
+    "score_rows": (_C, _P, _I, _I, _P, _I, _I, *(_P,) * 4),
+    "top_ids": (_C, _P, _I, _I, _I, _I, _P),
+    "rotate_heads": (None, _P, *(_I,) * 4, _P, _P),
+    "norm_heads": (None, _P, *(_I,) * 4, _P, _F),
+    "gated_activation": (None, _P, _I, _I, _I, _P),
+    "decoder_work_floats": (_I, _P, _I, _I),
+    "decode_layers": (_C, _P, _P, _I, _P),
+    "gguf_strings_end": (_I, _P, _I, _I, _I),
+    "gguf_strings_join": (_C, _P, _I, _I, _P),
+}
+
+
 def compiled(target: list[str]) -> ctypes.CDLL:
     """The kernels built for ``target`` (e.g. ``["-march=x86-64-v3"]``, beside the fixed
     optimisation flags) and loaded, their signatures declared. The engine's build is
@@ -143,55 +172,9 @@ def compiled(target: list[str]) -> ctypes.CDLL:
     hosts. Raises NoCompiler, or CalledProcessError or OSError when the build or the load
     fails."""
     library = ctypes.CDLL(str(build_library(_SOURCES, target)))
-    function = library.decode_attention
-    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    function.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float] + [pointer] * 4 + [i64]
-    function.argtypes += [ctypes.c_int, pointer, pointer]
-    function.restype = ctypes.c_int
-    library.write_cache.argtypes = [pointer] * 5 + [i64] * 6 + [ctypes.c_int, pointer, pointer]
-    library.write_cache.restype = ctypes.c_int
-    library.residual_rms_norm.argtypes = [pointer, pointer, ctypes.c_int, pointer, i64, i64]
-    library.residual_rms_norm.argtypes += [ctypes.c_float, pointer, pointer, ctypes.c_int]
-    library.residual_rms_norm.restype = None
-    library.decode_pattern.argtypes = [pointer] * 3 + [i64] * 7 + [pointer] * 4 + [i64]
-    library.decode_pattern.restype = i64
-    library.key_bound_scores.argtypes = [pointer, pointer, ctypes.c_int, pointer] + [i64] * 6
-    library.key_bound_scores.argtypes += [pointer, i64]
-    library.key_bound_scores.restype = ctypes.c_int
-    library.key_digest_scores.argtypes = [pointer] * 4 + [i64] * 6 + [ctypes.c_float, pointer, i64]
-    library.key_digest_scores.restype = ctypes.c_int
-    library.sketch_block_scores.argtypes = sketch = [pointer] * 5 + [i64] * 7 + [f32, pointer, i64]
-    library.sketch_token_pattern.argtypes = [*sketch, pointer, i64, i64, pointer, pointer]
-    library.sketch_block_scores.restype = library.sketch_token_pattern.restype = ctypes.c_int
-    library.project_queries.argtypes = [pointer, pointer] + [i64] * 5 + [pointer]
-    library.project_queries.restype = None
-    library.token_offsets.argtypes = [pointer, pointer] + [i64] * 5 + [pointer]
-    library.token_offsets.restype = ctypes.c_int
-    library.keep_largest.argtypes = [pointer, pointer, i64, i64, pointer, pointer]
-    library.keep_largest.restype = None
-    library.update_block_summaries.argtypes = [pointer] * 4 + [ctypes.c_int, pointer] + [i64] * 5
-    library.update_block_summaries.argtypes += [pointer, i64, pointer, ctypes.c_int] + [pointer] * 3
-    library.update_block_summaries.restype = None
-    library.observe_block_mass.argtypes = [pointer] * 5 + [i64] * 3
-    library.observe_block_mass.restype = None
-    library.score_rows.argtypes = [pointer, i64, i64, pointer, i64, i64] + [pointer] * 4
-    library.score_rows.restype = ctypes.c_int
-    library.top_ids.argtypes = [pointer, i64, i64, i64, i64, pointer]
-    library.top_ids.restype = ctypes.c_int
-    library.rotate_heads.argtypes = [pointer] + [i64] * 4 + [pointer, pointer]
-    library.rotate_heads.restype = None
-    library.norm_heads.argtypes = [pointer] + [i64] * 4 + [pointer, ctypes.c_float]
-    library.norm_heads.restype = None
-    library.gated_activation.argtypes = [pointer, i64, i64, i64, pointer]
-    library.gated_activation.restype = None
-    library.decoder_work_floats.argtypes = [pointer, i64, i64]
-    library.decoder_work_floats.restype = i64
-    library.decode_layers.argtypes = [pointer, pointer, i64, pointer]
-    library.decode_layers.restype = ctypes.c_int
-    library.gguf_strings_end.argtypes = [pointer, i64, i64, i64]
-    library.gguf_strings_end.restype = i64
-    library.gguf_strings_join.argtypes = [pointer, i64, i64, pointer]
-    library.gguf_strings_join.restype = ctypes.c_int
+    for name, (restype, *argtypes) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
     return library
 
 
