@@ -166,14 +166,14 @@ GEMMA_COPY_ARMS = (
 )
 
 
-def copy_table(name: str, arms, context: int, result: str) -> Table:
+def copy_table(name: str, arms, context: int, result: str, batch: int = 4) -> Table:
     """The key copy's arms beside the oracle's and the bounds', a row per share, in one run."""
     rows = (
         Row((chosen, f"{s * 100:g} %"), Pick(labels={"arm": f"{before}{s}{after}"}))
         for chosen, before, after, shares in arms
         for s in shares
     )
-    labels = {"workload": "teacher-forced", "batch": 4, "context": context, "vs": "dense"}
+    labels = {"workload": "teacher-forced", "batch": batch, "context": context, "vs": "dense"}
     return fidelity_table(name, rows, labels, ("ranking", "share kept"), result)
 
 
@@ -183,6 +183,13 @@ GEMMA_ENGINE_KEY_COPY = copy_table(
     GEMMA_COPY_ARMS,
     8192,
     "fidelity/2026-11-29-d3d36cb-gemma-key-copy.json",
+)
+GEMMA_ENGINE_KEY_COPY_32K = copy_table(
+    "pruning_key_copy_gemma_32k",
+    GEMMA_COPY_ARMS,
+    32000,
+    "fidelity/2026-11-29-31fbad2-gemma-key-copy-32k.json",
+    batch=1,
 )
 COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
@@ -233,5 +240,6 @@ TABLES = (
     TOKEN_PASSKEYS,
     ENGINE_KEY_COPY,
     GEMMA_ENGINE_KEY_COPY,
+    GEMMA_ENGINE_KEY_COPY_32K,
     ENGINE_COPY_PASSKEYS,
 )
