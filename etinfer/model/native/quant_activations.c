@@ -20,7 +20,24 @@ static void quantize_block(const float *x, int64_t count, float *d, int8_t *q) {
     for (int64_t i = 0; i < count; ++i) amax = fmaxf(amax, fabsf(x[i]));
     *d = amax / 127.0f;
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
+    int64_t i = 0;
+    /* roundf eight at a time (it was a library call a value, 2 % of a pruned step at batch 8):
+     * truncate, then step away from zero where the dropped fraction is a half or more (exact:
+     * x - trunc(x) is, for |x| <= 127). */
+    const __m256 scale = _mm256_set1_ps(inverse), half = _mm256_set1_ps(0.5f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= count; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scale);
+        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 away = _mm256_and_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)),
+                                                        half, _CMP_GE_OQ),
+                                          _mm256_or_ps(one, _mm256_and_ps(sign, v)));
+        const __m256i codes = _mm256_cvttps_epi32(_mm256_add_ps(t, away));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes),
+                                              _mm256_extracti128_si256(codes, 1));
+        _mm_storel_epi64((__m128i *)(void *)(q + i), _mm_packs_epi16(words, words));
+    }
+    for (; i < count; ++i) q[i] = (int8_t)roundf(x[i] * inverse);
 }
 
 /* A block's codes and scale, then, where asked (d2 and q2 not NULL), the codes and scale of what
