@@ -86,7 +86,7 @@ class _Step(ctypes.Structure):
         *((name, _i64 * 2) for name in ("nnz", "attention_threads")),
         ("fresh", _pointer),
         ("num_fresh", _i64),
-        # Single tokens (``_TokenStep``).
+        # Single tokens (``TokenStep``).
         *((name, _pointer) for name in ("tables", "lens", "budgets")),
         *((name, _i64) for name in ("width", "sink", "recent")),
         *((name, _pointer) for name in ("token_crow", "token_cols", "token_outside")),
@@ -180,13 +180,13 @@ class NativeDecoder:
         bounds = cache.key_bounds
         self.choice = choice
         # The layers that choose single tokens, and their maps as the C reads them.
-        self.choosing: list[int] = []
+        self.choosing: frozenset[int] = frozenset()
         maps = None
         if choice is not None:
             assert cache.key_sketch is not None, "a cache that keeps the key copy"
             maps = choice.query_maps.to(torch.float32).contiguous()
             local = attention.local_layers
-            self.choosing = [i for i in range(choice.dense_layers, len(layers)) if i not in local]
+            self.choosing = frozenset(range(choice.dense_layers, len(layers))) - local
         self.shape = _Shape(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, cache.num_slots, native_kernels.KV_KINDS[cache.dtype],
@@ -249,9 +249,8 @@ class NativeDecoder:
         patterns = [pattern or meta.dense_pattern, (meta.local or meta).dense_pattern]
         tables = [(a.cos.contiguous(), a.sin.contiguous()) for a in (angles[0], angles[-1])]
         entries = [p.cols.shape[0] for p in patterns]
-        tokens = None
-        if any(index in self.choosing for index in layers):
-            tokens = TokenStep.of(self.choice, self.shape, meta, len(layers))
+        chosen = [index for index in layers if index in self.choosing]
+        tokens = TokenStep.of(self.choice, self.shape, meta, len(layers)) if chosen else None
         most = max([*entries, tokens.nnz if tokens else 0])
         floats = self.native.decoder_work_floats(ctypes.byref(self.shape), x.shape[0], most)
         work = torch.empty(floats)
@@ -277,10 +276,9 @@ class NativeDecoder:
         if status:
             raise RuntimeError(f"the native decoder failed at stage code {status}")
         if tokens is not None and meta.telemetry is not None:
-            for index in layers:
-                if index in self.choosing:
-                    visible = tokens.kept[index - layers.start]
-                    meta.telemetry.record(PrunedLayer(index, None, visible, None, None))
+            for index in chosen:
+                visible = tokens.kept[index - layers.start]
+                meta.telemetry.record(PrunedLayer(index, None, visible, None, None))
         return x
 
 

@@ -42,8 +42,8 @@ typedef struct {
     float *mass, *value_sums, *key_moments;
     int64_t observed;
     /* A layer that keeps single tokens (control/key_sketch.py): its query map [kv_heads, head_dim,
-     * sketch_rank] and the cache's low-rank copy of its keys (codes [kv_heads, slots, rank] int8,
-     * their scales [kv_heads, slots]); else NULL. */
+     * sketch_rank] and the cache's low-rank copy of its keys (codes int8 in model/key_copy.py's
+     * layout, their scales [kv_heads, slots]); else NULL. */
     const float *query_map;
     const int8_t *codes;
     const float *code_scales;
