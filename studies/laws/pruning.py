@@ -30,8 +30,6 @@ from etinfer import options
 from etinfer.bench.common.fidelity import (
     corpus_tokens,
     forced_log_probs,
-    passkey_accuracy,
-    passkey_cases,
     teacher_forced,
 )
 from etinfer.bench.common.results import Figure, add_result_option, recorded
@@ -42,9 +40,10 @@ from etinfer.llm import LLM
 from etinfer.model.config import ModelConfig
 from etinfer.options import positive_int
 from studies import PROGRAM
-from studies.laws.pruning_arms import Arm, Rankings, add_ranking_options, arms
+from studies.laws.pruning_arms import Rankings, add_ranking_options, arms
 from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
+from studies.laws.pruning_passkeys import passkey_rows
 from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
 from studies.laws.pruning_speed import speed_rows
 
@@ -114,34 +113,6 @@ def engine_sketch_share(config: PruningConfig, model: ModelConfig) -> float:
     return (config.rank_for(model.head_dim) + 4) / (2 * 2 * model.head_dim)
 
 
-def passkey_rows(llm: LLM, runs: list[Arm], lengths: tuple[int, ...]) -> list[dict]:
-    """Every case under every arm (a configuration None: dense). One length at a time, so that
-    the pool keeps its prompts: after the first arm they come from the prefix cache, and each
-    further one costs only its decode steps."""
-    rows = []
-    for haystack in ("repeated", "varied"):
-        found: dict[str, list[bool]] = {name: [] for name, _, _ in runs}
-        for length in lengths:
-            cases = passkey_cases(llm.tokenizer, (length,), haystack)
-            hits = {}
-            for name, config, selector in runs:
-                llm.engine.set_pruning(config, selector)
-                hits[name] = passkey_accuracy(llm, cases)
-                found[name] += hits[name]
-            for i, case in enumerate(cases):
-                rows.append(
-                    {"haystack": haystack, "length": case.length, "depth": case.depth}
-                    | {name: h[i] for name, h in hits.items()}
-                )
-        print(
-            f"  passkey {haystack}: "
-            + ", ".join(f"{name} {sum(h)}/{len(h)}" for name, h in found.items()),
-            flush=True,
-        )
-    llm.engine.set_pruning(None)
-    return rows
-
-
 def dense_layer_sweep(
     llm: LLM, corpus: list[int], context: int, steps: int, counts: tuple[int, ...]
 ) -> list[dict]:
@@ -185,6 +156,18 @@ def engine(args: argparse.Namespace) -> LLM:
         max_num_seqs=max(max(args.batches), 16),
         num_kvcache_blocks=max(max(args.batches), 6) * (longest // args.block_size + 8) + 64,
         **options.engine_kwargs(args),
+    )
+
+
+def dense_engine(args: argparse.Namespace) -> LLM:
+    """A dense engine like ``engine``'s whose attention is the torch kernel: the passkeys' other
+    exact dense computation (``pruning_passkeys.py``)."""
+    longest = max(args.passkey_lengths) + 128
+    return LLM(
+        args.model,
+        max_num_seqs=16,
+        num_kvcache_blocks=6 * (longest // args.block_size + 8) + 64,
+        **options.engine_kwargs(args) | {"attention_backend": "torch"},
     )
 
 
@@ -253,7 +236,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             corpus[-(context + steps) :], context, steps,
         )  # fmt: skip
         lengths = tuple(args.passkey_lengths)
-        report["passkey"] = passkey_rows(llm, [("dense", None, None), *runs], lengths)
+        dense = [("dense", None, None)]
+        report["passkey"] = passkey_rows(llm, dense + runs, lengths, lambda: dense_engine(args))
         save()
     if "layers" in parts:
         print("dense layers", flush=True)

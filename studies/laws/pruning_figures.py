@@ -7,6 +7,8 @@ layers dense."""
 from __future__ import annotations
 
 from etinfer.bench.common.results import Figure
+from studies.laws.pruning_passkeys import DENSE as DENSE_ARM
+from studies.laws.pruning_passkeys import RECHECK, lost_by_both
 
 DENSE = {"vs": "dense"}
 
@@ -84,22 +86,22 @@ def bytes_read(row: dict) -> float:
 
 def passkey_figures(rows: list[dict], setting: dict) -> list[Figure]:
     """Passkeys found per configuration (dense too) and haystack, over every length and
-    depth (``setting``: the engine's labels, ``setting_labels``)."""
+    depth, and per pruned configuration the cases it lost that dense found under both of its
+    kernels (``pruning_passkeys.py``; ``setting``: the engine's labels, ``setting_labels``)."""
     found: dict[tuple[str, str], list[bool]] = {}
     for row in rows:
         for name, hit in row.items():
-            if name not in ("haystack", "length", "depth"):
+            if name not in ("haystack", "length", "depth", RECHECK):
                 found.setdefault((name, row["haystack"]), []).append(hit)
-    return [
-        Figure(
-            "passkeys found",
-            sum(hits),
-            "count",
-            {"arm": arm, "workload": haystack} | setting,
-            n=len(hits),
-        )
-        for (arm, haystack), hits in found.items()
-    ]
+    figures = []
+    for (arm, haystack), hits in found.items():
+        labels = {"arm": arm, "workload": haystack} | setting
+        figures.append(Figure("passkeys found", sum(hits), "count", labels, n=len(hits)))
+        if arm != DENSE_ARM:
+            of_haystack = [row for row in rows if row["haystack"] == haystack]
+            lost = lost_by_both(of_haystack, arm)
+            figures.append(Figure("passkeys lost", lost, "count", labels, n=len(hits)))
+    return figures
 
 
 def layer_figures(rows: list[dict]) -> list[Figure]:
