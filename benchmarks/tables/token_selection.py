@@ -222,6 +222,38 @@ ENGINE_COPY_PASSKEYS = Table(
     Pick(benchmark="fidelity", kind=AVX512),
 )
 
+# Each case an arm lost that dense found, asked again of dense by the torch kernel.
+RECHECKED_PASSKEYS = "fidelity/2026-11-29-6216e14-key-copy-passkeys-rechecked.json"
+ENGINE_COPY_PASSKEYS_RECHECKED = Table(
+    "pruning_key_copy_passkeys_rechecked",
+    ("configuration",),
+    (
+        *TOKEN_PASSKEYS.columns,
+        *(
+            Column(
+                f"lost that both dense kernels find, {name}",
+                Pick(subject="passkeys lost", unit="count", labels={"workload": workload}),
+                f"lost {workload}",
+            )
+            for name, workload in (("repeated", "repeated"), ("prose", "varied"))
+        ),
+    ),
+    tuple(
+        Row(
+            (name,),
+            Pick(labels={"arm": arm}),
+            {"lost repeated": "-", "lost varied": "-"} if arm == "dense" else {},
+        )
+        for name, arm in (
+            ("dense", "dense"),
+            ("`sketch-tokens`, 8 %", "tokens-share-0.08"),
+            ("`sketch-tokens`, 12.5 %", "tokens-share-0.125"),
+            ("`sketch`, 12.5 %", "sketch-share-0.125"),
+        )
+    ),
+    Pick(benchmark="fidelity", kind=AVX512, result=RECHECKED_PASSKEYS),
+)
+
 ENGINE_COPY_STEP = step_table(
     "pruning_key_copy_step_held",
     (
@@ -242,4 +274,5 @@ TABLES = (
     GEMMA_ENGINE_KEY_COPY,
     GEMMA_ENGINE_KEY_COPY_32K,
     ENGINE_COPY_PASSKEYS,
+    ENGINE_COPY_PASSKEYS_RECHECKED,
 )

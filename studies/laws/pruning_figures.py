@@ -86,8 +86,9 @@ def bytes_read(row: dict) -> float:
 
 def passkey_figures(rows: list[dict], setting: dict) -> list[Figure]:
     """Passkeys found per configuration (dense too) and haystack, over every length and
-    depth, and per pruned configuration the cases it lost that dense found under both of its
-    kernels (``pruning_passkeys.py``; ``setting``: the engine's labels, ``setting_labels``)."""
+    depth; per pruned configuration the cases it lost of those dense found (n), counting only
+    those dense finds under both of its kernels (``pruning_passkeys.py``). ``setting``: the
+    engine's labels (``setting_labels``)."""
     found: dict[tuple[str, str], list[bool]] = {}
     for row in rows:
         for name, hit in row.items():
@@ -99,8 +100,8 @@ def passkey_figures(rows: list[dict], setting: dict) -> list[Figure]:
         figures.append(Figure("passkeys found", sum(hits), "count", labels, n=len(hits)))
         if arm != DENSE_ARM:
             of_haystack = [row for row in rows if row["haystack"] == haystack]
-            lost = lost_by_both(of_haystack, arm)
-            figures.append(Figure("passkeys lost", lost, "count", labels, n=len(hits)))
+            lost, dense_found = lost_by_both(of_haystack, arm), sum(found[DENSE_ARM, haystack])
+            figures.append(Figure("passkeys lost", lost, "count", labels, n=dense_found))
     return figures
 
 

@@ -27,5 +27,6 @@ def test_figures_count_found_and_lost_and_leave_the_recheck_out():
     assert figures["passkeys found", "dense"].value == 3
     assert figures["passkeys found", "tokens"].value == 2
     assert figures["passkeys lost", "tokens"].value == 1
+    assert figures["passkeys lost", "tokens"].n == 3  # of the cases dense found
     assert ("passkeys lost", "dense") not in figures
     assert not any(RECHECK in arm for _, arm in figures)
