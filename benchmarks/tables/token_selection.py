@@ -191,6 +191,13 @@ GEMMA_ENGINE_KEY_COPY_32K = copy_table(
     "fidelity/2026-11-29-31fbad2-gemma-key-copy-32k.json",
     batch=1,
 )
+GEMMA_ENGINE_KEY_COPY_32K_BATCH2 = copy_table(
+    "pruning_key_copy_gemma_32k_batch2",
+    (*GEMMA_COPY_ARMS[:2], (*GEMMA_COPY_ARMS[2][:3], (0.08, 0.1, 0.125))),
+    32000,
+    "fidelity/2026-11-29-29da34e-gemma-key-copy-32k-batch2.json",
+    batch=2,
+)
 COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
     24: "fidelity/2026-11-29-58aa9f8-key-copy-passkeys.json",
@@ -273,6 +280,7 @@ TABLES = (
     ENGINE_KEY_COPY,
     GEMMA_ENGINE_KEY_COPY,
     GEMMA_ENGINE_KEY_COPY_32K,
+    GEMMA_ENGINE_KEY_COPY_32K_BATCH2,
     ENGINE_COPY_PASSKEYS,
     ENGINE_COPY_PASSKEYS_RECHECKED,
 )
