@@ -38,7 +38,7 @@ CONFIGS = {
 # The budget laws side by side at a few settings each, for the bytes-against-KL frontier: fixed
 # shares prune from any context (the scorers' defaults wait for where they pay, 8K for those that
 # rank by each layer's query, past the fidelity runs' 6K).
-for share in (0.08, 0.1, 0.125, 0.175, 0.2, 0.35):
+for share in (0.08, 0.1, 0.125, 0.15, 0.175, 0.2, 0.35):
     bases = (("bound", BOUND), ("reused", REUSED), ("digest", DIGEST), ("sketch", SKETCH))
     bases += (("tokens", TOKENS),)
     for prefix, base in bases:
