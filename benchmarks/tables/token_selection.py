@@ -198,6 +198,25 @@ GEMMA_ENGINE_KEY_COPY_32K_BATCH2 = copy_table(
     "fidelity/2026-11-29-29da34e-gemma-key-copy-32k-batch2.json",
     batch=2,
 )
+# A rank-48 copy on Gemma 3 (half the default's bytes), more tokens for the same reads.
+GEMMA_RANK48_ARMS = (
+    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.2,)),
+    ("`bound` (key bounds), blocks", "bound-share-", "", (0.2,)),
+    ("`sketch-tokens`, rank 48", "tokens-share-", "", (0.125, 0.15, 0.175)),
+)
+GEMMA_ENGINE_KEY_COPY_32K_RANK48 = copy_table(
+    "pruning_key_copy_gemma_32k_rank48",
+    GEMMA_RANK48_ARMS,
+    32000,
+    "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch2.json",
+    batch=2,
+)
+GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4 = copy_table(
+    "pruning_key_copy_gemma_32k_rank48_batch4",
+    (*GEMMA_RANK48_ARMS[:2], (*GEMMA_RANK48_ARMS[2][:3], (0.125, 0.15))),
+    32000,
+    "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch4.json",
+)
 COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
     24: "fidelity/2026-11-29-58aa9f8-key-copy-passkeys.json",
@@ -281,6 +300,8 @@ TABLES = (
     GEMMA_ENGINE_KEY_COPY,
     GEMMA_ENGINE_KEY_COPY_32K,
     GEMMA_ENGINE_KEY_COPY_32K_BATCH2,
+    GEMMA_ENGINE_KEY_COPY_32K_RANK48,
+    GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4,
     ENGINE_COPY_PASSKEYS,
     ENGINE_COPY_PASSKEYS_RECHECKED,
 )
