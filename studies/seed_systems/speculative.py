@@ -4,7 +4,10 @@ Two workloads, both chat-templated: ``chat`` (the instructions of ``bench/common
 ``copy`` (rewrite a passage of Python's own reference documentation, ``pydoc_data``, shipped with
 the standard library, word for word: summarising or editing text repeats long runs of it). Each
 drafting setting runs every batch size on its own engine over the same weights; the rounds
-alternate settings and the best round is kept (a shared machine). Greedy decoding, so every
+alternate settings. A setting's rate is its best round; its ratio to the plain engine is the
+median over rounds of the two rates measured in the same round, with their range (a shared
+machine moves plain decoding by a tenth between rounds, and a ratio of two bests carries both
+rounds' luck). Greedy decoding, so every
 setting produces the same tokens and only the time differs (the tests check the equality).
 
     python -m studies speculative --batches 1 4 16
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
+from statistics import median
 
 from etinfer import LLM, ControlConfig, SamplingParams, SpeculativeConfig, options
 from etinfer.bench.common.machine import cpu_flags
@@ -95,7 +99,9 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
     for name in names:
         engines[name] = LLM(loaded, max_num_seqs=max(args.batches), **SETTINGS[name])
     results: dict[tuple[str, str, int], dict] = {}
+    rounds: list[dict[tuple[str, str, int], float]] = []
     for _ in range(args.repeats):
+        rounds.append({})
         for kind in args.workloads:
             for batch in args.batches:
                 for name in names:
@@ -104,6 +110,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
                     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm
                     result = generate_timed(llm, prompts, args.max_tokens)
                     key = (kind, name, batch)
+                    rounds[-1][key] = result["tok_s"]
                     if key not in results or result["tok_s"] > results[key]["tok_s"]:
                         results[key] = result
                     print(f"{kind} b={batch} {name}: {result['tok_s']:.1f} tok/s", flush=True)
@@ -115,7 +122,12 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         same = None if base is None else r["tokens"] == base["tokens"]
         row = {"workload": kind, "setting": name, "batch": batch, "tok_s": r["tok_s"]}
         rows.append(row | {"acceptance": r["acceptance"], "same_tokens": same})
-    return figures(results), {"device": engine_device({}), "rows": rows}
+    details = {"device": engine_device({}), "rows": rows}
+    details["rounds"] = [
+        [{"workload": k, "setting": n, "batch": b, "tok_s": v} for (k, n, b), v in r.items()]
+        for r in rounds
+    ]
+    return figures(results, rounds), details
 
 
 def reference(name: str) -> str:
@@ -124,15 +136,19 @@ def reference(name: str) -> str:
     return "plain, paper's layers" if "paper" in name else "plain"
 
 
-def figures(results: dict) -> list[Figure]:
+def figures(results: dict, rounds: list[dict[tuple[str, str, int], float]]) -> list[Figure]:
+    """Each setting's best rate, its ratio to its reference (the median of the rounds' ratios,
+    their range as the spread) and its acceptance."""
     found = []
     for (kind, name, batch), r in results.items():
         labels = {"workload": kind, "arm": name, "batch": batch}
-        found.append(Figure("throughput", r["tok_s"], "tok/s", labels))
-        base = results.get((kind, reference(name), batch))
-        if base is not None and name != reference(name):
+        found.append(Figure("throughput", r["tok_s"], "tok/s", labels, n=len(rounds)))
+        base = (kind, reference(name), batch)
+        if base in results and name != reference(name):
+            ratios = [tok_s[kind, name, batch] / tok_s[base] for tok_s in rounds]
+            spread = {"min": min(ratios), "max": max(ratios)}
             versus = labels | {"vs": reference(name)}
-            found.append(Figure("throughput", r["tok_s"] / base["tok_s"], "x", versus))
+            found.append(Figure("throughput", median(ratios), "x", versus, spread, len(ratios)))
         if r["acceptance"] is not None:
             found.append(Figure("acceptance", 100 * r["acceptance"], "%", labels))
     return found
