@@ -43,7 +43,7 @@ from studies import PROGRAM
 from studies.laws.pruning_arms import Rankings, add_ranking_options, arms
 from studies.laws.pruning_configs import BOUND, CONFIGS
 from studies.laws.pruning_figures import figures
-from studies.laws.pruning_passkeys import passkey_rows
+from studies.laws.pruning_passkeys import DENSE, passkey_rows
 from studies.laws.pruning_plots import plot_blocks_against_entropy, plot_bytes_against_kl
 from studies.laws.pruning_speed import speed_rows
 
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
             corpus[-(context + steps) :], context, steps,
         )  # fmt: skip
         lengths = tuple(args.passkey_lengths)
-        dense = [("dense", None, None)]
+        dense = [(DENSE, None, None)]
         report["passkey"] = passkey_rows(llm, dense + runs, lengths, lambda: dense_engine(args))
         save()
     if "layers" in parts:

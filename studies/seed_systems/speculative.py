@@ -7,8 +7,8 @@ drafting setting runs every batch size on its own engine over the same weights; 
 alternate settings. A setting's rate is its best round; its ratio to the plain engine is the
 median over rounds of the two rates measured in the same round, with their range (a shared
 machine moves plain decoding by a tenth between rounds, and a ratio of two bests carries both
-rounds' luck). Greedy decoding, so every
-setting produces the same tokens and only the time differs (the tests check the equality).
+rounds' luck). Greedy decoding, so every setting produces the same tokens and only the time
+differs (the tests check the equality).
 
     python -m studies speculative --batches 1 4 16
 
