@@ -166,6 +166,12 @@ GEMMA_COPY_ARMS = (
 )
 
 
+def with_token_shares(arms, shares: tuple[float, ...]):
+    """``arms`` with their last one (single tokens) at ``shares``."""
+    *blocks, (chosen, before, after, _) = arms
+    return (*blocks, (chosen, before, after, shares))
+
+
 def copy_table(name: str, arms, context: int, result: str, batch: int = 4) -> Table:
     """The key copy's arms beside the oracle's and the bounds', a row per share, in one run."""
     rows = (
@@ -193,7 +199,7 @@ GEMMA_ENGINE_KEY_COPY_32K = copy_table(
 )
 GEMMA_ENGINE_KEY_COPY_32K_BATCH2 = copy_table(
     "pruning_key_copy_gemma_32k_batch2",
-    (*GEMMA_COPY_ARMS[:2], (*GEMMA_COPY_ARMS[2][:3], (0.08, 0.1, 0.125))),
+    with_token_shares(GEMMA_COPY_ARMS, (0.08, 0.1, 0.125)),
     32000,
     "fidelity/2026-11-29-29da34e-gemma-key-copy-32k-batch2.json",
     batch=2,
@@ -213,7 +219,7 @@ GEMMA_ENGINE_KEY_COPY_32K_RANK48 = copy_table(
 )
 GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4 = copy_table(
     "pruning_key_copy_gemma_32k_rank48_batch4",
-    (*GEMMA_RANK48_ARMS[:2], (*GEMMA_RANK48_ARMS[2][:3], (0.125, 0.15))),
+    with_token_shares(GEMMA_RANK48_ARMS, (0.125, 0.15)),
     32000,
     "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch4.json",
 )
