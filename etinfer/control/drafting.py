@@ -20,11 +20,23 @@ draft pays depends on the host and the model as much as on the text (an early ex
 layers gained 1.33x on copying on one host and lost 0.75x on another), so the engine times its
 steps (``DraftCosts``: a plain step's seconds, and what each token asked of the drafter adds to
 a step, drafting and verifying it, in plain steps; an early exit that stops at its first unsure
-token has run its layers all the same) and each sequence weighs what its drafting steps gained
-(tokens accepted) against what they cost (``SpeculationState.payoff``). A sequence whose drafts
-do not pay (by ``PAY_MARGIN`` tokens a step) rests from drafting for 1, 2, 4 ... 64 steps,
-then drafts one token to measure again, and comes back to its full length by halving its rest
-each time drafts pay; the configured ``fixed`` schedule, a reference, always drafts.
+token has run its layers all the same, where a lookup that finds nothing has cost nothing) and
+each sequence weighs what its drafting steps gained (tokens accepted) against what they cost
+(``SpeculationState.payoff``). A sequence whose drafts do not pay (by ``PAY_MARGIN`` tokens a
+step) rests from drafting for 1, 2, 4 ... 64 steps, then drafts one token to measure again, and
+comes back to its full length by halving its rest each time drafts pay; the configured ``fixed``
+schedule, a reference, always drafts.
+
+**What finished requests say of the drafter.** A sequence learns alone, and learning costs: a
+first draft at full length and seven one-token tries in 128 tokens took about 5 % off an early
+exit that never pays on this host (0.94-0.98x plain decoding, BENCHMARKS.md). So the engine
+also keeps, from the requests that finished, whether their drafts paid all told
+(``DraftCosts.request_finished``): after one that did not, new sequences try one token first
+rather than their full length, and a try that does not pay rests them at least as long as that
+request came to rest (``start_rest``, doubled by each such request up to ``MAX_START_REST``);
+a request whose drafts paid halves it. A passage to copy is still found at its first token
+(the one-token try pays and the length grows from there), where an engine-wide rest before the
+first try took prompt lookup on copying from 1.99x to 1.67x.
 
 From ``disable_batch_size`` decoding sequences on no one drafts (vLLM's
 ``speculative_disable_by_batch_size``): a batch already shares the weight reads that verification
@@ -51,6 +63,7 @@ DRAFT_SCHEDULES = ("entropy", "fixed", "heuristic")
 MAX_DRAFT_TOKENS = 16
 MEMORY = 0.3  # the weight of the latest measurement in the running estimates
 MAX_REST = 64  # steps: the longest a sequence whose drafts do not pay rests before drafting again
+MAX_START_REST = 1024  # ... and the longest, where finished requests' drafts did not pay either
 # Tokens a drafting step must gain beyond its measured cost to count as paying: where drafts
 # only break even, the noise of timing one step decides, and a wrong guess costs (BENCHMARKS.md)
 PAY_MARGIN = 0.25
@@ -159,6 +172,9 @@ class DraftCosts:
     plain_seconds: dict[int, float] = field(default_factory=dict)
     plain_measured: dict[int, int] = field(default_factory=dict)
     per_draft: float | None = None  # in plain steps; None until both kinds were timed
+    # The least a sequence rests after a try that does not pay: 0 while finished requests'
+    # drafts paid; while it is not, a sequence's first try is one token.
+    start_rest: int = 0
 
     def observe(self, step: int, rows: int, asked: int, seconds: float) -> None:
         """A decode-only step ``step`` of ``rows`` sequences took ``seconds``, drafting
@@ -169,6 +185,15 @@ class DraftCosts:
             self.plain_measured[rows] = step
         elif plain is not None:
             self.per_draft = running_mean(self.per_draft, (seconds - plain) / (asked * plain))
+
+    def request_finished(self, state: SpeculationState) -> None:
+        """Learn from a finished request's drafting steps whose cost was weighed, all told."""
+        if not state.weighed_steps:
+            return
+        if state.gained > PAY_MARGIN * state.weighed_steps:
+            self.start_rest //= 2
+        else:
+            self.start_rest = min(max(state.rest, 2 * self.start_rest), MAX_START_REST)
 
     def needs_plain(self, step: int, rows: int) -> bool:
         """Whether step ``step`` of ``rows`` decoding sequences should run without drafts, to
@@ -188,6 +213,8 @@ class SpeculationState:
     payoff: float | None = None  # tokens a drafting step gains beyond its cost (running mean)
     rest: int = 0  # steps it rested last: doubled after each drafting step that does not pay
     resume_at: int = 0  # the output token from which it drafts again
+    gained: float = 0.0  # tokens its weighed drafting steps gained beyond their cost, in all
+    weighed_steps: int = 0
 
     def record(
         self,
@@ -197,10 +224,13 @@ class SpeculationState:
         cost: float | None = None,
         output_tokens: int = 0,
         asked: int | None = None,
+        least_rest: int = 0,
     ) -> None:
         """A step verified ``drafted`` tokens and accepted ``accepted`` of them, after the
         drafter was asked for ``asked`` (None: ``drafted``), each costing ``cost`` tokens of
-        the step (None: not measured yet); the sequence has ``output_tokens`` tokens now."""
+        the step (None: not measured yet); the sequence has ``output_tokens`` tokens now. A
+        step that does not pay rests it at least ``least_rest`` steps (what
+        ``DraftCosts.start_rest`` says)."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.draft_length = next_draft_length(config, self.draft_length, drafted, accepted)
@@ -208,6 +238,8 @@ class SpeculationState:
         if not asked or cost is None:
             return
         gain = accepted - asked * cost
+        self.gained += gain
+        self.weighed_steps += 1
         # After a rest the text may have changed (a passage to copy begins): measured afresh.
         self.payoff = gain if self.rest else running_mean(self.payoff, gain)
         if self.payoff > PAY_MARGIN:
@@ -216,7 +248,7 @@ class SpeculationState:
             self.rest //= 2
             self.resume_at = 0
         else:
-            self.rest = min(max(1, 2 * self.rest), MAX_REST)
+            self.rest = max(min(max(1, 2 * self.rest), MAX_REST), least_rest)
             self.resume_at = output_tokens + self.rest
 
     def next_length(self, output_tokens: int) -> int | None:
@@ -259,4 +291,6 @@ class SpeculativeShaper(StepShaper):
             return 0
         if schedule != "fixed" and entry.draft_length is not None:
             return entry.draft_length
+        if self.costs is not None and self.config.weighs_cost and self.costs.start_rest:
+            return 1  # its first try, where finished requests' drafts did not pay
         return self.config.num_draft_tokens

@@ -5,6 +5,7 @@ import pytest
 
 from etinfer.control.drafting import (
     MAX_REST,
+    MAX_START_REST,
     PLAIN_REFRESH,
     DraftCosts,
     SpeculationState,
@@ -106,3 +107,48 @@ def test_asking_the_drafter_costs_even_where_it_drafts_nothing():
     state = SpeculationState()
     state.record(ENTROPY, drafted=0, accepted=0, cost=0.3, output_tokens=5, asked=4)
     assert state.payoff < 0 and state.next_length(5) == 0
+
+
+def finished(gains: list[float], rest: int) -> SpeculationState:
+    """A finished request whose weighed drafting steps gained ``gains`` and which rests ``rest``."""
+    state = SpeculationState(rest=rest)
+    state.gained, state.weighed_steps = sum(gains), len(gains)
+    return state
+
+
+def test_finished_requests_whose_drafts_did_not_pay_make_new_sequences_rest_longer():
+    costs = DraftCosts()
+    costs.request_finished(SpeculationState())  # never weighed: says nothing
+    assert costs.start_rest == 0
+    costs.request_finished(finished([0.9, -0.5, 0.1], rest=0))  # paid all told
+    assert costs.start_rest == 0
+    costs.request_finished(finished([-0.4] * 7, rest=MAX_REST))
+    assert costs.start_rest == MAX_REST  # as long as that request came to rest
+    costs.request_finished(finished([-0.4], rest=1))
+    assert costs.start_rest == 2 * MAX_REST  # doubled by each such request ...
+    for _ in range(10):
+        costs.request_finished(finished([-0.4], rest=1))
+    assert costs.start_rest == MAX_START_REST  # ... up to its bound
+    costs.request_finished(finished([1.0, 2.0], rest=0))
+    assert costs.start_rest == MAX_START_REST // 2  # halved by one whose drafts paid
+
+
+def test_a_try_that_does_not_pay_rests_at_least_what_finished_requests_say():
+    state = SpeculationState()
+    state.record(ENTROPY, drafted=1, accepted=0, cost=0.4, output_tokens=3, least_rest=256)
+    assert state.rest == 256 and state.next_length(3 + 255) == 0 and state.next_length(259) == 1
+    copying = SpeculationState()  # a passage to copy: its one-token try pays, it drafts on
+    copying.record(ENTROPY, drafted=1, accepted=1, cost=0.1, output_tokens=3, least_rest=256)
+    assert copying.rest == 0 and copying.next_length(4) > 1
+
+
+def test_where_finished_requests_drafts_did_not_pay_a_sequence_tries_one_token_first():
+    costs = DraftCosts()
+    costs.observe(step=1, rows=1, asked=0, seconds=0.01)
+    shaper = SpeculativeShaper(ENTROPY, costs)
+    fresh = Decoding(SpeculationState())
+    assert shaper.shape(ControlRecord.build(2, (fresh,), ()), [fresh]).draft_lengths == (4,)
+    costs.start_rest = 64
+    assert shaper.shape(ControlRecord.build(3, (fresh,), ()), [fresh]).draft_lengths == (1,)
+    unweighed = SpeculativeShaper(SpeculativeConfig(weigh_cost=False), costs)
+    assert unweighed.shape(ControlRecord.build(4, (fresh,), ()), [fresh]).draft_lengths == (4,)

@@ -373,6 +373,32 @@ def test_drafts_rest_where_they_do_not_pay_and_go_on_where_they_do(make_llm):
     out = exit_drafts.generate([PROMPTS[3]], params)[0]
     assert out.token_ids == tokens(make_llm(), [PROMPTS[3]], params)[0]
     assert 0 < out.num_draft_tokens < 40  # a fixed length would draft 4 at each of 63 steps
+    # What the finished request says of the drafter carries to the next: it tries one token,
+    # and rests at least as long as the first came to.
+    costs = exit_drafts.engine.speculator.costs
+    assert costs.start_rest > 0
+    again = exit_drafts.generate([PROMPTS[0]], params)[0]
+    assert again.token_ids == tokens(make_llm(), [PROMPTS[0]], params)[0]
+    assert 0 < again.num_draft_tokens < out.num_draft_tokens
     lookup = make_llm(speculative=SpeculativeConfig(adaptive="heuristic"))
     copied = lookup.generate([COPYING[0]], params)[0]
     assert copied.num_accepted_tokens >= 20
+    assert lookup.engine.speculator.costs.start_rest == 0  # its drafts paid
+
+
+def test_a_lookup_that_finds_nothing_costs_nothing(make_llm):
+    """Prompt lookup asked for tokens where no earlier n-gram matches proposes none: no row
+    verifies anything, so the step is no drafting step to weigh (an early exit asked for
+    tokens has run its layers, proposed or not)."""
+    llm = make_llm(speculative=SpeculativeConfig(adaptive="heuristic", disable_batch_size=64))
+    engine = llm.engine
+    assert not engine.speculator.proposer.asking_costs
+    # Distinct ids: the sequence's last two tokens occur nowhere before them.
+    engine.add_request(list(range(100, 140)), SamplingParams(temperature=0, max_tokens=8))
+    while not engine.speculator.asked:  # the prefill, then a plain step timed first
+        engine.step()
+    (seq,) = engine.scheduler.running
+    assert engine.speculator.asked == {0: 0} and seq.speculation.weighed_steps == 0
+    assert engine.speculator.costs.per_draft is None  # timed as a plain step
+    while engine.has_unfinished_requests():
+        engine.step()

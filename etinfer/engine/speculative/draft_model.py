@@ -44,6 +44,8 @@ class _Shadow:
 
 
 class DraftModelProposer:
+    asking_costs = True  # the draft model runs for each token asked
+
     def __init__(
         self, engine: EngineConfig, vocab_size: int, max_model_len: int, num_blocks: int
     ) -> None:

@@ -27,6 +27,8 @@ class NgramProposer:
     this proposes at no model cost; elsewhere it mostly finds nothing and proposes nothing.
     """
 
+    asking_costs = False  # only what it proposes costs: the rows that verify it
+
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n
 

@@ -128,6 +128,8 @@ class EarlyExitDrafter:
     position runs the rows before it again (k(k+1)/2 rows for k drafts): a few rows cost about
     what one does, since the weights are read once per pass."""
 
+    asking_costs = True  # its layers run for each token asked, even past its first unsure one
+
     def __init__(
         self,
         runner: ModelRunner,

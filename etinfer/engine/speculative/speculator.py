@@ -30,6 +30,10 @@ from etinfer.model.tokenizer import Tokenizer
 
 
 class Proposer(Protocol):
+    # Whether asking it for tokens costs, proposed or not: a model's layers run for each token
+    # asked of them, where a lookup that finds nothing proposes nothing and costs nothing.
+    asking_costs: bool
+
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Up to ``limits[i]`` drafted tokens for each of ``seqs``; KV slots for that many
         are allocated (a drafter that runs model layers writes them)."""
@@ -79,8 +83,9 @@ class Speculator:
                 budget -= limit
         if not chosen:
             return
-        self.asked = dict(zip(chosen, limits, strict=True))
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
+        asked = limits if self.proposer.asking_costs else [len(p) for p in proposals]
+        self.asked = dict(zip(chosen, asked, strict=True))
         for i, drafts in zip(chosen, proposals, strict=True):
             batch.add_drafts(i, drafts)
 
@@ -100,8 +105,17 @@ class Speculator:
         ):
             seq, drafted = batch.seqs[index], len(batch.drafts[index])
             asked = self.asked.get(index, 0)
-            seq.speculation.record(
-                self.config, drafted, accepted, cost, seq.num_output_tokens, asked
+            state = seq.speculation
+            state.record(
+                self.config,
+                drafted,
+                accepted,
+                cost,
+                seq.num_output_tokens,
+                asked,
+                least_rest=self.costs.start_rest,
             )
+            if seq.finish_reason is not None:
+                self.costs.request_finished(state)
             # Who wrote each token: the drafter's accepted ones come first, then the model's.
             seq.token_models += [self.drafter] * accepted + [TARGET_MODEL] * (count - accepted)
