@@ -79,14 +79,21 @@ def workload(llm: LLM, kind: str, n: int) -> list[list[int]]:
 
 
 def generate_timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The rate, the acceptance, and the tokens asked of the drafter per 100 generated (what
+    drafting cost, whatever it proposed: the same count at any speed of the host)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    speculator = llm.engine.speculator
+    asked = 0 if speculator is None else speculator.tokens_asked
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     drafted = sum(o.num_draft_tokens for o in outs)
+    generated = sum(len(o.token_ids) for o in outs)
+    asked = None if speculator is None else speculator.tokens_asked - asked
     return {
-        "tok_s": sum(len(o.token_ids) for o in outs) / wall,
+        "tok_s": generated / wall,
         "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,
+        "asked": None if asked is None else 100 * asked / generated,
         "tokens": [o.token_ids for o in outs],
     }
 
@@ -100,8 +107,10 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         engines[name] = LLM(loaded, max_num_seqs=max(args.batches), **SETTINGS[name])
     results: dict[tuple[str, str, int], dict] = {}
     rounds: list[dict[tuple[str, str, int], float]] = []
+    asked: list[dict[tuple[str, str, int], float]] = []  # per round, where a drafter runs
     for _ in range(args.repeats):
         rounds.append({})
+        asked.append({})
         for kind in args.workloads:
             for batch in args.batches:
                 for name in names:
@@ -111,6 +120,8 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
                     result = generate_timed(llm, prompts, args.max_tokens)
                     key = (kind, name, batch)
                     rounds[-1][key] = result["tok_s"]
+                    if result["asked"] is not None:
+                        asked[-1][key] = result["asked"]
                     if key not in results or result["tok_s"] > results[key]["tok_s"]:
                         results[key] = result
                     print(f"{kind} b={batch} {name}: {result['tok_s']:.1f} tok/s", flush=True)
@@ -124,10 +135,13 @@ def run(args: argparse.Namespace) -> tuple[list[Figure], dict]:
         rows.append(row | {"acceptance": r["acceptance"], "same_tokens": same})
     details = {"device": engine_device({}), "rows": rows}
     details["rounds"] = [
-        [{"workload": k, "setting": n, "batch": b, "tok_s": v} for (k, n, b), v in r.items()]
-        for r in rounds
+        [
+            {"workload": k, "setting": n, "batch": b, "tok_s": v, "asked": a.get((k, n, b))}
+            for (k, n, b), v in r.items()
+        ]
+        for r, a in zip(rounds, asked, strict=True)
     ]
-    return figures(results, rounds), details
+    return figures(results, rounds) + asked_figures(asked), details
 
 
 def reference(name: str) -> str:
@@ -151,6 +165,22 @@ def figures(results: dict, rounds: list[dict[tuple[str, str, int], float]]) -> l
             found.append(Figure("throughput", median(ratios), "x", versus, spread, len(ratios)))
         if r["acceptance"] is not None:
             found.append(Figure("acceptance", 100 * r["acceptance"], "%", labels))
+    return found
+
+
+def asked_figures(asked: list[dict[tuple[str, str, int], float]]) -> list[Figure]:
+    """Per drafting setting, the tokens asked of its drafter per 100 generated: the median
+    over rounds, their range the spread, and the first round's (an engine learns there what
+    its drafter earns)."""
+    found = []
+    for key in asked[0] if asked else ():
+        kind, name, batch = key
+        values = [a[key] for a in asked]
+        labels = {"workload": kind, "arm": name, "batch": batch}
+        spread = {"min": min(values), "max": max(values)}
+        found.append(Figure("drafter tokens asked", median(values), "per 100", labels, spread))
+        first = labels | {"round": "first"}
+        found.append(Figure("drafter tokens asked", values[0], "per 100", first))
     return found
 
 

@@ -399,6 +399,7 @@ def test_a_lookup_that_finds_nothing_costs_nothing(make_llm):
         engine.step()
     (seq,) = engine.scheduler.running
     assert engine.speculator.asked == {0: 0} and seq.speculation.weighed_steps == 0
+    assert engine.speculator.tokens_asked == 0
     assert engine.speculator.costs.per_draft is None  # timed as a plain step
     while engine.has_unfinished_requests():
         engine.step()

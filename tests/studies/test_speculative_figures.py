@@ -1,7 +1,9 @@
 """The speculative study's ratios: the median over rounds of two rates measured in the same
 round, not the ratio of two bests from different rounds."""
 
-from studies.seed_systems.speculative import figures
+import pytest
+
+from studies.seed_systems.speculative import asked_figures, figures
 
 
 def test_ratio_is_the_median_of_same_round_ratios_with_their_range():
@@ -15,3 +17,14 @@ def test_ratio_is_the_median_of_same_round_ratios_with_their_range():
     assert ratio.labels["arm"] == "ngram entropy (default)" and ratio.labels["vs"] == "plain"
     assert ratio.value == 1.05
     assert ratio.spread == {"min": 0.9, "max": 1.05} and ratio.n == 3
+
+
+def test_tokens_asked_of_the_drafter_median_over_rounds_and_the_first_round():
+    key = ("copy", "self:10 entropy", 1)
+    asked = [{key: 7.8}, {key: 0.8}, {key: 0.8}, {key: 1.6}]
+    median_figure, first = asked_figures(asked)
+    assert median_figure.subject == "drafter tokens asked" and median_figure.unit == "per 100"
+    assert median_figure.value == pytest.approx(1.2)  # the median of four: (0.8 + 1.6) / 2
+    assert median_figure.spread == {"min": 0.8, "max": 7.8}
+    assert first.value == 7.8 and first.labels["round"] == "first"
+    assert asked_figures([]) == []

@@ -56,6 +56,7 @@ class Speculator:
         # Tokens asked of the drafter per batch index this step: what drafting cost, drafts or
         # not (an early exit that stops at its first unsure token has run its layers anyway).
         self.asked: dict[int, int] = {}
+        self.tokens_asked = 0  # in all, what drafting has cost (in tokens asked of the drafter)
         self.config: SpeculativeConfig = engine.speculative
         self.drafter = f"draft:{self.config.method}"  # how token_models names accepted drafts
         self.proposer: Proposer = make_proposer(engine, runner, kv.pool, tokenizer)
@@ -86,6 +87,7 @@ class Speculator:
         proposals = self.proposer.propose([batch.seqs[i] for i in chosen], limits)
         asked = limits if self.proposer.asking_costs else [len(p) for p in proposals]
         self.asked = dict(zip(chosen, asked, strict=True))
+        self.tokens_asked += sum(asked)
         for i, drafts in zip(chosen, proposals, strict=True):
             batch.add_drafts(i, drafts)
 
