@@ -159,13 +159,13 @@ LONG_SCORED = Table(
     ),
 )
 
-# Super-additivity in a closed loop of 8 clients, 3 repeats: the mixed workload on each model,
-# the long one on SmolLM2:
+# Super-additivity in a closed loop of 8 clients, 3 repeats: each workload on each model:
 # the full system's gain factor, the single layers' compounded, and the excess (above 1 better).
 ADDITIVITY_RUNS = (
     ("SmolLM2-135M", "ablation/2026-11-28-9b63c6dcf717-mixed-capacity-c8.json"),
     ("Gemma 3 270M", "ablation/2026-11-29-57d1fa0-gemma-mixed-capacity-c8.json"),
     ("SmolLM2-135M, long workload", "ablation/2026-11-29-65695c0-long-capacity-c8.json"),
+    ("Gemma 3 270M, long workload", "ablation/2026-11-29-2fd35ca-gemma-long-capacity-c8.json"),
 )
 ADDITIVITY = Table(
     "table1_additivity",
