@@ -158,12 +158,10 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
             for rate in args.sweep_rates
         }
         return sweep(args, loaded, run_at, chosen, repeats, engine_kwargs)
-    if args.concurrency is not None and args.concurrency > engine_kwargs["max_num_seqs"]:
-        waiting = args.concurrency - engine_kwargs["max_num_seqs"]
-        print(
-            f"{args.concurrency} clients and max_num_seqs {engine_kwargs['max_num_seqs']}: "
-            f"{waiting} of their requests wait in the queue at any time"
-        )
+    if args.concurrency is not None:
+        note = closed_loop_note(args.concurrency, len(requests), engine_kwargs["max_num_seqs"])
+        if note:
+            print(note)
     runs = run_all(loaded, requests, chosen, repeats, engine_kwargs, args.clock, args.concurrency)
     settings = {
         "command": command_line(args, repeats),
@@ -192,6 +190,18 @@ def run(args: argparse.Namespace, loaded: LoadedModel | None = None) -> tuple[li
     figures = ablation_metrics.table1_figures(report["summary"], labels)
     figures += additivity.additivity_figures(report["super_additivity"], labels)
     return figures, report | {"device": engine_device(engine_kwargs)}
+
+
+def closed_loop_note(clients: int, requests: int, max_num_seqs: int) -> str | None:
+    """What a closed loop of ``clients`` over ``requests`` leaves waiting in the engine's queue
+    where more are in flight than ``max_num_seqs`` runs at once (None where none waits)."""
+    in_flight = min(clients, requests)
+    if in_flight <= max_num_seqs:
+        return None
+    note = f"{clients} clients and max_num_seqs {max_num_seqs}: "
+    if clients > requests:
+        note += f"all {requests} requests are sent at once, and "
+    return note + f"up to {in_flight - max_num_seqs} of them wait in the queue"
 
 
 def sweep(

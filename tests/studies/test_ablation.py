@@ -330,3 +330,13 @@ def test_a_rate_sweep_reports_each_arms_sustained_rate(loaded_model, tmp_path, r
     assert "the lowest rate swept (50.0 req/s) already misses the SLO: 0 %" in report["notes"][0]
     with pytest.raises(ValueError, match="without --rate or --concurrency"):
         ablation.run(parser.parse_args([*argv, "--concurrency", "2"]), loaded_model)
+
+
+def test_a_closed_loop_says_how_many_of_its_requests_wait_in_the_queue():
+    assert ablation.closed_loop_note(8, 28, 16) is None  # every one in flight runs
+    assert ablation.closed_loop_note(24, 28, 16).endswith("up to 8 of them wait in the queue")
+    # More clients than requests: only the requests there are can wait.
+    note = ablation.closed_loop_note(64, 28, 16)
+    assert "all 28 requests are sent at once" in note
+    assert note.endswith("up to 12 of them wait in the queue")
+    assert ablation.closed_loop_note(64, 12, 16) is None
