@@ -97,7 +97,50 @@ SPEC_COST = Table(
         )
         for drafter, length, weighed, arm in COST_ARMS
     ),
-    Pick(benchmark="speculative", kind=AVX512, labels={"batch": 1}, decimals=2),
+    Pick(
+        benchmark="speculative",
+        kind=AVX512,
+        result="speculative/2026-11-29-b7d3c2e-cost-weighed-rounds.json",
+        labels={"batch": 1},
+        decimals=2,
+    ),
+)
+# The same drafters where finished requests set where new sequences start (one run, 5 rounds):
+# the ratio to plain decoding, and the tokens asked of the drafter per 100 generated, the
+# median over rounds and the first round's (where the engine learns what its drafter earns).
+START_REST_ARMS = (
+    ("prompt lookup", "heuristic", "ngram heuristic"),
+    ("prompt lookup", "heuristic and entropy gate (default)", "ngram entropy (default)"),
+    ("first 10 layers", "heuristic and entropy gate", "self:10 entropy"),
+    ("first 22 layers", "heuristic and entropy gate", "self:22 entropy"),
+)
+ASKED = Pick(subject="drafter tokens asked", unit="per 100", decimals=1, bare=True)
+
+
+def start_rest_columns(workload: str) -> tuple[Column, ...]:
+    on = Pick(labels={"workload": workload})
+    ratio = Pick(subject="throughput", unit="x", decimals=2, labels={"vs": "plain"})
+    return (
+        Column(workload, ratio.under(on)),
+        Column(
+            "asked per 100",
+            ASKED.under(Pick(labels={"workload": workload, "round": None})),
+            f"{workload} asked",
+        ),
+        Column(
+            "first round",
+            ASKED.under(Pick(labels={"workload": workload, "round": "first"})),
+            f"{workload} first",
+        ),
+    )
+
+
+SPEC_START_REST = Table(
+    "spec_start_rest",
+    ("drafter", "length"),
+    start_rest_columns("copy") + start_rest_columns("chat"),
+    tuple(Row((d, length), Pick(labels={"arm": arm})) for d, length, arm in START_REST_ARMS),
+    Pick(benchmark="speculative", kind=AVX512, labels={"batch": 1}),
 )
 EAD = Table(
     "ead_curve",
@@ -226,6 +269,7 @@ TABLES = (
     SPEC_BATCHES,
     SPEC_EXIT,
     SPEC_COST,
+    SPEC_START_REST,
     EAD,
     SPARSE,
     COMPRESSION,
