@@ -167,6 +167,35 @@ ADDITIVITY_RUNS = (
     ("SmolLM2-135M, long workload", "ablation/2026-11-29-65695c0-long-capacity-c8.json"),
     ("Gemma 3 270M, long workload", "ablation/2026-11-29-2fd35ca-gemma-long-capacity-c8.json"),
 )
+# Capacity by the number of clients of the closed loop (8 and 64 three repeats each, 4 and 16
+# one): the baseline's tokens per CPU-second, each other arm's ratio to it.
+CLIENTS = (4, 8, 16, 64)
+ONE_REPEAT = (4, 16)
+MIXED_CLIENTS = Table(
+    "table1_mixed_clients",
+    ("configuration",),
+    # A single repeat's figures alone: its "spread" of 0 would read as a precision.
+    tuple(
+        Column(
+            f"{n} clients", Pick(labels={"concurrency": n}, bare=n in ONE_REPEAT or None), str(n)
+        )
+        for n in CLIENTS
+    ),
+    (
+        Row(("Baseline",), Pick(unit="tok/s", decimals=1, labels={"arm": "baseline"})),
+        *(
+            Row((text,), Pick(unit="x", labels={"arm": arm, "vs": "baseline"}))
+            for text, arm in ARMS
+        ),
+    ),
+    Pick(
+        benchmark="ablation",
+        kind=AVX512,
+        subject="throughput",
+        decimals=2,
+        labels={"workload": "mixed", "arms": None},
+    ),
+)
 ADDITIVITY = Table(
     "table1_additivity",
     ("model", "column"),
@@ -238,6 +267,7 @@ TABLES = (
     LONG_SCORED,
     MIXED_FIGURES,
     MIXED_CAPACITY,
+    MIXED_CLIENTS,
     ADDITIVITY,
     GOODPUT,
     GPU,
