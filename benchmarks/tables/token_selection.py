@@ -223,6 +223,18 @@ GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4 = copy_table(
     32000,
     "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch4.json",
 )
+# Rank 32 (a third of the default's bytes), more tokens again.
+GEMMA_RANK32_ARMS = (
+    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.2,)),
+    ("`bound` (key bounds), blocks", "bound-share-", "", (0.2,)),
+    ("`sketch-tokens`, rank 32", "tokens-share-", "", (0.15, 0.175, 0.2)),
+)
+GEMMA_ENGINE_KEY_COPY_32K_RANK32_BATCH4 = copy_table(
+    "pruning_key_copy_gemma_32k_rank32_batch4",
+    GEMMA_RANK32_ARMS,
+    32000,
+    "fidelity/2026-11-29-b134d6e-gemma-key-copy-32k-rank32-batch4.json",
+)
 COPY_PASSKEYS = {  # rank (or setting): the run
     16: "fidelity/2026-11-29-0ec3fce-key-copy-passkeys-rank16.json",
     24: "fidelity/2026-11-29-58aa9f8-key-copy-passkeys.json",
@@ -308,6 +320,7 @@ TABLES = (
     GEMMA_ENGINE_KEY_COPY_32K_BATCH2,
     GEMMA_ENGINE_KEY_COPY_32K_RANK48,
     GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4,
+    GEMMA_ENGINE_KEY_COPY_32K_RANK32_BATCH4,
     ENGINE_COPY_PASSKEYS,
     ENGINE_COPY_PASSKEYS_RECHECKED,
 )
