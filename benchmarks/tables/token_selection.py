@@ -204,34 +204,34 @@ GEMMA_ENGINE_KEY_COPY_32K_BATCH2 = copy_table(
     "fidelity/2026-11-29-29da34e-gemma-key-copy-32k-batch2.json",
     batch=2,
 )
-# A rank-48 copy on Gemma 3 (half the default's bytes), more tokens for the same reads.
-GEMMA_RANK48_ARMS = (
-    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.2,)),
-    ("`bound` (key bounds), blocks", "bound-share-", "", (0.2,)),
-    ("`sketch-tokens`, rank 48", "tokens-share-", "", (0.125, 0.15, 0.175)),
-)
+
+
+def lower_rank_arms(rank: int, shares: tuple[float, ...]):
+    """A key copy of a lower ``rank`` on Gemma 3 (fewer bytes than the default's 96), more of
+    the tokens for the same reads, beside the oracle and the bounds at a fifth of the blocks."""
+    return (
+        ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.2,)),
+        ("`bound` (key bounds), blocks", "bound-share-", "", (0.2,)),
+        (f"`sketch-tokens`, rank {rank}", "tokens-share-", "", shares),
+    )
+
+
 GEMMA_ENGINE_KEY_COPY_32K_RANK48 = copy_table(
     "pruning_key_copy_gemma_32k_rank48",
-    GEMMA_RANK48_ARMS,
+    lower_rank_arms(48, (0.125, 0.15, 0.175)),
     32000,
     "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch2.json",
     batch=2,
 )
 GEMMA_ENGINE_KEY_COPY_32K_RANK48_BATCH4 = copy_table(
     "pruning_key_copy_gemma_32k_rank48_batch4",
-    with_token_shares(GEMMA_RANK48_ARMS, (0.125, 0.15)),
+    lower_rank_arms(48, (0.125, 0.15)),
     32000,
     "fidelity/2026-11-29-4821260-gemma-key-copy-32k-rank48-batch4.json",
 )
-# Rank 32 (a third of the default's bytes), more tokens again.
-GEMMA_RANK32_ARMS = (
-    ("oracle ranking (exact mass), blocks", "bound-share-", " oracle", (0.2,)),
-    ("`bound` (key bounds), blocks", "bound-share-", "", (0.2,)),
-    ("`sketch-tokens`, rank 32", "tokens-share-", "", (0.15, 0.175, 0.2)),
-)
 GEMMA_ENGINE_KEY_COPY_32K_RANK32_BATCH4 = copy_table(
     "pruning_key_copy_gemma_32k_rank32_batch4",
-    GEMMA_RANK32_ARMS,
+    lower_rank_arms(32, (0.15, 0.175, 0.2)),
     32000,
     "fidelity/2026-11-29-b134d6e-gemma-key-copy-32k-rank32-batch4.json",
 )
