@@ -83,13 +83,13 @@ def generate_timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     drafting cost, whatever it proposed: the same count at any speed of the host)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     speculator = llm.engine.speculator
-    asked = 0 if speculator is None else speculator.tokens_asked
+    asked_before = 0 if speculator is None else speculator.tokens_asked
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     drafted = sum(o.num_draft_tokens for o in outs)
     generated = sum(len(o.token_ids) for o in outs)
-    asked = None if speculator is None else speculator.tokens_asked - asked
+    asked = None if speculator is None else speculator.tokens_asked - asked_before
     return {
         "tok_s": generated / wall,
         "acceptance": sum(o.num_accepted_tokens for o in outs) / drafted if drafted else None,

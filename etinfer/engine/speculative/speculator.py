@@ -54,7 +54,8 @@ class Speculator:
         self.costs = costs
         self.started = 0.0  # when the step being drafted began
         # Tokens asked of the drafter per batch index this step: what drafting cost, drafts or
-        # not (an early exit that stops at its first unsure token has run its layers anyway).
+        # not where asking costs (an early exit that stops at its first unsure token has run
+        # its layers anyway); what it proposed where only that costs (prompt lookup).
         self.asked: dict[int, int] = {}
         self.tokens_asked = 0  # in all, what drafting has cost (in tokens asked of the drafter)
         self.config: SpeculativeConfig = engine.speculative
